@@ -1,0 +1,35 @@
+# Each target bootstraps .venv on a fresh machine that has only Python.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# The CPU build of torch, installed first so that the project's torch range is already met
+# and pip does not pull a multi-GB CUDA build. Override on a GPU machine: make TORCH=torch
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (first run only)..."
+	@$(PIP) install "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, pytest_trio" || \
+		{ echo "install failed: see the pip output above"; exit 1; }
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/omni run examples/hello.py --input text="omni runs pipelines"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python perf/scheduler.py --out perf/results/scheduler.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check omni cli tests perf examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,49 @@
+"""Omni: one runtime for multimodal inference pipelines.
+
+Three layers, each a package: `omni.graph` (Control Flow: the DSL and the scheduler),
+`omni.kv` (Data Flow: the paged KV store) with `omni.transport` (the wire), and
+`omni.compute` (Compute Flow: prompts, prefix keys, sampling, engines). This module only
+re-exports the public API; importing it does not import torch.
+"""
+
+from omni.errors import OmniError
+from omni.graph import (
+    AsyncioRuntime,
+    Balancer,
+    Context,
+    Graph,
+    GraphError,
+    InputError,
+    Node,
+    NodeError,
+    Ref,
+    RouteError,
+    Runtime,
+    context,
+    graph,
+    node,
+    run,
+    switch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncioRuntime",
+    "Balancer",
+    "Context",
+    "Graph",
+    "GraphError",
+    "InputError",
+    "Node",
+    "NodeError",
+    "OmniError",
+    "Ref",
+    "RouteError",
+    "Runtime",
+    "context",
+    "graph",
+    "node",
+    "run",
+    "switch",
+]

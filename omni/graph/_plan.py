@@ -1,0 +1,235 @@
+"""Compile a traced graph into a `Plan`: the flat, precomputed form the scheduler runs.
+
+All per-graph work happens here, once: argument templates become builder functions, edges
+become consumer lists and dependency counts, outputs become slot lookups. A request then only
+fills a list of values and counts dependencies down (see `scheduler.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omni.graph.dsl import Call, GetItem, Graph, Node, Ref, SwitchSpec
+from omni.graph.errors import InputError
+from omni.graph.validate import call_dependencies, stream_arguments
+
+__all__ = ["Plan", "Step", "compile_plan"]
+
+StepKind = Literal["call", "stream", "getitem", "switch"]
+ArgBuilder = Callable[[list, list], tuple[tuple, dict]]
+_NO_KWARGS: dict[str, Any] = {}  # shared, never mutated: `f(**d)` copies it
+
+
+@dataclass(eq=False)
+class Step:
+    """One node call of a plan. Why a separate record from `Call`: it holds only what the
+    scheduler needs on the hot path, resolved to slot numbers.
+
+    Invariant: `num_deps` = number of distinct producer steps in `consumers` lists that point
+    here + number of stream edges that feed this step.
+    """
+
+    slot: int
+    name: str
+    kind: StepKind
+    node: Node | None
+    build_args: ArgBuilder
+    num_deps: int = 0
+    consumers: list[int] = field(default_factory=list)  # wait for this step to finish
+    stream_edges: list[tuple[int, int]] = field(default_factory=list)  # (consumer, edge)
+    in_edges: list[int] = field(default_factory=list)  # stream edges this step reads
+    collect: bool = False  # a streaming step keeps its items as a list
+    outputs: list[str] = field(default_factory=list)  # graph outputs this step's value is
+    key: Any = None  # GetItem key
+    branches: Mapping[Any, Plan] | None = None  # switch
+
+
+@dataclass(eq=False)
+class Plan:
+    """A compiled graph: `steps` by slot (None for input slots), in topological order."""
+
+    name: str
+    signature: inspect.Signature
+    input_names: tuple[str, ...]
+    defaults: dict[str, Any]
+    steps: list[Step | None]
+    num_edges: int
+    initial_pending: list[int]
+    roots: tuple[int, ...]
+    output_slots: dict[str, int] | int
+    sequential: bool  # a chain with no streams: runs in the caller's task, no nursery
+    nodes: tuple[Node, ...]  # every node that may run, branches included (for deployment)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.steps)
+
+    def bind(self, inputs: Mapping[str, Any]) -> list[Any]:
+        """A fresh values list with the request's inputs in their slots."""
+        values: list[Any] = [None] * len(self.steps)
+        names = self.input_names
+        if len(inputs) == len(names) and all(n in inputs for n in names):
+            for i, n in enumerate(names):
+                values[i] = inputs[n]
+            return values
+        for key in inputs:
+            if key not in names:
+                raise InputError(f"graph '{self.name}' has no input '{key}' "
+                                 f"(inputs: {', '.join(names) or 'none'})")
+        for i, n in enumerate(names):
+            if n in inputs:
+                values[i] = inputs[n]
+            elif n in self.defaults:
+                values[i] = self.defaults[n]
+            else:
+                raise InputError(f"graph '{self.name}' is missing input '{n}'")
+        return values
+
+    def outputs(self, values: list[Any]) -> Any:
+        if isinstance(self.output_slots, int):
+            return values[self.output_slots]
+        return {name: values[slot] for name, slot in self.output_slots.items()}
+
+
+def compile_plan(g: Graph) -> Plan:
+    num_inputs = len(g.inputs)
+    steps: list[Step | None] = [None] * (num_inputs + len(g.calls))
+    num_edges = 0
+    for c in g.calls:
+        streamed_ids = _streamed_ref_ids(c)
+        edge_of: dict[int, int] = {}
+        for ref in call_dependencies(c):
+            if id(ref) in streamed_ids and id(ref) not in edge_of:
+                edge_of[id(ref)] = num_edges
+                num_edges += 1
+        step = _make_step(c, _arg_builder(c.args, c.kwargs, edge_of))
+        producers = {r.slot for r in call_dependencies(c)
+                     if r.slot >= num_inputs and id(r) not in edge_of}
+        for p in sorted(producers):
+            steps[p].consumers.append(c.slot)
+            if steps[p].kind == "stream":
+                steps[p].collect = True
+        for ref in call_dependencies(c):
+            if id(ref) in edge_of and edge_of[id(ref)] not in step.in_edges:
+                steps[ref.slot].stream_edges.append((c.slot, edge_of[id(ref)]))
+                step.in_edges.append(edge_of[id(ref)])
+        step.num_deps = len(producers) + len(step.in_edges)
+        steps[c.slot] = step
+    output_slots = _output_slots(g, steps)
+    real = [s for s in steps if s is not None]
+    return Plan(
+        name=g.name, signature=g.signature,
+        input_names=tuple(i.name for i in g.inputs),
+        defaults={i.name: i.default for i in g.inputs if i.default is not inspect.Parameter.empty},
+        steps=steps, num_edges=num_edges,
+        initial_pending=[0 if s is None else s.num_deps for s in steps],
+        roots=tuple(s.slot for s in real if s.num_deps == 0),
+        output_slots=output_slots,
+        sequential=_is_chain(real),
+        nodes=_all_nodes(real),
+    )
+
+
+def _streamed_ref_ids(c: Call) -> set[int]:
+    if not isinstance(c.target, Node):
+        return set()
+    names = stream_arguments(c)
+    if not names:
+        return set()
+    bound = c.target.signature.bind(*c.args, **c.kwargs)
+    return {id(bound.arguments[n]) for n in names}
+
+
+def _make_step(c: Call, build: ArgBuilder) -> Step:
+    target = c.target
+    if isinstance(target, GetItem):
+        return Step(c.slot, c.name, "getitem", None, build, key=target.key)
+    if isinstance(target, SwitchSpec):
+        branches = {k: g.plan for k, g in target.branches.items()}
+        return Step(c.slot, c.name, "stream" if target.streaming else "switch", None, build,
+                    branches=branches)
+    return Step(c.slot, c.name, "stream" if target.streaming else "call", target, build)
+
+
+def _output_slots(g: Graph, steps: list[Step | None]) -> dict[str, int] | int:
+    for name, ref in g.output_refs():
+        step = steps[ref.slot]
+        if step is not None:
+            step.outputs.append(name)
+            if step.kind == "stream":
+                step.collect = True
+    if isinstance(g.output, Ref):
+        return g.output.slot
+    return {name: ref.slot for name, ref in g.output.items()}
+
+
+def _is_chain(steps: list[Step]) -> bool:
+    """True when each step is the only consumer of the one before it (no concurrency to lose)."""
+    if any(s.kind == "stream" for s in steps):
+        return False
+    for before, after in zip(steps, steps[1:], strict=False):
+        if before.consumers != [after.slot]:
+            return False
+    return True
+
+
+def _all_nodes(steps: list[Step]) -> tuple[Node, ...]:
+    found: dict[int, Node] = {}
+    for s in steps:
+        if s.node is not None:
+            found[id(s.node)] = s.node
+        for plan in (s.branches or {}).values():
+            for n in plan.nodes:
+                found[id(n)] = n
+    return tuple(found.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument builders: turn a recorded call's arguments into a function of (values, edges)
+
+
+def _getter(value: Any, edge_of: Mapping[int, int]) -> Callable[[list, list], Any] | None:
+    """None for a constant; otherwise a function that reads the value of a request."""
+    if isinstance(value, Ref):
+        if id(value) in edge_of:
+            edge = edge_of[id(value)]
+            return lambda values, edges: edges[edge]
+        slot = value.slot
+        return lambda values, edges: values[slot]
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        getters = {k: _getter(v, edge_of) for k, v in items}
+        if all(g is None for g in getters.values()):
+            return None
+        return _container_getter(value, getters)
+    return None
+
+
+def _container_getter(value: Any, getters: dict[Any, Any]) -> Callable[[list, list], Any]:
+    parts = [(k, g, None if g else (value[k])) for k, g in getters.items()]
+    if isinstance(value, dict):
+        return lambda values, edges: {k: g(values, edges) if g else c for k, g, c in parts}
+    kind = type(value)
+    return lambda values, edges: kind([g(values, edges) if g else c for _, g, c in parts])
+
+
+def _arg_builder(args: tuple, kwargs: Mapping[str, Any], edge_of: Mapping[int, int]
+                 ) -> ArgBuilder:
+    arg_getters = [(_getter(a, edge_of), a) for a in args]
+    kw_getters = [(k, _getter(v, edge_of), v) for k, v in kwargs.items()]
+    if not kw_getters and all(g is not None for g, _ in arg_getters):
+        if len(arg_getters) == 1:  # the common case: one upstream value
+            only = arg_getters[0][0]
+            return lambda values, edges: ((only(values, edges),), _NO_KWARGS)
+        fns = [g for g, _ in arg_getters]
+        return lambda values, edges: (tuple([f(values, edges) for f in fns]), _NO_KWARGS)
+
+    def build(values: list, edges: list) -> tuple[tuple, dict]:
+        built_args = tuple([g(values, edges) if g else a for g, a in arg_getters])
+        built_kwargs = {k: g(values, edges) if g else v for k, g, v in kw_getters}
+        return built_args, built_kwargs
+
+    return build

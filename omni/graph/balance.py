@@ -1,0 +1,209 @@
+"""Replicas and load balancing.
+
+A `Pool` holds the replicas of one deployment (a class node bound to its arguments, or a
+function node with `replicas`/`concurrency`). Each call asks the pool's `Balancer` for a
+replica, waits in that replica's bounded queue for one of its `concurrency` slots, and runs.
+When every queue is full, callers wait for space: backpressure instead of unbounded memory.
+
+Balancers are plain synchronous objects (no I/O, no awaits) so that they are easy to test and
+so that a KV-aware balancer can be added without touching the scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import trio
+
+__all__ = ["Balancer", "CallInfo", "LeastLoaded", "Pool", "PoolStats", "PowerOfTwo", "Replica",
+           "RoundRobin", "make_balancer"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What a balancer may look at when it places one call."""
+
+    node: str
+    request_id: str
+    args: tuple
+    kwargs: dict[str, Any]
+    attempt: int = 0
+
+
+@runtime_checkable
+class Balancer(Protocol):
+    """Chooses a replica for a call. Must be synchronous and quick; must return an index of
+    `replicas`. `replicas[i].load` (in flight + queued) and `.full` are the usual inputs."""
+
+    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int: ...
+
+
+class RoundRobin:
+    """Each call goes to the next replica in turn."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
+        index = self._next % len(replicas)
+        self._next = index + 1
+        return index
+
+    def __repr__(self) -> str:
+        return "RoundRobin()"
+
+
+class LeastLoaded:
+    """The replica with the fewest calls in flight and queued; ties go round the ring."""
+
+    def __init__(self) -> None:
+        self._start = 0
+
+    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
+        n = len(replicas)
+        start = self._start
+        self._start = (start + 1) % n
+        best = start % n
+        best_load = replicas[best].load
+        for offset in range(1, n):
+            i = (start + offset) % n
+            load = replicas[i].load
+            if load < best_load:
+                best, best_load = i, load
+        return best
+
+    def __repr__(self) -> str:
+        return "LeastLoaded()"
+
+
+class PowerOfTwo:
+    """Two replicas drawn at random; the less loaded one wins (Mitzenmacher's two choices)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
+        n = len(replicas)
+        if n == 1:
+            return 0
+        a, b = self._rng.sample(range(n), 2)
+        return a if replicas[a].load <= replicas[b].load else b
+
+    def __repr__(self) -> str:
+        return "PowerOfTwo()"
+
+
+_BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo}
+
+
+def make_balancer(spec: Any) -> Balancer:
+    """A fresh balancer for a pool from a name, a Balancer class, or an instance."""
+    if isinstance(spec, str):
+        return _BUILTIN[spec]()
+    if isinstance(spec, type):
+        return spec()
+    return spec
+
+
+class Replica:
+    """One instance of a deployment and its load. Why: the balancer reads `load`/`full`, the pool
+    keeps them true. Invariant: 0 <= in_flight <= concurrency, 0 <= queued."""
+
+    def __init__(self, index: int, instance: Any, concurrency: int | None, max_queue: int):
+        self.index = index
+        self.instance = instance
+        self.concurrency = concurrency
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self.queued = 0
+        self.completed = 0
+        self.failed = 0
+        self._slots = trio.Semaphore(concurrency) if concurrency is not None else None
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.queued
+
+    @property
+    def full(self) -> bool:
+        """True when a new call would exceed this replica's queue bound."""
+        if self.concurrency is None:
+            return False
+        return self.in_flight >= self.concurrency and self.queued >= self.max_queue
+
+    def __repr__(self) -> str:
+        return f"<Replica {self.index} in_flight={self.in_flight} queued={self.queued}>"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """A snapshot of a pool: per replica (in_flight, queued, completed, failed)."""
+
+    name: str
+    balancer: str
+    replicas: tuple[tuple[int, int, int, int], ...]
+    waiting: int
+
+
+class Pool:
+    """The replicas of one deployment, with its balancer and the backpressure wait."""
+
+    def __init__(self, name: str, instances: Sequence[Any], *, balancer: Any,
+                 concurrency: int | None, max_queue: int):
+        self.name = name
+        self.replicas = [Replica(i, inst, concurrency, max_queue)
+                         for i, inst in enumerate(instances)]
+        self.balancer = make_balancer(balancer)
+        self._space = trio.lowlevel.ParkingLot()
+
+    def _place(self, call: CallInfo) -> Replica | None:
+        index = self.balancer.choose(self.replicas, call)
+        if not 0 <= index < len(self.replicas):
+            raise RuntimeError(f"balancer {self.balancer!r} chose replica {index!r} of "
+                               f"{len(self.replicas)}")
+        replica = self.replicas[index]
+        if not replica.full:
+            return replica
+        open_ = [r for r in self.replicas if not r.full]
+        return min(open_, key=lambda r: r.load) if open_ else None
+
+    @asynccontextmanager
+    async def acquire(self, call: CallInfo) -> AsyncIterator[Replica]:
+        """Hold a slot on a replica for the duration of one call."""
+        replica = self._place(call)
+        while replica is None:
+            await self._space.park()
+            replica = self._place(call)
+        replica.queued += 1
+        try:
+            if replica._slots is not None:
+                await replica._slots.acquire()
+        finally:
+            replica.queued -= 1
+        replica.in_flight += 1
+        try:
+            yield replica
+        except BaseException:
+            replica.failed += 1
+            raise
+        else:
+            replica.completed += 1
+        finally:
+            replica.in_flight -= 1
+            if replica._slots is not None:
+                replica._slots.release()
+            self._space.unpark()
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.name, repr(self.balancer),
+                         tuple((r.in_flight, r.queued, r.completed, r.failed)
+                               for r in self.replicas),
+                         len(self._space))
+
+    def __repr__(self) -> str:
+        loads = " ".join(f"{r.in_flight}+{r.queued}" for r in self.replicas)
+        return f"<Pool {self.name} replicas={len(self.replicas)} load=[{loads}]>"

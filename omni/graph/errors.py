@@ -1,0 +1,55 @@
+"""The Control Flow layer's errors: one for graphs that cannot be built, one family for requests."""
+
+from __future__ import annotations
+
+from omni.errors import OmniError
+
+__all__ = ["GraphError", "InputError", "NodeError", "RouteError"]
+
+
+class GraphError(OmniError):
+    """A graph does not validate; raised when the graph is built, never while it runs.
+
+    Cycles, unknown or missing arguments, switch branches with different signatures and
+    annotated types that cannot connect all raise it. `node` names the node whose call built
+    the bad edge and `location` is the ``file:line`` of that call (either may be None).
+    """
+
+    def __init__(self, message: str, *, node: str | None = None, location: str | None = None):
+        self.message = message
+        self.node = node
+        self.location = location
+        prefix = f"{location}: " if location else ""
+        where = f"node '{node}': " if node else ""
+        super().__init__(f"{prefix}{where}{message}")
+
+
+class InputError(OmniError, TypeError):
+    """A request's inputs do not match the graph: an unknown name, or a required one missing."""
+
+
+class NodeError(OmniError):
+    """A node failed, which fails its request (and only that request).
+
+    `node` is the node's name, `request_id` the request it ran for and `__cause__` (also
+    `cause`) the exception the node raised.
+    """
+
+    def __init__(self, node: str, request_id: str, cause: BaseException):
+        self.node = node
+        self.request_id = request_id
+        self.cause = cause
+        detail = str(cause) or type(cause).__name__
+        super().__init__(f"node '{node}' failed in request {request_id}: "
+                         f"{type(cause).__name__}: {detail}")
+        self.__cause__ = cause
+
+    def __reduce__(self):  # keep the error picklable for logging and multiprocessing
+        return (type(self), (self.node, self.request_id, self.cause))
+
+
+class RouteError(NodeError):
+    """`omni.switch` got a selector value that names no branch; fails that request only."""
+
+    def __init__(self, node: str, request_id: str, cause: BaseException):
+        super().__init__(node, request_id, cause)

@@ -1,0 +1,255 @@
+"""`omni.Runtime`: deploys replicas, runs requests, streams their outputs (trio)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from omni.graph._plan import Plan
+from omni.graph.balance import Pool, PoolStats
+from omni.graph.context import current
+from omni.graph.dsl import Graph, Node, NodeClass
+from omni.graph.errors import NodeError
+from omni.graph.scheduler import run_plan
+
+__all__ = ["ResultStream", "Runtime", "RuntimeStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStats:
+    """A snapshot of a runtime: request counts and every pool's replicas."""
+
+    requests_started: int
+    requests_completed: int
+    requests_failed: int
+    requests_in_flight: int
+    pools: tuple[PoolStats, ...]
+
+
+class Runtime:
+    """Runs graphs. ``async with omni.Runtime() as rt: await rt.run(graph, **inputs)``.
+
+    Args:
+        graphs: graphs (or nodes) whose replicas are built when the runtime starts; a graph
+            that is not listed is deployed on its first request.
+        kv: the process's KV store, reachable from nodes as ``omni.context().kv``.
+
+    Class nodes get one instance per replica, built in the runtime (``__init__`` sees
+    ``omni.context().replica``). An instance that is an async context manager is entered
+    when it is built and exited when the runtime closes.
+    """
+
+    def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None):
+        self.kv = kv
+        self._initial = [self._graph_of(g) for g in graphs]
+        self._pools: dict[Any, Pool] = {}
+        self._deployed: set[int] = set()
+        self._deploy_lock = trio.Lock()
+        self._ids = itertools.count(1)
+        self._started = self._completed = self._failed = 0
+        self._closing = trio.Event()
+        self._hosts: trio.Nursery | None = None
+        self._requests: trio.Nursery | None = None
+        self._host_cm: Any = None
+        self._request_cm: Any = None
+        self._node_graphs: dict[int, Graph] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Runtime:
+        self._host_cm = trio.open_nursery()
+        self._hosts = await self._host_cm.__aenter__()
+        self._request_cm = trio.open_nursery()
+        self._requests = await self._request_cm.__aenter__()
+        try:
+            for g in self._initial:
+                await self.deploy(g)
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self._requests.cancel_scope.cancel()
+        await self._request_cm.__aexit__(None, None, None)
+        self._closing.set()
+        await self._host_cm.__aexit__(None, None, None)
+
+    # -- deployment -------------------------------------------------------------------------
+
+    def _graph_of(self, target: Any) -> Graph:
+        if isinstance(target, Graph):
+            return target
+        if not isinstance(target, (Node, NodeClass)):
+            raise TypeError(f"expected a graph or a node, got {target!r}")
+        key = id(target)
+        if key not in self._node_graphs:
+            self._node_graphs[key] = Graph.of(target)
+        return self._node_graphs[key]
+
+    async def deploy(self, target: Any) -> None:
+        """Build the replicas a graph needs (done for you on a graph's first request)."""
+        plan = self._graph_of(target).plan
+        if id(plan) in self._deployed:
+            return
+        if self._hosts is None:
+            raise RuntimeError("the Runtime is not started: use 'async with omni.Runtime() as rt'")
+        async with self._deploy_lock:
+            for node in plan.nodes:
+                if node.options.needs_pool and node.deployment_key not in self._pools:
+                    self._pools[node.deployment_key] = await self._build_pool(node)
+            self._deployed.add(id(plan))
+
+    async def _build_pool(self, node: Node) -> Pool:
+        instances = []
+        for index in range(node.options.replicas):
+            instances.append(await self._hosts.start(self._host, node, index))
+        options = node.options
+        return Pool(node.name, instances, balancer=options.balance,
+                    concurrency=options.concurrency, max_queue=options.max_queue)
+
+    async def _host(self, node: Node, index: int, task_status: Any = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Owns one replica's instance for the runtime's lifetime."""
+        if node.kind != "class":
+            task_status.started(node.target)
+            return
+        token = current.set((None, node.name, index, self))
+        try:
+            instance = node.target(*node.init_args, **node.init_kwargs)
+        except Exception as exc:
+            raise NodeError(node.name, "startup", exc) from exc
+        finally:
+            current.reset(token)
+        if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
+            async with instance:
+                task_status.started(instance)
+                await self._closing.wait()
+        else:
+            task_status.started(instance)
+
+    def pool_for(self, node: Node) -> Pool:
+        return self._pools[node.deployment_key]
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _prepare(self, target: Any, inputs: dict[str, Any]) -> tuple[Plan, list[Any], str]:
+        plan = target.plan if isinstance(target, Graph) else self._graph_of(target).plan
+        values = plan.bind(inputs)
+        self._started += 1
+        return plan, values, f"req-{next(self._ids)}"
+
+    async def run(self, graph: Any, /, **inputs: Any) -> Any:
+        """Run one request and return its output (a value, or a dict for dict-returning graphs).
+
+        Streaming outputs arrive as lists. Raises `InputError` for unknown or missing inputs,
+        `NodeError` (or `RouteError`) when a node fails.
+        """
+        plan, values, request_id = self._prepare(graph, inputs)
+        if id(plan) not in self._deployed:
+            await self.deploy(graph)
+        try:
+            result = await run_plan(plan, self, request_id, values)
+        except BaseException:
+            self._failed += 1
+            raise
+        self._completed += 1
+        return result
+
+    def stream(self, graph: Any, /, **inputs: Any) -> ResultStream:
+        """Run one request; iterate ``(output_name, item)`` as outputs are produced.
+
+        Non-streaming outputs arrive once, streaming ones item by item. Use it as ``async for
+        name, item in rt.stream(...)``, or inside ``async with`` to stop the request early.
+        """
+        if self._requests is None:
+            raise RuntimeError("the Runtime is not started: use 'async with omni.Runtime() as rt'")
+        plan, values, request_id = self._prepare(graph, inputs)
+        return ResultStream(self, graph, plan, values, request_id)
+
+    def stats(self) -> RuntimeStats:
+        in_flight = self._started - self._completed - self._failed
+        return RuntimeStats(self._started, self._completed, self._failed, in_flight,
+                            tuple(p.stats() for p in self._pools.values()))
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"<Runtime requests={s.requests_completed}/{s.requests_started} "
+                f"failed={s.requests_failed} pools={len(s.pools)}>")
+
+
+class ResultStream:
+    """The outputs of one request as they are produced: ``(output_name, item)`` pairs."""
+
+    def __init__(self, runtime: Runtime, graph: Any, plan: Plan, values: list[Any],
+                 request_id: str):
+        self.request_id = request_id
+        self._runtime = runtime
+        self._graph = graph
+        self._plan = plan
+        self._values = values
+        self._receive: trio.MemoryReceiveChannel | None = None
+        self._scope = trio.CancelScope()
+        self._error: BaseException | None = None
+
+    def _start(self) -> trio.MemoryReceiveChannel:
+        send, receive = trio.open_memory_channel(0)
+        self._receive = receive
+        self._runtime._requests.start_soon(self._produce, send)
+        return receive
+
+    async def _produce(self, send: trio.MemorySendChannel) -> None:
+        rt = self._runtime
+        async with send:
+            with self._scope:
+                try:
+                    if id(self._plan) not in rt._deployed:
+                        await rt.deploy(self._graph)
+                    await run_plan(self._plan, rt, self.request_id, self._values,
+                                   lambda name, item: send.send((name, item)))
+                except (NodeError, trio.BrokenResourceError) as exc:
+                    self._error = exc
+                    rt._failed += 1
+                    return
+                except BaseException:
+                    rt._failed += 1
+                    raise
+                rt._completed += 1
+            if self._scope.cancelled_caught:
+                rt._failed += 1
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
+        return self
+
+    async def __anext__(self) -> tuple[str, Any]:
+        receive = self._receive or self._start()
+        try:
+            return await receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            if isinstance(self._error, NodeError):
+                raise self._error from None
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Stop the request (cancelling its nodes) if it is still running."""
+        self._scope.cancel()
+        if self._receive is not None:
+            await self._receive.aclose()
+
+    async def __aenter__(self) -> ResultStream:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # An abandoned iterator (a `break` without `async with`) must not leave its request
+        # blocked on a send forever: cancel it. GC runs this in the trio thread.
+        try:
+            self._scope.cancel()
+        except Exception:  # interpreter shutdown
+            pass
