@@ -8,6 +8,7 @@ fills a list of values and counts dependencies down (see `scheduler.py`).
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -170,7 +171,7 @@ def _is_chain(steps: list[Step]) -> bool:
     """True when each step is the only consumer of the one before it (no concurrency to lose)."""
     if any(s.kind == "stream" for s in steps):
         return False
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         if before.consumers != [after.slot]:
             return False
     return True

@@ -211,9 +211,14 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
                                  timeout=timeout, retries=retries, idempotent=idempotent,
                                  concurrency=concurrency, max_queue=max_queue, thread=thread)
     node_name = name or getattr(fn, "__name__", None) or repr(fn)
-    if inspect.isclass(fn):
-        if not callable(getattr(fn, "__call__", None)) or fn.__call__ is object.__call__:
-            raise TypeError(f"class node '{node_name}' needs an (async) __call__ method")
+    is_class = inspect.isclass(fn)
+    body = _class_call(fn) if is_class else fn
+    if is_class and body is None:
+        raise TypeError(f"class node '{node_name}' needs an (async) __call__ method")
+    if inspect.isgeneratorfunction(body):
+        raise TypeError(f"node '{node_name}' is a generator: a streaming node must be an async "
+                        "generator (async def with yield)")
+    if is_class:
         options = NodeOptions(replicas, balance, timeout, retries, idempotent,
                               1 if concurrency is None else concurrency, max_queue, thread)
         options.check(node_name)
@@ -224,6 +229,14 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
                           max_queue, thread)
     options.check(node_name)
     return Node(fn, options, node_name)
+
+
+def _class_call(cls: type) -> Callable[..., Any] | None:
+    """The class's own ``__call__`` (None when only `object`'s or the metaclass's exists)."""
+    for klass in cls.__mro__[:-1]:
+        if "__call__" in vars(klass):
+            return vars(klass)["__call__"]
+    return None
 
 
 def _call_signature(body: Callable[..., Any], *, skip_self: bool) -> inspect.Signature:

@@ -23,7 +23,7 @@ from omni.graph.balance import CallInfo
 from omni.graph.context import current
 from omni.graph.errors import NodeError, RouteError
 
-__all__ = ["Emit", "STREAM_BUFFER", "run_plan"]
+__all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
 
 STREAM_BUFFER = 16  # items a stream edge holds before its producer waits (backpressure)
 
