@@ -84,6 +84,7 @@ class PowerOfTwo:
     """Two replicas drawn at random; the less loaded one wins (Mitzenmacher's two choices)."""
 
     def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
         self._rng = random.Random(seed)
 
     def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
@@ -94,7 +95,7 @@ class PowerOfTwo:
         return a if replicas[a].load <= replicas[b].load else b
 
     def __repr__(self) -> str:
-        return "PowerOfTwo()"
+        return "PowerOfTwo()" if self.seed is None else f"PowerOfTwo(seed={self.seed!r})"
 
 
 _BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo}
@@ -130,10 +131,13 @@ class Replica:
 
     @property
     def full(self) -> bool:
-        """True when a new call would exceed this replica's queue bound."""
+        """True when a new call would exceed this replica's bound of `concurrency` calls in
+        flight plus `max_queue` queued. Compared on `load`, not per counter: a released slot is
+        handed to a queued caller that still counts as queued until it runs, and that caller
+        must not leave room for one more."""
         if self.concurrency is None:
             return False
-        return self.in_flight >= self.concurrency and self.queued >= self.max_queue
+        return self.load >= self.concurrency + self.max_queue
 
     def __repr__(self) -> str:
         return f"<Replica {self.index} in_flight={self.in_flight} queued={self.queued}>"
@@ -161,10 +165,17 @@ class Pool:
         self._space = trio.lowlevel.ParkingLot()
 
     def _place(self, call: CallInfo) -> Replica | None:
+        """The replica for `call`: the balancer's choice, or the least loaded replica with room
+        when that one is full; None when every replica is full (the caller waits).
+
+        Raises:
+            RuntimeError: the balancer returned something that is not a replica index.
+        """
         index = self.balancer.choose(self.replicas, call)
-        if not 0 <= index < len(self.replicas):
-            raise RuntimeError(f"balancer {self.balancer!r} chose replica {index!r} of "
-                               f"{len(self.replicas)}")
+        num_replicas = len(self.replicas)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_replicas:
+            raise RuntimeError(f"pool '{self.name}': balancer {self.balancer!r} returned "
+                               f"{index!r}, not a replica index (an int in 0..{num_replicas - 1})")
         replica = self.replicas[index]
         if not replica.full:
             return replica
@@ -182,6 +193,11 @@ class Pool:
         try:
             if replica._slots is not None:
                 await replica._slots.acquire()
+        except BaseException:
+            # Left the queue without a slot (cancelled, timed out): that made room, so a
+            # caller waiting for space must hear of it now, not when a call finishes.
+            self._space.unpark()
+            raise
         finally:
             replica.queued -= 1
         replica.in_flight += 1
@@ -199,6 +215,7 @@ class Pool:
             self._space.unpark()
 
     def stats(self) -> PoolStats:
+        """A snapshot of every replica's counters and of the callers waiting for space."""
         return PoolStats(self.name, repr(self.balancer),
                          tuple((r.in_flight, r.queued, r.completed, r.failed)
                                for r in self.replicas),

@@ -138,6 +138,8 @@ class Runtime:
     # -- requests ---------------------------------------------------------------------------
 
     def _prepare(self, target: Any, inputs: dict[str, Any]) -> tuple[Plan, list[Any], str]:
+        if self._requests is None:
+            raise RuntimeError("the Runtime is not started: use 'async with omni.Runtime() as rt'")
         plan = target.plan if isinstance(target, Graph) else self._graph_of(target).plan
         values = plan.bind(inputs)
         self._started += 1
@@ -166,8 +168,6 @@ class Runtime:
         Non-streaming outputs arrive once, streaming ones item by item. Use it as ``async for
         name, item in rt.stream(...)``, or inside ``async with`` to stop the request early.
         """
-        if self._requests is None:
-            raise RuntimeError("the Runtime is not started: use 'async with omni.Runtime() as rt'")
         plan, values, request_id = self._prepare(graph, inputs)
         return ResultStream(self, graph, plan, values, request_id)
 
