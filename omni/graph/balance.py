@@ -58,22 +58,25 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """The replica with the fewest calls in flight and queued; ties go round the ring."""
+    """The replica with the fewest calls in flight and queued; ties go round the ring.
+
+    The scan for the minimum starts just after the previous choice, so tied replicas take
+    turns evenly whatever lies between them.
+    """
 
     def __init__(self) -> None:
         self._start = 0
 
     def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
         n = len(replicas)
-        start = self._start
-        self._start = (start + 1) % n
-        best = start % n
-        best_load = replicas[best].load
+        start = self._start % n
+        best, best_load = start, replicas[start].load
         for offset in range(1, n):
             i = (start + offset) % n
             load = replicas[i].load
             if load < best_load:
                 best, best_load = i, load
+        self._start = best + 1
         return best
 
     def __repr__(self) -> str:
@@ -127,6 +130,7 @@ class Replica:
 
     @property
     def load(self) -> int:
+        """Calls this replica holds: in flight plus queued for a slot."""
         return self.in_flight + self.queued
 
     @property

@@ -45,6 +45,7 @@ class Runtime:
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None):
         self.kv = kv
+        self._node_graphs: dict[int, Graph] = {}
         self._initial = [self._graph_of(g) for g in graphs]
         self._pools: dict[Any, Pool] = {}
         self._deployed: set[int] = set()
@@ -56,7 +57,6 @@ class Runtime:
         self._requests: trio.Nursery | None = None
         self._host_cm: Any = None
         self._request_cm: Any = None
-        self._node_graphs: dict[int, Graph] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -152,9 +152,9 @@ class Runtime:
         `NodeError` (or `RouteError`) when a node fails.
         """
         plan, values, request_id = self._prepare(graph, inputs)
-        if id(plan) not in self._deployed:
-            await self.deploy(graph)
         try:
+            if id(plan) not in self._deployed:
+                await self.deploy(graph)
             result = await run_plan(plan, self, request_id, values)
         except BaseException:
             self._failed += 1
@@ -219,8 +219,6 @@ class ResultStream:
                     rt._failed += 1
                     raise
                 rt._completed += 1
-            if self._scope.cancelled_caught:
-                rt._failed += 1
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
         return self

@@ -435,3 +435,50 @@ async def test_runtime_must_be_started():
     rt = omni.Runtime()
     with pytest.raises(RuntimeError, match="not started"):
         await rt.run(g, text="x")
+
+
+async def test_nodes_can_be_deployed_and_run_directly():
+    async with omni.Runtime(graphs=[upper]) as rt:
+        assert await rt.run(upper, text="x") == "X"
+
+
+async def test_a_failed_lazy_deployment_counts_as_a_failed_request():
+    @omni.node
+    class Broken:
+        def __init__(self):
+            raise OSError("weights not found")
+
+        async def __call__(self, text: str) -> str:
+            return text
+
+    @omni.graph
+    def g(text: str):
+        return Broken()(text)
+
+    async with omni.Runtime() as rt:
+        with pytest.raises(omni.NodeError, match="weights not found"):
+            await rt.run(g, text="x")
+        stats = rt.stats()
+    assert (stats.requests_failed, stats.requests_in_flight) == (1, 0)
+
+
+async def test_a_stream_stopped_early_counts_once():
+    from collections.abc import AsyncIterator
+
+    @omni.node
+    async def endless(n: int) -> AsyncIterator[int]:
+        while True:
+            yield n
+            await trio.sleep(0)
+
+    @omni.graph
+    def g(n: int):
+        return endless(n)
+
+    async with omni.Runtime() as rt:
+        async with rt.stream(g, n=1) as stream:
+            async for _ in stream:
+                break
+        await trio.testing.wait_all_tasks_blocked()
+        stats = rt.stats()
+    assert (stats.requests_failed, stats.requests_in_flight) == (1, 0)
