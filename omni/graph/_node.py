@@ -29,7 +29,7 @@ __all__ = ["Node", "NodeClass", "NodeOptions", "Ref", "current_trace", "node", "
 BalanceName = Literal["round_robin", "least_loaded", "power_of_two"]
 NodeKind = Literal["function", "class"]
 
-_OMNI_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OMNI_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 current_trace: contextvars.ContextVar[Trace | None] = contextvars.ContextVar(
     "omni_trace", default=None)
 

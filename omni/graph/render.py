@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from omni.graph.dsl import Call, GetItem, Graph, Node, Ref, SwitchSpec
+from omni.graph.validate import type_name
 
 __all__ = ["Format", "render"]
 
@@ -95,15 +96,9 @@ def _constant(value: Any) -> str:
     return text if len(text) <= _MAX_CONSTANT else text[:_MAX_CONSTANT - 3] + "..."
 
 
-def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, type) and not getattr(annotation, "__args__", None):
-        return annotation.__name__
-    return repr(annotation).replace("typing.", "").replace("collections.abc.", "")
-
-
 def _input_text(g: Graph, index: int) -> str:
     item = g.inputs[index]
-    text = item.name if item.type is None else f"{item.name}: {_type_name(item.type)}"
+    text = item.name if item.type is None else f"{item.name}: {type_name(item.type)}"
     if item.default is not inspect.Parameter.empty:
         text += f" = {_constant(item.default)}"
     return text

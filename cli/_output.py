@@ -1,0 +1,151 @@
+"""Print request results on stdout: as they are produced for people, or as JSON lines.
+
+`HumanPrinter` prints each output when it arrives (stream items one per line); `JsonPrinter`
+prints exactly one JSON object per request, in request order. `to_jsonable` turns common
+non-JSON values (bytes, numpy arrays, torch tensors, dataclasses) into JSON values without
+importing numpy or torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import sys
+from typing import Any, Protocol, TextIO
+
+from omni import Graph, NodeError, Ref
+
+__all__ = ["HumanPrinter", "JsonPrinter", "Printer", "describe_cause", "error_record", "human",
+           "to_jsonable", "write_line"]
+
+
+def write_line(line: str, out: TextIO | None = None) -> None:
+    """Write one line to `out` (default: stdout, looked up on each call) and flush it."""
+    out = out or sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
+def to_jsonable(value: Any) -> Any:
+    """`value` as plain JSON values: containers recursively, bytes as base64 text, arrays and
+    tensors as (nested) lists, dataclasses as objects, non-finite floats and anything else as
+    ``str(value)``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {_key(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return _from_array(value)
+
+
+def _key(key: Any) -> str:
+    return key if isinstance(key, str) else json.dumps(to_jsonable(key)).strip('"')
+
+
+def _from_array(value: Any) -> Any:
+    """numpy arrays and scalars, torch tensors: by duck typing, so neither is imported here."""
+    package = type(value).__module__.partition(".")[0]
+    if package == "torch" and hasattr(value, "detach"):
+        return to_jsonable(value.detach().cpu().tolist())
+    if package == "numpy" and hasattr(value, "tolist"):
+        return to_jsonable(value.tolist())
+    return str(value)
+
+
+def human(value: Any) -> str:
+    """How a value reads on a terminal: strings as they are, containers as JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(to_jsonable(value), ensure_ascii=False)
+    return str(value)
+
+
+def describe_cause(error: NodeError) -> str:
+    """``Type: message`` of the exception that failed the node."""
+    cause = error.cause
+    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+
+
+def error_record(error: NodeError) -> dict[str, Any]:
+    """The ``{"error": ...}`` object printed for a failed request in ``--json`` mode."""
+    return {"error": {"node": error.node, "request_id": error.request_id,
+                      "message": describe_cause(error)}}
+
+
+class Printer(Protocol):
+    """Receives results as requests run. `streams`: the printer wants items as they are
+    produced (`item`); otherwise it gets each request's outputs at once (`result`)."""
+
+    streams: bool
+
+    def item(self, index: int, name: str, value: Any) -> None: ...
+
+    def result(self, index: int, outputs: dict[str, Any]) -> None: ...
+
+    def failure(self, index: int, error: NodeError) -> None: ...
+
+
+class HumanPrinter:
+    """Readable output as it arrives: the value alone for a single-output graph, ``name: value``
+    lines for dict outputs, ``[n] `` before each line when several requests run."""
+
+    streams = True
+
+    def __init__(self, graph: Graph, num_requests: int):
+        self._named = not isinstance(graph.output, Ref)
+        self._numbered = num_requests > 1
+
+    def item(self, index: int, name: str, value: Any) -> None:
+        """Print one output value or stream item of request `index` (0-based)."""
+        prefix = f"[{index + 1}] " if self._numbered else ""
+        label = f"{name}: " if self._named else ""
+        write_line(f"{prefix}{label}{human(value)}")
+
+    def result(self, index: int, outputs: dict[str, Any]) -> None:
+        """Not used: a streaming printer gets items."""
+
+    def failure(self, index: int, error: NodeError) -> None:
+        """Nothing on stdout: the failure line goes to stderr."""
+
+
+class JsonPrinter:
+    """One JSON object per request on stdout, in request order: the outputs (streams as lists;
+    a single-output graph as ``{"output": value}``) or ``{"error": {...}}``.
+
+    Why a buffer: with ``--concurrency`` requests finish out of order; a result waits in
+    `_done` until every earlier request has been printed, so line i answers request i.
+    """
+
+    streams = False
+
+    def __init__(self, out: TextIO | None = None) -> None:
+        self._out = out
+        self._done: dict[int, str] = {}
+        self._next = 0
+
+    def item(self, index: int, name: str, value: Any) -> None:
+        """Not used: this printer gets whole results."""
+
+    def result(self, index: int, outputs: dict[str, Any]) -> None:
+        """Print (or hold back) the outputs of request `index`."""
+        self._ready(index, json.dumps(to_jsonable(outputs), ensure_ascii=False))
+
+    def failure(self, index: int, error: NodeError) -> None:
+        """Print (or hold back) the error object of request `index`."""
+        self._ready(index, json.dumps(to_jsonable(error_record(error)), ensure_ascii=False))
+
+    def _ready(self, index: int, line: str) -> None:
+        self._done[index] = line
+        while self._next in self._done:
+            write_line(self._done.pop(self._next), self._out)
+            self._next += 1

@@ -1,0 +1,60 @@
+"""Drive a batch of requests through one `omni.Runtime`, at most `concurrency` at once.
+
+The library does the work; this module only starts requests in order, hands results to a
+`Printer`, failures to the `Reporter`, and times each request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import trio
+
+from cli._output import Printer
+from cli._report import Outcome, Reporter
+from omni import Graph, NodeError, Ref, Runtime
+
+__all__ = ["run_batch"]
+
+
+async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
+                    printer: Printer, reporter: Reporter) -> Outcome:
+    """Run `requests` (inputs, in order) on a fresh Runtime; return their latencies and failures.
+
+    Raises:
+        NodeError: a node failed while the Runtime started (its replicas were being built).
+    """
+    outcome = Outcome()
+    async with Runtime(graphs=[graph]) as rt:
+        limit = trio.Semaphore(concurrency)
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for index, inputs in enumerate(requests):
+                await limit.acquire()  # requests start in order: request ids follow it
+                nursery.start_soon(_request, rt, graph, index, inputs, printer, reporter,
+                                   outcome, limit)
+        outcome.elapsed = time.perf_counter() - started
+    return outcome
+
+
+async def _request(rt: Runtime, graph: Graph, index: int, inputs: dict[str, Any],
+                   printer: Printer, reporter: Reporter, outcome: Outcome,
+                   limit: trio.Semaphore) -> None:
+    started = time.perf_counter()
+    try:
+        if printer.streams:
+            async with rt.stream(graph, **inputs) as stream:
+                async for name, item in stream:
+                    printer.item(index, name, item)
+        else:
+            value = await rt.run(graph, **inputs)
+            printer.result(index, {"output": value} if isinstance(graph.output, Ref) else value)
+    except NodeError as exc:
+        outcome.num_failed += 1
+        printer.failure(index, exc)
+        reporter.failure(exc)
+    finally:
+        outcome.latencies.append(time.perf_counter() - started)
+        reporter.request_done()
+        limit.release()

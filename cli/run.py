@@ -1,0 +1,103 @@
+"""``omni run``: run a graph from a file on one or many requests and print the outputs."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stdout
+from typing import Annotated, Any, TextIO
+
+import trio
+import typer
+
+from cli._errors import EXIT_FAILED, CliError, reporting
+from cli._inputs import build_requests, parse_assignments, validate_requests
+from cli._load import load_graph
+from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
+from cli._report import Outcome, Reporter, summary_line
+from cli._runner import run_batch
+from omni import Graph, NodeError
+
+__all__ = ["run"]
+
+FILE_HELP = "Python file that defines the graph (its folder is put on sys.path)."
+GRAPH_HELP = ("Name of the graph in FILE (or of a node, run as a one-node graph); "
+              "needed only when FILE defines several graphs.")
+
+
+def run(
+    file: Annotated[str, typer.Argument(metavar="FILE", help=FILE_HELP, show_default=False)],
+    graph_name: Annotated[str | None, typer.Argument(
+        metavar="GRAPH", help=GRAPH_HELP, show_default=False)] = None,
+    inputs: Annotated[list[str] | None, typer.Option(
+        "--input", "-i", metavar="KEY=VALUE", show_default=False,
+        help="An input for every request (repeatable). VALUE is parsed as JSON when it is "
+             "JSON (3, true, [1,2], '\"3\"'), otherwise taken as a string.")] = None,
+    inputs_json: Annotated[str | None, typer.Option(
+        "--inputs-json", metavar="PATH|-", show_default=False,
+        help="Request inputs from a file, or '-' for stdin: one JSON object, or JSON lines "
+             "(one object per request). Its keys override --input.")] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print exactly one JSON object per request on stdout (outputs, "
+                       "streams collected as lists, or {\"error\": ...}), in request order.")
+    ] = False,
+    num_requests: Annotated[int | None, typer.Option(
+        "--requests", "-n", min=1, show_default=False,
+        help="Run N requests, cycling through the input lines (default: one per line). "
+             "Prints a summary (throughput, p50/p99 latency) on stderr.")] = None,
+    concurrency: Annotated[int | None, typer.Option(
+        "--concurrency", "-c", min=1, show_default=False,
+        help="Run at most C requests at once (default 1). Prints the summary too.")] = None,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show tracebacks for errors, not only the one-line message.")] = False,
+) -> None:
+    """Run GRAPH from FILE and print its outputs as they are produced.
+
+    Exit status: 0 when every request succeeded, 1 when a request failed (stderr names the
+    node and the cause), 2 for bad usage, a file that does not load or a graph that does not
+    validate.
+
+    Example: omni run examples/hello.py --input text="omni runs pipelines"
+    """
+    with reporting(debug), _results_stdout(as_json) as out:
+        graph = load_graph(file, graph_name)
+        requests = _requests(graph, parse_assignments(inputs or []), inputs_json,
+                             num_requests)
+        printer = JsonPrinter(out) if as_json else HumanPrinter(graph, len(requests))
+        outcome = _execute(graph, requests, concurrency or 1, printer, debug)
+    if num_requests is not None or concurrency is not None:
+        typer.echo(summary_line(outcome, concurrency or 1), err=True)
+    if outcome.num_failed:
+        raise typer.Exit(EXIT_FAILED)
+
+
+@contextmanager
+def _results_stdout(as_json: bool) -> Iterator[TextIO]:
+    """The stream results go to. With --json, whatever else writes to stdout (a print in a
+    node, a library's log) goes to stderr instead, so that stdout holds only JSON lines."""
+    out = sys.stdout
+    if not as_json:
+        yield out
+        return
+    with redirect_stdout(sys.stderr):
+        yield out
+
+
+def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None,
+              num_requests: int | None) -> list[dict[str, Any]]:
+    """The inputs of every request to run, checked against the graph."""
+    lines = build_requests(assignments, inputs_json)
+    validate_requests(graph, lines)
+    total = num_requests or len(lines)
+    return [r.values for r in itertools.islice(itertools.cycle(lines), total)]
+
+
+def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
+             printer: Printer, debug: bool) -> Outcome:
+    try:
+        with Reporter(len(requests), debug=debug) as reporter:
+            return trio.run(run_batch, graph, requests, concurrency, printer, reporter)
+    except NodeError as exc:  # raised only while the Runtime starts the graph's replicas
+        raise CliError(f"node '{exc.node}' failed to start: {describe_cause(exc)}",
+                       exit_code=EXIT_FAILED) from exc
