@@ -1,0 +1,215 @@
+"""Handles to leased pages: `Lease` in the owning process, `PageDescriptor` on the wire, and
+`open_descriptor` in another process of the same machine (the same memory, no copy)."""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from omni.kv.arena import Arena
+from omni.kv.errors import KVLeaseError
+from omni.kv.layout import KVLayout, LayoutSpec
+from omni.kv.leases import LeaseTable, table_name
+
+if TYPE_CHECKING:
+    from omni.kv.store import KVStore
+
+__all__ = ["Lease", "OpenedPages", "PageDescriptor", "open_descriptor"]
+
+DESCRIPTOR_VERSION = 1
+_STORE_ID = re.compile(r"[0-9a-f]{8,32}")
+
+
+class PageDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Leased pages as another process on the same machine finds them.
+
+    `arena` is the shared-memory segment holding the pages, `offsets` the byte offset of each
+    page in it, `lease_slot`/`lease_id` the lease's record in the store's lease table, and
+    `expiry_ns` the lease's end (CLOCK_MONOTONIC ns). A few hundred bytes, whatever the pages
+    weigh.
+    """
+
+    store_id: str
+    tier: str
+    arena: str
+    offsets: list[int]
+    layout: LayoutSpec
+    lease_id: int
+    lease_slot: int
+    lease_table: str
+    expiry_ns: int
+    version: int = DESCRIPTOR_VERSION
+
+
+class Lease:
+    """Pages pinned in the store's top tier for as long as the lease is held.
+
+    ``with store.acquire(keys) as lease:``. `len(lease)` pages are leased: the longest prefix
+    of the keys whose pages were present and valid (fewer than asked when a page went away or
+    failed verification: recompute the rest).
+    """
+
+    def __init__(self, store: KVStore, keys: list[bytes], slots: list[int]):
+        self.keys = keys
+        self._store = store
+        self._slots = slots
+        self._released = False
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _check(self) -> None:
+        if self._released:
+            raise KVLeaseError("this lease was released")
+
+    def pages(self) -> torch.Tensor:
+        """The pages as one tensor ``[n, *layout.page_shape]`` (a copy unless they happen to
+        lie in consecutive slots)."""
+        self._check()
+        return self._store._top_tier().gather(self._slots)
+
+    def page(self, index: int) -> torch.Tensor:
+        """Page `index` itself, in the top tier (a view: valid while the lease is held)."""
+        self._check()
+        return self._store._top_tier().view(self._slots[index])
+
+    def descriptor(self, ttl: float | None = None) -> PageDescriptor:
+        """Hand these pages to another process: a lease of their own, ending after `ttl`
+        seconds (the store's default when None) unless the holder releases it sooner."""
+        self._check()
+        return self._store._export(self.keys, self._slots, ttl)
+
+    def release(self) -> None:
+        """Unpin the pages (idempotent)."""
+        if not self._released:
+            self._released = True
+            self._store._release(self.keys)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_released", True):
+            warnings.warn(f"a KV lease of {len(self.keys)} pages was never released",
+                          ResourceWarning, stacklevel=1)
+            try:
+                self.release()
+            except Exception:  # the store may be closed already
+                pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"<Lease pages={len(self.keys)} {state}>"
+
+
+class OpenedPages:
+    """Pages of another process's store, mapped into this one (`open_descriptor`).
+
+    Index it or iterate it for page tensors (views of the shared memory: writes are seen by
+    the owner). Close it, or use it in ``with``, to give the lease back.
+    """
+
+    def __init__(self, descriptor: PageDescriptor, table: LeaseTable, arena: Arena,
+                 pages: list[torch.Tensor]):
+        self.descriptor = descriptor
+        self._table = table
+        self._arena = arena
+        self._pages = pages
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._pages[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._pages)
+
+    def valid(self) -> bool:
+        """True while the lease is live (not released, not expired)."""
+        if self._closed:
+            return False
+        try:
+            self._table.check(self.descriptor.lease_slot, self.descriptor.lease_id)
+        except KVLeaseError:
+            return False
+        return True
+
+    def renew(self, ttl: float) -> None:
+        """Set the lease to end `ttl` seconds from now (longer or shorter).
+
+        Raises KVLeaseError when it has already ended."""
+        d = self.descriptor
+        self._table.renew(d.lease_slot, d.lease_id, time.monotonic_ns() + int(ttl * 1e9))
+
+    def close(self) -> None:
+        """Release the lease and unmap the pages (their tensors must not be used after)."""
+        if self._closed:
+            return
+        self._closed = True
+        d = self.descriptor
+        self._table.release(d.lease_slot, d.lease_id)
+        self._pages = []
+        self._table.close()
+        self._arena.close()
+
+    def __enter__(self) -> OpenedPages:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def open_descriptor(descriptor: PageDescriptor) -> OpenedPages:
+    """Map the pages of `descriptor` (from another process of this machine) without a copy.
+
+    Raises:
+        KVLeaseError: the lease is unknown, released or expired, or the descriptor names an
+            arena or offsets it may not (another store's memory, out of bounds, misaligned).
+    """
+    d = descriptor
+    if d.version != DESCRIPTOR_VERSION:
+        raise KVLeaseError(f"descriptor version {d.version} is not supported")
+    if not _STORE_ID.fullmatch(d.store_id) or d.tier not in ("device", "host"):
+        raise KVLeaseError(f"descriptor names store {d.store_id!r} tier {d.tier!r}")
+    if d.arena != f"omni-{d.store_id}-{d.tier}" or d.lease_table != table_name(d.store_id):
+        raise KVLeaseError(f"descriptor names arena {d.arena!r}, not its store's")
+    try:
+        layout = KVLayout.from_spec(d.layout)
+    except ValueError as exc:
+        raise KVLeaseError(f"descriptor layout: {exc}") from None
+    table = LeaseTable.attach(d.lease_table)
+    try:
+        table.check(d.lease_slot, d.lease_id)
+        arena = Arena.attach(d.arena)
+    except BaseException:
+        table.close()
+        raise
+    try:
+        pages = [_page_view(arena, layout, offset) for offset in d.offsets]
+    except BaseException:
+        arena.close()
+        table.close()
+        raise
+    return OpenedPages(d, table, arena, pages)
+
+
+def _page_view(arena: Arena, layout: KVLayout, offset: int) -> torch.Tensor:
+    size = layout.page_bytes
+    if not isinstance(offset, int) or offset < 0 or offset % size or offset + size > arena.size:
+        raise KVLeaseError(f"page offset {offset!r} is outside arena {arena.name} "
+                           f"({arena.size} bytes, pages of {size})")
+    return arena.tensor(offset, layout.page_shape, layout.dtype)

@@ -1,0 +1,100 @@
+"""The shape of one KV page, and byte sizes written as text ("8GiB")."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+__all__ = ["KVLayout", "LayoutSpec", "parse_size"]
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+    torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+class LayoutSpec(msgspec.Struct, frozen=True):
+    """`KVLayout` as it travels on the wire (the dtype by name)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV of `page_size` tokens of every layer: one page.
+
+    A page is a tensor of `page_shape` = ``[num_layers, 2, page_size, num_kv_heads, head_dim]``
+    (the 2 is K then V), `page_bytes` bytes, stored contiguously.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_numel(self) -> int:
+        return math.prod(self.page_shape)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_numel * self.itemsize
+
+    def to_spec(self) -> LayoutSpec:
+        return LayoutSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
+                          str(self.dtype).removeprefix("torch."))
+
+    @classmethod
+    def from_spec(cls, spec: LayoutSpec) -> KVLayout:
+        """Raises ValueError for an unknown dtype name or invalid sizes."""
+        if spec.dtype not in _DTYPES:
+            raise ValueError(f"unknown KV dtype {spec.dtype!r}")
+        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.page_size,
+                   _DTYPES[spec.dtype])
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "8GiB", "1.5GB" or "4096".
+
+    Raises:
+        ValueError: not a size, or negative.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative: {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {value!r} (try e.g. 512MiB, 8GiB, 4096)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

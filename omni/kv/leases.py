@@ -1,0 +1,96 @@
+"""Leases held by other processes: a small table in shared memory.
+
+Why shared memory and not a message back to the owner: a consumer on the same machine must be
+able to give a lease back (or simply die) without any channel to the store. Each record holds
+the lease id, its expiry (CLOCK_MONOTONIC nanoseconds, the same clock in every process of the
+machine) and the id the consumer wrote when it released the lease. The owner sweeps the table
+and unpins the pages of every lease that was released or has expired, so a crashed consumer
+pins nothing for longer than the lease's time to live.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from omni.kv.arena import Arena
+from omni.kv.errors import KVLeaseError
+
+__all__ = ["LeaseRecord", "LeaseTable"]
+
+# One record per exported lease; 8-byte fields so that each store is a single aligned write.
+LeaseRecord = np.dtype([("lease_id", "<u8"), ("expiry_ns", "<u8"), ("released_id", "<u8")])
+
+
+def table_name(store_id: str) -> str:
+    return f"omni-{store_id}-leases"
+
+
+class LeaseTable:
+    """The records of one store's exported leases (owner side, or attached by a consumer)."""
+
+    def __init__(self, arena: Arena, *, owner: bool):
+        self.arena = arena
+        self.capacity = arena.size // LeaseRecord.itemsize
+        self.records = np.frombuffer(arena.buffer, dtype=LeaseRecord, count=self.capacity)
+        self._free = list(reversed(range(self.capacity))) if owner else []
+
+    @classmethod
+    def create(cls, store_id: str, capacity: int) -> LeaseTable:
+        arena = Arena.create(table_name(store_id), capacity * LeaseRecord.itemsize)
+        return cls(arena, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> LeaseTable:
+        return cls(Arena.attach(name), owner=False)
+
+    # -- owner -------------------------------------------------------------------------------
+
+    def export(self, lease_id: int, expiry_ns: int) -> int:
+        """A record for a new lease; raises KVLeaseError when every record is in use."""
+        if not self._free:
+            raise KVLeaseError(f"too many leases handed to other processes at once "
+                               f"({self.capacity}); release some or let them expire")
+        slot = self._free.pop()
+        self.records[slot] = (lease_id, expiry_ns, 0)
+        return slot
+
+    def finished(self, slots: list[int], now_ns: int | None = None) -> list[int]:
+        """Those of `slots` whose lease was released by its holder or has expired."""
+        if not slots:
+            return []
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        rec = self.records[slots]
+        done = (rec["released_id"] == rec["lease_id"]) | (rec["expiry_ns"] <= now)
+        return [s for s, d in zip(slots, done.tolist(), strict=True) if d]
+
+    def free(self, slot: int) -> None:
+        self.records[slot] = (0, 0, 0)
+        self._free.append(slot)
+
+    # -- holder ------------------------------------------------------------------------------
+
+    def check(self, slot: int, lease_id: int) -> None:
+        """Raise KVLeaseError unless lease `lease_id` is live in record `slot`."""
+        if not 0 <= slot < self.capacity:
+            raise KVLeaseError(f"lease record {slot} is out of range")
+        lease, expiry, released = self.records[slot].tolist()
+        if lease != lease_id or released == lease_id:
+            raise KVLeaseError(f"lease {lease_id} is unknown or was released")
+        if expiry <= time.monotonic_ns():
+            raise KVLeaseError(f"lease {lease_id} has expired")
+
+    def release(self, slot: int, lease_id: int) -> None:
+        """Give the lease back; a no-op when the record already holds another lease."""
+        if 0 <= slot < self.capacity and int(self.records[slot]["lease_id"]) == lease_id:
+            self.records[slot]["released_id"] = lease_id
+
+    def renew(self, slot: int, lease_id: int, expiry_ns: int) -> None:
+        """Extend a live lease (raises KVLeaseError when it is no longer live)."""
+        self.check(slot, lease_id)
+        self.records[slot]["expiry_ns"] = expiry_ns
+
+    def close(self) -> None:
+        self.records = None  # drop the view before the mapping goes
+        self.arena.close()

@@ -1,0 +1,283 @@
+"""`KVStore`: the process's paged KV cache, thread-safe, over device / host / disk tiers."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from omni.kv.errors import KVError
+from omni.kv.handle import Lease, PageDescriptor
+from omni.kv.layout import KVLayout, parse_size
+from omni.kv.leases import LeaseTable
+from omni.kv.manager import TierManager
+from omni.kv.policy import EvictionPolicy, make_policy
+from omni.kv.tiers.device import DeviceTier
+from omni.kv.tiers.disk import DiskTier
+from omni.kv.tiers.host import HostTier
+from omni.kv.tiers.memory import slots_for
+
+__all__ = ["KVStore", "TierConfig"]
+
+TierName = Literal["device", "host", "disk"]
+_ORDER = {"device": 0, "host": 1, "disk": 2}
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier of a store: its name, capacity in bytes ("8GiB" or an int), the directory of a
+    disk tier (default: under the user's cache directory) and its eviction policy (default:
+    the store's)."""
+
+    name: TierName
+    capacity: int | str
+    path: str | os.PathLike[str] | None = None
+    policy: str | EvictionPolicy | type | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in _ORDER:
+            raise ValueError(f"unknown KV tier {self.name!r}; tiers are device, host, disk")
+        if self.path is not None and self.name != "disk":
+            raise ValueError(f"only the disk tier takes a path, not {self.name!r}")
+        parse_size(self.capacity)
+
+
+DEFAULT_TIERS = (TierConfig("device", "256MiB"), TierConfig("host", "1GiB"))
+
+
+class KVStore:
+    """Pages of KV, one copy each, spilling device -> host -> disk (see `omni.kv`).
+
+    Args:
+        layout: the shape of a page.
+        tiers: `TierConfig`s (any order; a store needs at least one). Default: a 256 MiB device
+            tier and a 1 GiB host tier.
+        policy: the default eviction policy of every tier: "lru", "lfu", or an object with the
+            `EvictionPolicy` protocol.
+        lease_ttl: seconds a lease handed to another process lives unless released sooner.
+        max_exported: how many such leases may be live at once.
+
+    Raises:
+        ValueError: a tier smaller than one page, a duplicate tier, an unwritable disk path.
+    """
+
+    def __init__(self, layout: KVLayout, tiers: Sequence[TierConfig] | None = None,
+                 policy: str | EvictionPolicy | type = "lru", *, lease_ttl: float = 30.0,
+                 max_exported: int = 1024):
+        configs = sorted(DEFAULT_TIERS if tiers is None else tiers, key=lambda t: _ORDER[t.name])
+        names = [c.name for c in configs]
+        if not configs or len(set(names)) != len(names):
+            raise ValueError(f"a KV store needs distinct tiers, got {names}")
+        if lease_ttl <= 0:
+            raise ValueError(f"lease_ttl must be > 0 seconds, got {lease_ttl!r}")
+        self.layout = layout
+        self.store_id = secrets.token_hex(8)
+        self.lease_ttl = lease_ttl
+        self._lock = threading.RLock()
+        self._lease_ids = itertools.count(1)
+        self._num_leases = 0
+        self._exported: dict[int, tuple[int, list[bytes]]] = {}  # record -> (lease id, keys)
+        self._closed = False
+        self._tiers: list[Any] = []
+        try:
+            for config in configs:
+                self._tiers.append(self._build_tier(config))
+            policies = [make_policy(c.policy if c.policy is not None else policy)
+                        for c in configs]
+            self._manager = TierManager(layout, self._tiers, policies)
+            self._table = LeaseTable.create(self.store_id, max_exported)
+        except BaseException:
+            for tier in self._tiers:
+                tier.close()
+            raise
+
+    def _build_tier(self, config: TierConfig) -> Any:
+        num_slots = slots_for(parse_size(config.capacity), self.layout.page_bytes, config.name)
+        if config.name == "device":
+            return DeviceTier.create(self.layout, num_slots, self.store_id)
+        if config.name == "host":
+            return HostTier.create(self.layout, num_slots, self.store_id)
+        return DiskTier.create(self.layout, num_slots, config.path, self.store_id)
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], pages: torch.Tensor) -> int:
+        """Store pages (a tensor ``[len(keys), *layout.page_shape]``) under their keys.
+
+        Pages already cached are left as they are. Returns how many were new.
+
+        Raises:
+            ValueError: wrong keys, or pages of the wrong shape or dtype.
+            KVCapacityError: the top tier is full of pinned pages.
+        """
+        self._check_keys(keys)
+        expected = (len(keys), *self.layout.page_shape)
+        if not isinstance(pages, torch.Tensor) or tuple(pages.shape) != expected:
+            got = tuple(pages.shape) if isinstance(pages, torch.Tensor) else type(pages).__name__
+            raise ValueError(f"pages must have shape {list(expected)} ([n, *page_shape] for "
+                             f"{self.layout}), got {got}")
+        if pages.dtype != self.layout.dtype:
+            raise ValueError(f"pages must have dtype {self.layout.dtype}, got {pages.dtype}")
+        with self._lock:
+            self._check_open()
+            return sum(self._manager.put(key, pages[i]) for i, key in enumerate(keys))
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys have a page in some tier (a prefix hit)."""
+        with self._lock:
+            self._check_open()
+            return self._manager.match(keys)
+
+    def acquire(self, keys: Sequence[bytes]) -> Lease:
+        """Pin the pages of `keys` in the top tier and return the `Lease` that holds them.
+
+        The lease covers the longest prefix of `keys` that is present and valid, which is all
+        of them after a `match` unless a page was evicted or found corrupt since.
+
+        Raises:
+            KVCapacityError: the top tier cannot hold them all unpinned pages aside; nothing
+                stays pinned then.
+        """
+        self._check_keys(keys)
+        with self._lock:
+            self._check_open()
+            self._sweep()
+            manager = self._manager
+            held: list[bytes] = []
+            slots: list[int] = []
+            try:
+                for key in keys:
+                    where = manager.promote(key, 0)
+                    if where is None:
+                        manager.match([key])  # counts the miss
+                        break
+                    manager.pin(key)
+                    held.append(key)
+                    slots.append(where[1])
+            except BaseException:
+                for key in held:
+                    manager.unpin(key)
+                raise
+            self._num_leases += 1
+            return Lease(self, held, slots)
+
+    async def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Bring the pages of `keys` up from disk, in a worker thread; return how many leading
+        keys are now in memory. Await it before `acquire` so the event loop never waits on
+        I/O."""
+        import trio
+
+        self._check_keys(keys)
+        return await trio.to_thread.run_sync(self._prefetch_sync, list(keys))
+
+    def _prefetch_sync(self, keys: list[bytes]) -> int:
+        with self._lock:
+            self._check_open()
+            names = self._manager.tier_names
+            target = names.index("host") if "host" in names else 0
+            for n, key in enumerate(keys):
+                if self._manager.promote(key, target) is None:
+                    return n
+            return len(keys)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
+        write_errors; and "leases": open, exported, pinned_pages."""
+        with self._lock:
+            self._sweep()
+            out: dict[str, dict[str, int]] = {}
+            for i, name in enumerate(self._manager.tier_names):
+                counters = self._manager.counters(i)
+                out[name] = {"pages": self._manager.num_used(i),
+                             "capacity": self._manager.tier(i).num_slots, **vars(counters)}
+            out["leases"] = {"open": self._num_leases, "exported": len(self._exported),
+                             "pinned_pages": self._manager.num_pinned()}
+            return out
+
+    def close(self) -> None:
+        """Free every tier's memory and files (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for tier in self._tiers:
+                tier.close()
+            self._table.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return "<KVStore closed>"
+        with self._lock:
+            parts = [f"{name}={self._manager.num_used(i)}/{self._manager.tier(i).num_slots}"
+                     for i, name in enumerate(self._manager.tier_names)]
+        return f"<KVStore {' '.join(parts)}>"
+
+    # -- for leases --------------------------------------------------------------------------
+
+    def _top_tier(self) -> Any:
+        return self._tiers[0]
+
+    def _release(self, keys: list[bytes]) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for key in keys:
+                self._manager.unpin(key)
+            self._num_leases -= 1
+
+    def _export(self, keys: list[bytes], slots: list[int], ttl: float | None) -> PageDescriptor:
+        top = self._top_tier()
+        if getattr(top, "arena_name", None) is None:
+            raise KVError(f"pages in the {top.name} tier on {top.pool.device} cannot be mapped "
+                          "by another process")
+        seconds = self.lease_ttl if ttl is None else ttl
+        if seconds <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
+        with self._lock:
+            self._check_open()
+            lease_id = next(self._lease_ids)
+            expiry = time.monotonic_ns() + int(seconds * 1e9)
+            record = self._table.export(lease_id, expiry)
+            for key in keys:
+                self._manager.pin(key)
+            self._exported[record] = (lease_id, list(keys))
+        return PageDescriptor(
+            store_id=self.store_id, tier=top.name, arena=top.arena_name,
+            offsets=[top.offset(s) for s in slots], layout=self.layout.to_spec(),
+            lease_id=lease_id, lease_slot=record, lease_table=self._table.arena.name,
+            expiry_ns=expiry)
+
+    def _sweep(self) -> None:
+        """Unpin the pages of exported leases that were released or have expired."""
+        if not self._exported:
+            return
+        for record in self._table.finished(list(self._exported)):
+            _, keys = self._exported.pop(record)
+            for key in keys:
+                self._manager.unpin(key)
+            self._table.free(record)
+
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                raise ValueError(f"a page key is {KEY_BYTES} bytes (from block_keys), "
+                                 f"got {key!r:.40}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVError("the KV store is closed")
+

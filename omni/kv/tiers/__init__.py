@@ -1,0 +1,1 @@
+"""Page storage by tier: device memory, the host shared-memory arena, disk."""

@@ -1,0 +1,34 @@
+"""What every tier offers the tier manager: numbered page slots, and copies in and out."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["Tier"]
+
+
+class Tier(Protocol):
+    """Fixed-size storage for `num_slots` pages of one `KVLayout`.
+
+    The tier keeps no bookkeeping of which slot holds which key: the tier manager does. All
+    methods are called with the store's lock held, from any thread.
+    """
+
+    name: str  # "device", "host" or "disk"
+    num_slots: int
+
+    def write(self, slot: int, page: torch.Tensor, key: bytes) -> None:
+        """Copy one page (a tensor of the layout's page shape, any device) into `slot`.
+
+        Raises OSError when the bytes cannot be stored (a disk that is full); the slot then
+        holds nothing valid.
+        """
+
+    def read_into(self, slot: int, out: torch.Tensor, key: bytes) -> bool:
+        """Copy the page in `slot` into `out`; False if it fails verification (disk: a bad
+        checksum, or a header naming another key). `out` is then undefined."""
+
+    def close(self) -> None:
+        """Free the tier's memory or files. Idempotent."""

@@ -1,0 +1,187 @@
+"""`Arena`: a named shared-memory segment that several processes map."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from omni.kv import arena as arena_module
+from omni.kv.arena import Arena, register_pinned, shm_directory
+from omni.kv.errors import KVLeaseError
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _run_child(code: str) -> str:
+    """Run `code` in a fresh interpreter (nothing inherited, as a spawned process) and return
+    its stdout."""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_create_then_attach_in_same_process_shares_bytes(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as owner:
+        with Arena.attach(owner.name) as other:
+            owner.tensor(0, (4,), torch.int32)[:] = torch.tensor([1, 2, 3, 4])
+            assert other.tensor(0, (4,), torch.int32).tolist() == [1, 2, 3, 4]
+            other.buffer[100] = 7
+            assert owner.buffer[100] == 7
+
+
+def test_subprocess_shares_the_mapping_and_cleans_up_after_itself(store_id: str) -> None:
+    """A write on either side is seen on the other (the mapping is shared); the child's exit does
+    not unlink the segment it attached (the multiprocessing resource-tracker trap), and does
+    unlink the one it created and never closed (the exit finalizer)."""
+    child_name = f"omni-{store_id}-child"
+    with Arena.create(f"omni-{store_id}-host", 8192) as owner:
+        owner.tensor(64, (3,), torch.float32)[:] = torch.tensor([1.5, 2.5, 3.5])
+        out = _run_child(f"""
+            import torch
+            from omni.kv.arena import Arena
+            a = Arena.attach({owner.name!r})
+            print(a.tensor(64, (3,), torch.float32).tolist())
+            a.tensor(4096, (2,), torch.int64)[:] = torch.tensor([11, 22])
+            a.close()
+            keep = Arena.create({child_name!r}, 4096)
+            print(keep.path.exists())
+        """)
+        assert out.splitlines() == ["[1.5, 2.5, 3.5]", "True"]
+        assert owner.tensor(4096, (2,), torch.int64).tolist() == [11, 22]
+        assert owner.path.exists()
+    assert not (shm_directory() / child_name).exists()
+
+
+def test_segment_file_is_private_to_the_user(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as arena:
+        assert arena.path.parent == shm_directory()
+        assert os.stat(arena.path).st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("name", [
+    "../etc/passwd", "omni-zz-host", "omni-1234567-host", "omni-" + "a" * 33 + "-host",
+    "omni-deadbeef-Host", "omni-deadbeef-host/../x", "omni-deadbeef-host\n", "/dev/shm/x", "",
+])
+def test_names_outside_the_pattern_are_refused(name: str) -> None:
+    """Creating or attaching validates the name, so a descriptor cannot name an arbitrary file."""
+    with pytest.raises(ValueError, match="invalid arena name"):
+        Arena.create(name, 4096)
+    with pytest.raises(ValueError, match="invalid arena name"):
+        Arena.attach(name)
+
+
+def test_existing_name_and_empty_size_are_refused(store_id: str) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        Arena.create(f"omni-{store_id}-host", 0)
+    with Arena.create(f"omni-{store_id}-host", 4096), pytest.raises(FileExistsError):
+        Arena.create(f"omni-{store_id}-host", 4096)
+
+
+@pytest.mark.parametrize(("offset", "shape", "dtype", "message"), [
+    (4096 - 8, (4,), torch.float32, "outside"),
+    (-4, (1,), torch.float32, "outside"),
+    (0, (1025,), torch.float32, "outside"),
+    (2, (2,), torch.float32, "aligned"),
+    (1, (1,), torch.float16, "aligned"),
+])
+def test_out_of_bounds_or_misaligned_views_are_refused(
+        store_id: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
+        message: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as arena, \
+            pytest.raises(ValueError, match=message):
+        arena.tensor(offset, shape, dtype)
+
+
+def test_tensor_is_a_view_not_a_copy(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as arena:
+        view = arena.tensor(8, (2, 3), torch.float64)
+        view.fill_(2.0)
+        assert arena.tensor(8, (6,), torch.float64).tolist() == [2.0] * 6
+        assert view.data_ptr() == arena.address + 8
+
+
+def test_close_unlinks_and_attach_after_close_is_a_lease_error(store_id: str) -> None:
+    name = f"omni-{store_id}-host"
+    arena = Arena.create(name, 4096)
+    arena.close()
+    arena.close()  # idempotent
+    assert not arena.path.exists()
+    assert arena.closed and "closed" in repr(arena)
+    with pytest.raises(KVLeaseError, match="does not exist"):
+        Arena.attach(name)
+
+
+def test_close_with_live_views_keeps_them_valid_and_unlinks(store_id: str) -> None:
+    """close() must not raise BufferError while tensor views or buffer slices exist; the views
+    keep the mapping until they die."""
+    arena = Arena.create(f"omni-{store_id}-host", 4096)
+    view = arena.tensor(0, (16,), torch.int32)
+    view[:] = 5
+    arena.close()
+    assert not arena.path.exists()
+    assert view.sum().item() == 80  # still mapped: reading does not crash
+    with pytest.raises(ValueError, match="closed"):
+        arena.tensor(0, (1,), torch.int32)
+
+
+def test_attacher_closing_does_not_unlink(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as owner:
+        Arena.attach(owner.name).close()
+        assert owner.path.exists()
+
+
+def test_read_only_attach_sees_owner_writes_and_keeps_its_own_private(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as owner:
+        reader = Arena.attach(owner.name, writable=False)
+        owner.buffer[0] = 9
+        assert reader.buffer[0] == 9
+        reader.buffer[1] = 3  # copy-on-write: never reaches the segment
+        assert owner.buffer[1] == 0
+        reader.close()
+
+
+def test_garbage_collected_owner_unlinks(store_id: str) -> None:
+    arena = Arena.create(f"omni-{store_id}-host", 4096)
+    path = arena.path
+    del arena
+    gc.collect()
+    assert not path.exists()
+
+
+def test_register_pinned_without_cuda_is_a_no_op(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 4096) as arena:
+        assert register_pinned(arena) is torch.cuda.is_available()
+        assert arena.pinned is torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_register_pinned_makes_views_page_locked(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 1 << 20) as arena:
+        assert register_pinned(arena)
+        view = arena.tensor(0, (1 << 18,), torch.float32)
+        assert view.is_pinned()
+        view.copy_(torch.arange(1 << 18, dtype=torch.float32, device="cuda"))
+        assert view[-1].item() == (1 << 18) - 1
+        assert "pinned" in repr(arena)
+    assert not arena.pinned
+
+
+def test_full_shared_memory_is_an_oserror_at_creation_not_a_sigbus_later(
+        store_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full /dev/shm is simulated by replacing `os.posix_fallocate` as the arena module sees
+    it; the half-made segment is removed."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"cannot reserve 4096 B .* --shm-size") as info:
+        Arena.create(f"omni-{store_id}-host", 4096)
+    assert info.value.errno == errno.ENOSPC
