@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 
 import msgspec
 import torch
@@ -45,26 +46,32 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"KVLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in _DTYPES.values():
+            raise ValueError(f"KVLayout.dtype must be one of {', '.join(sorted(_DTYPES))}, "
+                             f"got {self.dtype!r}")
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
+        """``(num_layers, 2, page_size, num_kv_heads, head_dim)``."""
         return (self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def page_numel(self) -> int:
+        """Elements in one page."""
         return math.prod(self.page_shape)
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        """Bytes per element."""
+        return self.dtype.itemsize
 
     @property
     def page_bytes(self) -> int:
+        """Bytes in one page."""
         return self.page_numel * self.itemsize
 
     def to_spec(self) -> LayoutSpec:
+        """This layout as a wire struct."""
         return LayoutSpec(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
                           str(self.dtype).removeprefix("torch."))
 
@@ -88,7 +95,7 @@ def parse_size(value: int | str) -> int:
     Raises:
         ValueError: not a size, or negative.
     """
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
         if value < 0:
@@ -97,4 +104,4 @@ def parse_size(value: int | str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"not a size: {value!r} (try e.g. 512MiB, 8GiB, 4096)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])

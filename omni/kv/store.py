@@ -100,7 +100,9 @@ class KVStore:
             raise
 
     def _build_tier(self, config: TierConfig) -> Any:
-        num_slots = slots_for(parse_size(config.capacity), self.layout.page_bytes, config.name)
+        unit = (DiskTier.slot_bytes_for(self.layout) if config.name == "disk"
+                else self.layout.page_bytes)
+        num_slots = slots_for(parse_size(config.capacity), unit, config.name)
         if config.name == "device":
             return DeviceTier.create(self.layout, num_slots, self.store_id)
         if config.name == "host":

@@ -18,8 +18,10 @@ from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from omni.kv import KVCapacityError, KVLayout, KVStore, TierConfig
+from omni.kv.tiers import DiskTier
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=2, dtype=torch.float32)
+SLOT = DiskTier.slot_bytes_for(LAYOUT)  # a disk slot: header + page, 4 KiB aligned
 CAPACITY = {"device": 3, "host": 2, "disk": 3}
 KEYS = [bytes([i]) * 16 for i in range(12)]
 
@@ -120,7 +122,7 @@ class TierManagerMachine(RuleBasedStateMachine):
         self.store = KVStore(LAYOUT, [
             TierConfig("device", CAPACITY["device"] * pages),
             TierConfig("host", CAPACITY["host"] * pages),
-            TierConfig("disk", CAPACITY["disk"] * pages, path=self.tmp.name),
+            TierConfig("disk", CAPACITY["disk"] * SLOT, path=self.tmp.name),
         ])
         self.ref = Reference()
         self.open_leases: list = []

@@ -16,9 +16,11 @@ from omni.kv import (
     TierConfig,
     block_keys,
 )
+from omni.kv.tiers import DiskTier
 from omni.kv.tiers import disk as disk_module
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float16)
+SLOT = DiskTier.slot_bytes_for(LAYOUT)  # a disk slot: header + page, 4 KiB aligned
 PAGE = LAYOUT.page_bytes
 
 
@@ -33,7 +35,7 @@ def keys_and_pages(n: int, seed: int = 0):
 def make_store(tmp_path, device=4, host=4, disk=8, **kwargs) -> KVStore:
     tiers = [TierConfig("device", device * PAGE), TierConfig("host", host * PAGE)]
     if disk:
-        tiers.append(TierConfig("disk", disk * PAGE, path=tmp_path / "kv"))
+        tiers.append(TierConfig("disk", disk * SLOT, path=tmp_path / "kv"))
     return KVStore(LAYOUT, tiers, **kwargs)
 
 
@@ -115,7 +117,7 @@ def test_an_unwritable_disk_path_fails_at_construction(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises((ValueError, PermissionError), match="a-file"):
-        KVStore(LAYOUT, [TierConfig("host", PAGE), TierConfig("disk", PAGE, path=blocker)])
+        KVStore(LAYOUT, [TierConfig("host", PAGE), TierConfig("disk", "1MiB", path=blocker)])
 
 
 def test_everything_pinned_raises_capacity_error_and_recovers(tmp_path):

@@ -6,8 +6,10 @@ import threading
 import torch
 
 from omni.kv import KVCapacityError, KVLayout, KVStore, TierConfig
+from omni.kv.tiers import DiskTier
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
+SLOT = DiskTier.slot_bytes_for(LAYOUT)  # a disk slot: header + page, 4 KiB aligned
 KEYS = [i.to_bytes(16, "little") for i in range(40)]
 
 
@@ -18,7 +20,7 @@ def page_of(key: bytes) -> torch.Tensor:
 def test_many_threads_put_acquire_and_release_without_corruption(tmp_path):
     page = LAYOUT.page_bytes
     store = KVStore(LAYOUT, [TierConfig("device", 12 * page), TierConfig("host", 8 * page),
-                             TierConfig("disk", 16 * page, path=tmp_path)])
+                             TierConfig("disk", 16 * SLOT, path=tmp_path)])
     errors: list[BaseException] = []
     reads = [0]
 

@@ -22,6 +22,9 @@ class Tier(Protocol):
     def write(self, slot: int, page: torch.Tensor, key: bytes) -> None:
         """Copy one page (a tensor of the layout's page shape, any device) into `slot`.
 
+        `key` is the page's 16-byte key. A wrong page shape or dtype raises ValueError, a slot
+        out of range IndexError.
+
         Raises OSError when the bytes cannot be stored (a disk that is full); the slot then
         holds nothing valid.
         """
