@@ -13,7 +13,8 @@ import typer
 
 from cli._errors import EXIT_FAILED, CliError, reporting
 from cli._inputs import build_requests, parse_assignments, validate_requests
-from cli._load import load_graph
+from cli._kv import kv_config
+from cli._load import load_module, select_graph
 from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
 from cli._report import Outcome, Reporter, summary_line
 from cli._runner import run_batch
@@ -49,6 +50,16 @@ def run(
     concurrency: Annotated[int | None, typer.Option(
         "--concurrency", "-c", min=1, show_default=False,
         help="Run at most C requests at once (default 1). Prints the summary too.")] = None,
+    kv_device: Annotated[str | None, typer.Option(
+        "--kv-device", metavar="SIZE", show_default=False,
+        help="Size of the KV store's device tier (e.g. 2GiB); needs KV_LAYOUT in FILE.")] = None,
+    kv_host: Annotated[str | None, typer.Option(
+        "--kv-host", metavar="SIZE", show_default=False,
+        help="Size of the KV store's host-memory tier (e.g. 4GiB).")] = None,
+    kv_disk: Annotated[str | None, typer.Option(
+        "--kv-disk", metavar="SIZE[:PATH]", show_default=False,
+        help="Size and folder of the KV store's disk tier (e.g. 32GiB:/data/kv; the folder "
+             "defaults to the user's cache directory).")] = None,
     debug: Annotated[bool, typer.Option(
         "--debug", help="Show tracebacks for errors, not only the one-line message.")] = False,
 ) -> None:
@@ -61,11 +72,13 @@ def run(
     Example: omni run examples/hello.py --input text="omni runs pipelines"
     """
     with reporting(debug), _results_stdout(as_json) as out:
-        graph = load_graph(file, graph_name)
+        module = load_module(file)
+        graph = select_graph(module, graph_name, file)
+        kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
         requests = _requests(graph, parse_assignments(inputs or []), inputs_json,
                              num_requests)
         printer = JsonPrinter(out) if as_json else HumanPrinter(graph, len(requests))
-        outcome = _execute(graph, requests, concurrency or 1, printer, debug)
+        outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv)
     if num_requests is not None or concurrency is not None:
         typer.echo(summary_line(outcome, concurrency or 1), err=True)
     if outcome.num_failed:
@@ -94,10 +107,10 @@ def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None
 
 
 def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
-             printer: Printer, debug: bool) -> Outcome:
+             printer: Printer, debug: bool, kv: Any) -> Outcome:
     try:
         with Reporter(len(requests), debug=debug) as reporter:
-            return trio.run(run_batch, graph, requests, concurrency, printer, reporter)
+            return trio.run(run_batch, graph, requests, concurrency, printer, reporter, kv)
     except NodeError as exc:  # raised only while the Runtime starts the graph's replicas
         raise CliError(f"node '{exc.node}' failed to start: {describe_cause(exc)}",
                        exit_code=EXIT_FAILED) from exc

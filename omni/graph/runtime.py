@@ -36,7 +36,9 @@ class Runtime:
     Args:
         graphs: graphs (or nodes) whose replicas are built when the runtime starts; a graph
             that is not listed is deployed on its first request.
-        kv: the process's KV store, reachable from nodes as ``omni.context().kv``.
+        kv: the process's KV store, reachable from nodes as ``omni.context().kv``: a
+            `omni.kv.KVStore` (yours to close), or an `omni.kv.KVConfig` or `KVLayout` from
+            which the runtime builds one when it starts and closes it when it stops.
 
     Class nodes get one instance per replica, built in the runtime (``__init__`` sees
     ``omni.context().replica``). An instance that is an async context manager is entered
@@ -44,7 +46,9 @@ class Runtime:
     """
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None):
-        self.kv = kv
+        self.kv: Any = None
+        self._kv_spec = kv
+        self._owns_kv = False
         self._node_graphs: dict[int, Graph] = {}
         self._initial = [self._graph_of(g) for g in graphs]
         self._pools: dict[Any, Pool] = {}
@@ -61,6 +65,7 @@ class Runtime:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def __aenter__(self) -> Runtime:
+        self.kv, self._owns_kv = _open_kv(self._kv_spec)
         self._host_cm = trio.open_nursery()
         self._hosts = await self._host_cm.__aenter__()
         self._request_cm = trio.open_nursery()
@@ -77,7 +82,11 @@ class Runtime:
         self._requests.cancel_scope.cancel()
         await self._request_cm.__aexit__(None, None, None)
         self._closing.set()
-        await self._host_cm.__aexit__(None, None, None)
+        try:
+            await self._host_cm.__aexit__(None, None, None)
+        finally:
+            if self._owns_kv:
+                self.kv.close()
 
     # -- deployment -------------------------------------------------------------------------
 
@@ -180,6 +189,19 @@ class Runtime:
         s = self.stats()
         return (f"<Runtime requests={s.requests_completed}/{s.requests_started} "
                 f"failed={s.requests_failed} pools={len(s.pools)}>")
+
+
+def _open_kv(spec: Any) -> tuple[Any, bool]:
+    """The store a runtime serves with, and whether the runtime owns (closes) it."""
+    if spec is None or hasattr(spec, "acquire"):
+        return spec, False
+    from omni.kv import KVConfig, KVLayout, KVStore  # the KV layer needs torch: load it lazily
+
+    if isinstance(spec, KVLayout):
+        return KVStore(spec), True
+    if isinstance(spec, KVConfig):
+        return spec.build(), True
+    raise TypeError(f"kv must be a KVStore, a KVConfig or a KVLayout, got {spec!r}")
 
 
 class ResultStream:

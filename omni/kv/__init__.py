@@ -12,10 +12,10 @@ from omni.kv.handle import Lease, OpenedPages, PageDescriptor, open_descriptor
 from omni.kv.keys import MediaSpan, block_keys, media_digest
 from omni.kv.layout import KVLayout, parse_size
 from omni.kv.policy import EvictionPolicy, LFUPolicy, LRUPolicy, make_policy
-from omni.kv.store import KVStore, TierConfig
+from omni.kv.store import KVConfig, KVStore, TierConfig
 
 __all__ = [
-    "EvictionPolicy", "KVCapacityError", "KVError", "KVLayout", "KVLeaseError", "KVStore",
-    "LFUPolicy", "LRUPolicy", "Lease", "MediaSpan", "OpenedPages", "PageDescriptor",
+    "EvictionPolicy", "KVCapacityError", "KVConfig", "KVError", "KVLayout", "KVLeaseError",
+    "KVStore", "LFUPolicy", "LRUPolicy", "Lease", "MediaSpan", "OpenedPages", "PageDescriptor",
     "TierConfig", "block_keys", "make_policy", "media_digest", "open_descriptor", "parse_size",
 ]

@@ -24,7 +24,7 @@ from omni.kv.tiers.disk import DiskTier
 from omni.kv.tiers.host import HostTier
 from omni.kv.tiers.memory import slots_for
 
-__all__ = ["KVStore", "TierConfig"]
+__all__ = ["KVConfig", "KVStore", "TierConfig"]
 
 TierName = Literal["device", "host", "disk"]
 _ORDER = {"device": 0, "host": 1, "disk": 2}
@@ -51,6 +51,32 @@ class TierConfig:
 
 
 DEFAULT_TIERS = (TierConfig("device", "256MiB"), TierConfig("host", "1GiB"))
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """A store to build later: what ``omni.Runtime(kv=...)`` and ``omni run --kv-*`` take.
+
+    The runtime builds the store when it starts and closes it when it stops.
+    """
+
+    layout: KVLayout
+    tiers: tuple[TierConfig, ...] | None = None
+    policy: str = "lru"
+
+    def check(self) -> None:
+        """Raise ValueError now for a tier that could not hold a page (nothing is allocated)."""
+        for config in self.tiers or DEFAULT_TIERS:
+            num_slots(config, self.layout)
+
+    def build(self) -> KVStore:
+        return KVStore(self.layout, self.tiers, self.policy)
+
+
+def num_slots(config: TierConfig, layout: KVLayout) -> int:
+    """Pages a tier of `config` holds (ValueError when not even one)."""
+    unit = DiskTier.slot_bytes_for(layout) if config.name == "disk" else layout.page_bytes
+    return slots_for(parse_size(config.capacity), unit, config.name)
 
 
 class KVStore:
@@ -100,14 +126,12 @@ class KVStore:
             raise
 
     def _build_tier(self, config: TierConfig) -> Any:
-        unit = (DiskTier.slot_bytes_for(self.layout) if config.name == "disk"
-                else self.layout.page_bytes)
-        num_slots = slots_for(parse_size(config.capacity), unit, config.name)
+        slots = num_slots(config, self.layout)
         if config.name == "device":
-            return DeviceTier.create(self.layout, num_slots, self.store_id)
+            return DeviceTier.create(self.layout, slots, self.store_id)
         if config.name == "host":
-            return HostTier.create(self.layout, num_slots, self.store_id)
-        return DiskTier.create(self.layout, num_slots, config.path, self.store_id)
+            return HostTier.create(self.layout, slots, self.store_id)
+        return DiskTier.create(self.layout, slots, config.path, self.store_id)
 
     # -- the API -----------------------------------------------------------------------------
 

@@ -370,10 +370,10 @@ async def test_context_names_the_request_and_node():
     def g(x: int):
         return who(x)
 
-    async with omni.Runtime(kv="the-store") as rt:
+    async with omni.Runtime() as rt:
         first = await rt.run(g, x=1)
         second = await rt.run(g, x=1)
-    assert first[1:] == ("who", None, "the-store")
+    assert first[1:] == ("who", None, None)
     assert first[0] != second[0]
     with pytest.raises(RuntimeError, match="only available inside a node"):
         omni.context()
