@@ -23,3 +23,13 @@ def test_readme_example_runs(tmp_path):
 def test_readme_shows_the_two_commands():
     text = README.read_text()
     assert "make demo" in text and "make test" in text
+
+
+def test_every_readme_python_block_runs(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    for i, block in enumerate(blocks[1:], start=1):
+        example = tmp_path / f"block{i}.py"
+        example.write_text(block)
+        out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, f"README python block {i}: {out.stderr}"
