@@ -1,0 +1,1 @@
+"""Compute Flow: prompts, multimodal prefix keys, sampling, engines (filled in as it lands)."""
