@@ -1,0 +1,357 @@
+"""`TorchEngine`: the reference engine: a Llama/Qwen2 decoder on Omni's paged KV store.
+
+A request's prompt is flattened to token ids (media at placeholder positions) and cut into
+page keys. Prefill reads the longest cached prefix from the store under a lease, computes only
+the tokens after it, and puts every new full page back; decoding puts each page back as it
+fills, so the next turn of a conversation finds its whole history cached.
+
+Requests are batched per decode step (continuous batching) without a background task: the
+first waiting request drives the steps for everyone and hands over when it finishes. Each
+step runs in a worker thread, so the event loop never waits on a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from omni.compute._batch import BatchKV
+from omni.compute.encoders import AudioEncoder, ImageEncoder
+from omni.compute.models import DecoderLM, load_pretrained, tiny_model
+from omni.compute.prompt import Prompt, PromptTokens, as_prompt, tokenize
+from omni.compute.sampling import (
+    RequestSamplingState,
+    SamplingParams,
+    TokenSampler,
+    TokenSamplingState,
+    truncate_at_stop,
+)
+from omni.compute.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
+
+__all__ = ["GenerateResult", "TorchEngine"]
+
+log = logging.getLogger("omni.compute")
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One finished generation."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the store
+    finish_reason: str  # "stop", "length" or "cancelled"
+    time_to_first_token: float  # seconds
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens computed by this request (not cached)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(eq=False)
+class _Request:
+    """One generation in flight. Invariant: `length` tokens (prompt + output[:-1]) have
+    their KV in the batch row `row`; `output[-1]` is the next input."""
+
+    tokens: PromptTokens
+    params: SamplingParams
+    keys: list[bytes]
+    spans: list[MediaSpan]
+    started: float
+    sampling: RequestSamplingState | None = None
+    output: list[int] = field(default_factory=list)
+    row: int | None = None
+    length: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    cancelled: bool = False
+    stored_pages: int = 0
+
+
+class TorchEngine:
+    """A decoder of the Llama / Qwen2 family serving from Omni's KV store.
+
+    Args:
+        model: the `DecoderLM`; `config` its `DecoderConfig`.
+        tokenizer: str <-> ids (None: prompts must give token ids).
+        store: the `KVStore` to reuse and keep KV in (None: no reuse). Its layout must be the
+            model's KV layout for `page_size`.
+        model_id: part of every page key, so that models never share pages.
+        max_batch: requests decoded together at most.
+    """
+
+    def __init__(self, model: DecoderLM, config: Any, *, tokenizer: Tokenizer | None = None,
+                 store: KVStore | None = None, page_size: int = 16, model_id: str = "model",
+                 max_batch: int = 16, seed: int = 0):
+        self.model = model.eval()
+        self.config = config
+        self.tokenizer = tokenizer
+        self.page_size = page_size
+        self.model_id = model_id
+        self.max_batch = max_batch
+        self.dtype = next(model.parameters()).dtype
+        self.kv_layout = config.kv_layout(page_size, self.dtype)
+        if store is not None and store.layout != self.kv_layout:
+            raise ValueError(f"the KV store's layout {store.layout} does not match the model's "
+                             f"{self.kv_layout}")
+        self.store = store
+        self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1).to(self.dtype)
+        self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2).to(self.dtype)
+        self._sampler = TokenSampler()
+        self._batch_sampling: TokenSamplingState | None = None  # rebuilt when rows change
+        self._batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
+                              max_batch, self.dtype)
+        self._running: list[_Request] = []  # by batch row
+        self._waiting: list[_Request] = []
+        self._driving = False
+        self._progress = trio.lowlevel.ParkingLot()
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, seed: int = 0, *, store: KVStore | None = None, page_size: int = 16,
+             **overrides: Any) -> TorchEngine:
+        """A small random model with a byte tokenizer: demos and tests without downloads."""
+        model, config = tiny_model(seed=seed, **overrides)
+        return cls(model, config, tokenizer=ByteTokenizer(), store=store, page_size=page_size,
+                   model_id=f"tiny-{seed}", seed=seed)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, store: KVStore | None = None,
+                        page_size: int = 16, dtype: torch.dtype = torch.float32,
+                        **kwargs: Any) -> TorchEngine:
+        """Load a Hugging Face directory (config.json + safetensors, sharded or not).
+
+        Raises:
+            ValueError: no such directory, no config.json or weights, an unsupported
+                architecture, weights that do not fit the config.
+        """
+        model, config = load_pretrained(path, dtype=dtype)
+        tokenizer = load_tokenizer(path, tuple(config.eos_token_ids))
+        return cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
+                   model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def prepare(self, prompt: Any) -> PromptTokens:
+        """Flatten a prompt to token ids and media (ValueError for what cannot be served)."""
+        tokens = tokenize(as_prompt(prompt), self.tokenizer.encode if self.tokenizer else None)
+        if not tokens.token_ids:
+            raise ValueError("the prompt is empty")
+        limit = self.config.max_position_embeddings
+        if len(tokens) >= limit:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; this model's context is "
+                             f"{limit} tokens")
+        bad = [t for t in tokens.token_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary "
+                             f"(0..{self.config.vocab_size - 1})")
+        return tokens
+
+    def page_keys(self, token_ids: Any, spans: list[MediaSpan]) -> list[bytes]:
+        """The store keys of the full pages of `token_ids` (media digests included)."""
+        return block_keys(token_ids, self.page_size, extra=(self.model_id,), media=spans)
+
+    async def generate(self, prompt: Prompt | str | list[int],
+                       params: SamplingParams | None = None) -> GenerateResult:
+        """Generate from `prompt`; returns tokens, text and how much of the prompt was cached."""
+        request = await self._admit(prompt, params)
+        try:
+            while request.finish_reason is None:
+                await self._advance()
+        finally:
+            self._forget(request)
+        return self._result(request)
+
+    async def stream(self, prompt: Prompt | str | list[int],
+                     params: SamplingParams | None = None) -> AsyncIterator[int]:
+        """Generate from `prompt`, yielding token ids as they are sampled."""
+        request = await self._admit(prompt, params)
+        sent = 0
+        try:
+            while True:
+                if request.finish_reason is None:
+                    await self._advance()
+                while sent < len(request.output):
+                    sent += 1
+                    yield request.output[sent - 1]
+                if request.finish_reason is not None:
+                    return
+        finally:
+            self._forget(request)
+
+    async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
+        params = params if params is not None else SamplingParams()
+        tokens = self.prepare(prompt)
+        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
+        request = _Request(tokens, params, self.page_keys(tokens.token_ids, spans), spans,
+                           started=time.perf_counter())
+        request.sampling = RequestSamplingState(params, tokens.token_ids)
+        if self.store is not None:
+            usable = request.keys[: (len(tokens) - 1) // self.page_size]
+            await self.store.prefetch(usable[: self.store.match(usable)])
+        self._waiting.append(request)
+        return request
+
+    def _forget(self, request: _Request) -> None:
+        if request.finish_reason is None:
+            request.finish_reason = "cancelled"
+        request.cancelled = True
+        if request in self._waiting:
+            self._waiting.remove(request)
+        if not self._driving and request.row is not None:
+            self._drop(request)
+
+    async def _advance(self) -> None:
+        """Run one step (prefill the waiting, decode the running), or wait for the driver's."""
+        if self._driving:
+            await self._progress.park()
+            return
+        self._driving = True
+        try:
+            admitted = self._waiting[: self.max_batch - len(self._running)]
+            del self._waiting[: len(admitted)]
+            await trio.to_thread.run_sync(self._step, admitted)
+        finally:
+            self._driving = False
+            self._progress.unpark_all()
+
+    def _result(self, r: _Request) -> GenerateResult:
+        tokens = list(r.output)
+        text = None
+        if self.tokenizer is not None:
+            text = truncate_at_stop(self.tokenizer.decode(tokens), r.params.stop)
+        first = (r.first_token_at or time.perf_counter()) - r.started
+        return GenerateResult(tokens, text, len(r.tokens), r.cached_tokens, r.finish_reason,
+                              first)
+
+    # -- one step, in a worker thread ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def _step(self, admitted: list[_Request]) -> None:
+        for r in [r for r in self._running if r.cancelled]:
+            self._drop(r)
+        for r in admitted:
+            if not r.cancelled:
+                self._prefill(r)
+        if self._running:
+            self._decode()
+
+    def _prefill(self, r: _Request) -> None:
+        ids = r.tokens.token_ids
+        past = self._cached_prefix(r)
+        start = r.cached_tokens
+        positions = torch.arange(start, len(ids))[None]
+        hidden, new_kv = self.model.forward(self._embed(r.tokens, start), positions, past)
+        kv = new_kv if past is None else [
+            (torch.cat([pk, nk], dim=2), torch.cat([pv, nv], dim=2))
+            for (pk, pv), (nk, nv) in zip(past, new_kv, strict=True)]
+        r.row = self._batch.add(kv)
+        r.length = len(ids)
+        r.stored_pages = start // self.page_size
+        self._running.append(r)
+        self._store_pages(r, list(ids))
+        self._accept(r, self.model.logits(hidden[:, -1]))
+
+    def _cached_prefix(self, r: _Request) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        if self.store is None:
+            return None
+        usable = r.keys[: (len(r.tokens) - 1) // self.page_size]  # compute >= 1 token
+        with self.store.acquire(usable[: self.store.match(usable)]) as lease:
+            if not len(lease):
+                return None
+            r.cached_tokens = len(lease) * self.page_size
+            return self.model.kv_from_pages(lease.pages())
+
+    def _embed(self, tokens: PromptTokens, start: int) -> torch.Tensor:
+        ids = torch.tensor(tokens.token_ids[start:])[None]
+        hidden = self.model.embed(ids)  # [1, T - start, hidden]
+        for item in tokens.media:
+            lo, hi = max(item.start, start), min(item.start + item.length, len(tokens))
+            if lo >= hi:
+                continue
+            encoder = self.image_encoder if item.kind == "image" else self.audio_encoder
+            embeds = encoder.encode(item.segment).to(hidden.dtype)  # [length, hidden]
+            hidden[0, lo - start: hi - start] = embeds[lo - item.start: hi - item.start]
+        return hidden
+
+    def _decode(self) -> None:
+        running = self._running
+        tokens = torch.tensor([[r.output[-1]] for r in running])
+        positions = torch.tensor([[r.length] for r in running])
+        hidden, new_kv = self.model.forward(self.model.embed(tokens), positions,
+                                            self._batch.past(), self._batch.mask())
+        self._batch.append(new_kv)
+        logits = self.model.logits(hidden[:, -1])
+        for r in running:
+            r.length += 1
+        rows = tuple(r.sampling for r in running)
+        if self._batch_sampling is None or self._batch_sampling.requests != rows:
+            self._batch_sampling = TokenSamplingState(rows)
+        sampled = self._sampler.step(logits, self._batch_sampling).tolist()
+        for i, r in enumerate(list(running)):
+            self._store_pages(r, list(r.tokens.token_ids) + r.output)
+            self._finish_or_continue(r, sampled[i])
+
+    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
+        r.first_token_at = time.perf_counter()
+        if r.sampling.finish_reason is not None:  # max_new_tokens=0: the prompt is cached only
+            r.finish_reason = r.sampling.finish_reason
+            self._drop(r)
+            return
+        token = int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
+        self._finish_or_continue(r, token)
+
+    def _finish_or_continue(self, r: _Request, token: int) -> None:
+        r.output.append(token)
+        text = None
+        if r.params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output)
+        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
+        reason = r.sampling.check_stop(token, text, eos or tuple(self.config.eos_token_ids))
+        if reason is not None:
+            r.finish_reason = reason
+            self._drop(r)
+
+    def _drop(self, r: _Request) -> None:
+        """Take a request out of the batch; the last row's request moves into its row."""
+        if r.row is None:
+            return
+        row, r.row = r.row, None
+        moved = self._batch.remove(row)
+        last = self._running.pop()
+        if moved is not None:
+            self._running[row] = last
+            last.row = row
+
+    def _store_pages(self, r: _Request, ids: list[int]) -> None:
+        """Put the request's newly completed full pages into the store (best effort)."""
+        if self.store is None:
+            return
+        full = r.length // self.page_size
+        if full <= r.stored_pages:
+            return
+        keys = self.page_keys(ids[: full * self.page_size], r.spans)[r.stored_pages:]
+        start = r.stored_pages * self.page_size
+        kv = self._batch.row_kv(r.row, 0, full * self.page_size)
+        pages = self.model.kv_to_pages(kv, start, self.page_size)
+        try:
+            self.store.put(keys, pages.contiguous())
+        except KVCapacityError as exc:
+            log.warning("KV pages not cached: %s", exc)
+        r.stored_pages = full
+
+    def __repr__(self) -> str:
+        return (f"<TorchEngine {self.model_id} running={len(self._running)} "
+                f"waiting={len(self._waiting)}>")

@@ -1,0 +1,15 @@
+"""Decoder language models (Llama, Qwen2) that keep their KV cache outside, in `omni.kv` pages.
+
+`DecoderLM.forward` takes embeddings, explicit positions, the past KV and an optional mask, and
+returns the new tokens' KV; `load_pretrained` reads HF safetensors checkpoints; `tiny_model` makes
+a small random model for tests and demos.
+"""
+
+from omni.compute.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig, RopeScaling
+from omni.compute.models.llama import DecoderLM, KVList
+from omni.compute.models.loader import load_pretrained, save_pretrained, tiny_config, tiny_model
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "DecoderConfig", "DecoderLM", "KVList", "RopeScaling",
+    "load_pretrained", "save_pretrained", "tiny_config", "tiny_model",
+]

@@ -1,0 +1,99 @@
+"""How HF checkpoint tensor names map onto `DecoderLM` parameters (both directions).
+
+Why a table: the loader must check a checkpoint completely (missing, unexpected, wrong shape)
+before reading any bytes, and the saver must write exactly what transformers expects. Both use
+`hf_shapes`, and `fuse` / `split` are each other's inverse.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import Tensor
+
+from omni.compute.models.config import DecoderConfig
+
+__all__ = ["IGNORED", "fuse", "hf_shapes", "split"]
+
+# Tensors some checkpoints carry that the model recomputes (old Llama RoPE buffers).
+IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+# Our fused parameter -> the HF tensors concatenated along dim 0, in order.
+_FUSED = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_RENAMED = {"attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj",
+            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+
+def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF checkpoint of this config holds, with its shape (lm_head only untied)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_rows = config.num_heads * int(config.head_dim or 0)
+    kv_rows = config.num_kv_heads * int(config.head_dim or 0)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    per_layer = {"self_attn.q_proj": ((q_rows, hidden), config.attention_bias),
+                 "self_attn.k_proj": ((kv_rows, hidden), config.attention_bias),
+                 "self_attn.v_proj": ((kv_rows, hidden), config.attention_bias),
+                 "self_attn.o_proj": ((hidden, q_rows), config.o_proj_bias),
+                 "mlp.gate_proj": ((inter, hidden), config.mlp_bias),
+                 "mlp.up_proj": ((inter, hidden), config.mlp_bias),
+                 "mlp.down_proj": ((hidden, inter), config.mlp_bias)}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        for name, (shape, has_bias) in per_layer.items():
+            shapes[f"{prefix}{name}.weight"] = shape
+            if has_bias:
+                shapes[f"{prefix}{name}.bias"] = shape[:1]
+        shapes[prefix + "input_layernorm.weight"] = (hidden,)
+        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+    return shapes
+
+
+def fuse(config: DecoderConfig, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HF tensors (all of `hf_shapes`) -> a `DecoderLM` state dict (without tied lm_head).
+
+    Consumes `hf` (each tensor is dropped as soon as it is used, to keep peak memory low).
+    """
+    state = {"embed_tokens.weight": hf.pop("model.embed_tokens.weight"),
+             "norm.weight": hf.pop("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = hf.pop("lm_head.weight")
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        for ours, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                if f"{src}{parts[0]}.{kind}" in hf:
+                    state[f"{dst}{ours}.{kind}"] = torch.cat(
+                        [hf.pop(f"{src}{part}.{kind}") for part in parts])
+        for ours, theirs in _RENAMED.items():
+            for kind in ("weight", "bias"):
+                if f"{src}{theirs}.{kind}" in hf:
+                    state[f"{dst}{ours}.{kind}"] = hf.pop(f"{src}{theirs}.{kind}")
+    return state
+
+
+def split(config: DecoderConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A `DecoderLM` state dict -> HF tensors named as in `hf_shapes` (fresh, unshared memory)."""
+    shapes = hf_shapes(config)
+    hf = {"model.embed_tokens.weight": state["embed_tokens.weight"],
+          "model.norm.weight": state["norm.weight"]}
+    if not config.tie_word_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", f"model.layers.{i}."
+        for ours, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                if f"{src}{ours}.{kind}" not in state:
+                    continue
+                sizes = [shapes[f"{dst}{part}.weight"][0] for part in parts]
+                chunks = state[f"{src}{ours}.{kind}"].split(sizes)
+                hf.update({f"{dst}{part}.{kind}": t for part, t in zip(parts, chunks, strict=True)})
+        for ours, theirs in _RENAMED.items():
+            for kind in ("weight", "bias"):
+                if f"{src}{ours}.{kind}" in state:
+                    hf[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
+    return {name: t.detach().to("cpu").clone().contiguous() for name, t in hf.items()}

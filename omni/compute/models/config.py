@@ -1,0 +1,258 @@
+"""`DecoderConfig`: the shape of a Llama-family decoder, read from and written to HF config.json."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from omni.kv.layout import KVLayout
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling"]
+
+Architecture = Literal["llama", "qwen2"]
+
+# config.json "architectures" entry -> our architecture; the model_type is accepted too.
+SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
+
+# transformers' class defaults, used when config.json leaves a field out.
+_HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
+    "qwen2": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency rescaling, exactly as transformers computes it.
+
+    `"linear"` divides every inverse frequency by `factor`; `"llama3"` (Llama 3.1) divides the low
+    frequencies by `factor`, keeps the high ones and interpolates in between.
+    """
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r}; "
+                             "supported: none (default), 'linear', 'llama3'")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{self.high_freq_factor} <= {self.low_freq_factor}")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `rope_parameters` entries of config.json (without `rope_theta`)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {"rope_type": "llama3", "factor": self.factor,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The sizes and options of a Llama / Qwen2 decoder-only language model.
+
+    `attention_bias` puts biases on the q/k/v projections (always on for qwen2); Llama also puts
+    one on the output projection (`o_proj_bias`). `head_dim` defaults to hidden_size / num_heads.
+
+    Raises:
+        ValueError: a size that is not positive, or sizes that do not divide (see `__post_init__`).
+    """
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in _HF_CLASS:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; "
+                             f"supported: {', '.join(_HF_CLASS)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "max_position_embeddings"):
+            _check_positive_int(name, getattr(self, name))
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                                 f"{self.num_heads} (give head_dim explicitly)")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        _check_positive_int("head_dim", self.head_dim)
+        self._check_consistency()
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    def _check_consistency(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not divisible by num_kv_heads "
+                             f"{self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rope_theta > 0 or not self.rms_norm_eps > 0:
+            raise ValueError(f"rope_theta and rms_norm_eps must be positive, got "
+                             f"{self.rope_theta} and {self.rms_norm_eps}")
+        if self.architecture == "qwen2" and (not self.attention_bias or self.mlp_bias):
+            raise ValueError("qwen2 always has q/k/v biases and no MLP bias: "
+                             "use attention_bias=True, mlp_bias=False")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias (Llama's attention_bias)."""
+        return self.architecture == "llama" and self.attention_bias
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_layout(self, page_size: int, dtype: torch.dtype) -> KVLayout:
+        """The `omni.kv` page layout of this model's KV cache."""
+        return KVLayout(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                        head_dim=int(self.head_dim or 0), page_size=page_size, dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
+        """The config of a HF config.json dict (LlamaForCausalLM or Qwen2ForCausalLM).
+
+        Reads both the transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)
+        spellings of RoPE settings.
+
+        Raises:
+            ValueError: another architecture, a missing size, unsupported RoPE scaling,
+                sliding-window attention or an activation other than silu.
+        """
+        arch = _architecture_of(hf)
+        fields = {**_HF_DEFAULTS[arch], **hf}
+        _check_supported_features(arch, fields)
+        theta, scaling = _rope_of(fields)
+        eos = fields.get("eos_token_id")
+        return cls(
+            architecture=arch, vocab_size=_required(fields, "vocab_size"),
+            hidden_size=_required(fields, "hidden_size"),
+            intermediate_size=_required(fields, "intermediate_size"),
+            num_layers=_required(fields, "num_hidden_layers"),
+            num_heads=_required(fields, "num_attention_heads"),
+            num_kv_heads=fields.get("num_key_value_heads") or fields["num_attention_heads"],
+            head_dim=fields.get("head_dim"), rope_theta=float(theta),
+            rms_norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=fields["max_position_embeddings"],
+            tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(fields.get("attention_bias", False)),
+            mlp_bias=bool(fields.get("mlp_bias", False)) and arch == "llama",
+            bos_token_id=fields.get("bos_token_id"),
+            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
+            rope_scaling=scaling)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers (4.x and 5.x) builds the same model from."""
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(self.rope_scaling.to_hf())
+        eos = list(self.eos_token_ids)
+        out: dict[str, Any] = {
+            "architectures": [_HF_CLASS[self.architecture]], "model_type": self.architecture,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "hidden_act": "silu", "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "rope_theta": self.rope_theta,
+            "rope_parameters": rope, "bos_token_id": self.bos_token_id,
+            "eos_token_id": None if not eos else eos[0] if len(eos) == 1 else eos,
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = self.rope_scaling.to_hf()   # the transformers 4 spelling
+        if self.architecture == "llama":
+            out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        else:
+            out.update(use_sliding_window=False)
+        return out
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DecoderConfig.{name} must be a positive integer, got {value!r}")
+
+
+def _required(fields: Mapping[str, Any], key: str) -> Any:
+    if key not in fields or fields[key] is None:
+        raise ValueError(f"config.json has no {key!r}")
+    return fields[key]
+
+
+def _architecture_of(hf: Mapping[str, Any]) -> Architecture:
+    archs = hf.get("architectures") or []
+    name = archs[0] if archs else hf.get("model_type")
+    if name in SUPPORTED_ARCHITECTURES:
+        return SUPPORTED_ARCHITECTURES[name]
+    if not archs and name in _HF_CLASS:
+        return name
+    raise ValueError(f"unsupported architecture {name!r}; "
+                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported_features(arch: Architecture, fields: Mapping[str, Any]) -> None:
+    if fields.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {fields['hidden_act']!r}; only 'silu'")
+    if arch == "qwen2":
+        layer_types = fields.get("layer_types")
+        if layer_types is None and fields.get("use_sliding_window"):
+            num_full = fields.get("max_window_layers", 28)
+            layer_types = ["sliding_attention"] * max(0, fields["num_hidden_layers"] - num_full)
+        if layer_types and "sliding_attention" in layer_types:
+            raise ValueError("unsupported: qwen2 sliding-window attention "
+                             "(use_sliding_window=true)")
+
+
+def _rope_of(fields: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from `rope_parameters` (transformers 5) or `rope_scaling` (4)."""
+    params = dict(fields.get("rope_parameters") or fields.get("rope_scaling") or {})
+    if params and all(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("unsupported: per-layer-type rope_parameters")
+    theta = params.get("rope_theta", fields.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("unsupported: partial_rotary_factor "
+                         f"{params['partial_rotary_factor']} (only full rotary embeddings)")
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                         "supported: none (default), 'linear', 'llama3'")
+    if "factor" not in params:
+        raise ValueError(f"rope scaling {rope_type!r} has no 'factor'")
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    try:
+        return theta, RopeScaling(
+            "llama3", float(params["factor"]), float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params.get("original_max_position_embeddings",
+                           fields["max_position_embeddings"])))
+    except KeyError as missing:
+        raise ValueError(f"llama3 rope scaling has no {missing.args[0]!r}") from None

@@ -1,0 +1,498 @@
+"""Sampling: the parameters a request samples with, and the samplers that apply them.
+
+`SamplingParams` keeps SGLang's field names, defaults and valid ranges, so a request written for
+SGLang means the same here. A `Sampler` turns a forward pass into the next input: `TokenSampler`
+turns logits into next token ids; a diffusion sampler turns the model's output for image tokens
+into the next latents, with its own state type. Per-request history lives in a
+`RequestSamplingState`; a `TokenSamplingState` holds one batch composition's per-row tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+FinishReason = Literal["length", "stop"]
+
+# field -> (accepts the value?, the accepted range as the error message words it)
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "max_new_tokens": (lambda v: v >= 0, ">= 0"),
+    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+}
+_INT_FIELDS = frozenset({"max_new_tokens", "top_k", "seed"})
+
+
+def _check_number(name: str, value: object, *, integral: bool) -> Any:
+    """`value` as an int (integral) or a finite float; ValueError naming `name` otherwise."""
+    kind = "an int" if integral else "a number"
+    wanted = numbers.Integral if integral else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        raise ValueError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    number = int(value) if integral else float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return number
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    items = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, Iterable) or not all(isinstance(s, str) and s for s in items):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(dict.fromkeys(items))
+
+
+def _normalise_token_ids(ids: object) -> frozenset[int]:
+    items = () if ids is None else ids
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+    items = tuple(items)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+               for t in items):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+    return frozenset(int(t) for t in items)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How one request samples: SGLang's `SamplingParams` fields, defaults and ranges.
+
+    Args:
+        max_new_tokens: the most tokens to generate (>= 0).
+        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
+        top_p: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1].
+        top_k: keep the k most likely tokens; -1 turns it off (0 is invalid).
+        min_p: drop tokens less likely than min_p * (probability of the most likely), in [0, 1].
+        repetition_penalty: in (0, 2]; tokens seen in prompt or output have positive logits
+            divided by it and negative logits multiplied by it (1 = off).
+        frequency_penalty: in [-2, 2]; subtracted once per earlier occurrence in the output.
+        presence_penalty: in [-2, 2]; subtracted once if the token occurred in the output.
+        stop: a stop string or several; stored as a tuple of unique strings.
+        stop_token_ids: token ids that end the request (even with ignore_eos); stored as a
+            frozenset.
+        ignore_eos: keep going after the model's end-of-sequence token(s).
+        seed: seeds this request's own generator, so its tokens do not depend on the batch.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range; the message names the field and
+            the accepted range, e.g. ``top_p must be in (0, 1], got 1.5``.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: Collection[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, (accepts, accepted) in _RANGES.items():
+            value = _check_number(name, getattr(self, name), integral=name in _INT_FIELDS)
+            if not accepts(value):
+                raise ValueError(f"{name} must be {accepted}, got {value!r}")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", _check_number("seed", self.seed, integral=True))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax: temperature 0 or top_k 1."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition, frequency or presence penalties is on."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict (lists for `stop` and sorted `stop_token_ids`)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["stop"] = list(self.stop)  # type: ignore[arg-type]
+        data["stop_token_ids"] = sorted(self.stop_token_ids)  # type: ignore[type-var]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Build from a dict such as `to_dict()` makes; ValueError names any unknown keys."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"SamplingParams.from_dict expects a mapping, got {data!r}")
+        unknown = sorted(repr(k) for k in data if k not in _FIELD_NAMES)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+StateT = TypeVar("StateT", contravariant=True)
+
+
+@runtime_checkable
+class Sampler(Protocol[StateT]):
+    """Turns a forward pass into the next input.
+
+    `step(output, state)` takes what the model just produced and returns what it reads next:
+    `TokenSampler` maps logits [B, V] to next token ids [B]; a diffusion sampler maps the model's
+    output for image tokens to the next latents. `state` carries whatever the sampler needs
+    across steps (token history and generators; a diffusion schedule and timestep) and is
+    advanced by `step`.
+    """
+
+    def step(self, output: torch.Tensor, state: StateT) -> torch.Tensor:
+        """Return the next input for the batch and advance `state`."""
+        ...
+
+
+def truncate_at_stop(text: str, stop: Iterable[str]) -> str:
+    """`text` cut before the earliest occurrence of any stop string (SGLang's output rule)."""
+    cuts = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+class RequestSamplingState:
+    """One request's sampling history, kept for the request's lifetime.
+
+    Why: penalties need the prompt and the tokens sampled so far; reproducible sampling needs a
+    generator only this request draws from, so its tokens do not depend on the rest of the batch;
+    stop checks need the parameters. Batches come and go around it (`TokenSamplingState`).
+    """
+
+    _UNIFORM_CHUNK = 64
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = ()) -> None:
+        self.params = params
+        self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
+        self.output_token_ids: list[int] = []  # appended by TokenSampler.step
+        self.finish_reason: FinishReason | None = "length" if params.max_new_tokens == 0 else None
+        self.matched_stop: int | str | None = None  # the stop token id or string that matched
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()  # non-deterministic seed from the OS
+        else:
+            self.generator.manual_seed(params.seed % 2**64)
+        self._uniforms: list[float] = []
+
+    def __repr__(self) -> str:
+        return (f"<RequestSamplingState prompt={len(self.prompt_token_ids)} "
+                f"output={len(self.output_token_ids)} finish={self.finish_reason}>")
+
+    def next_uniform(self) -> float:
+        """The next draw in [0, 1) from this request's generator (drawn in chunks of 64)."""
+        if not self._uniforms:
+            draws = torch.rand(self._UNIFORM_CHUNK, generator=self.generator, dtype=torch.float64)
+            self._uniforms = draws.tolist()[::-1]
+        return self._uniforms.pop()
+
+    def output_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token id occurs in the output so far: int64 [vocab_size]."""
+        ids = torch.tensor(self.output_token_ids, dtype=torch.int64)
+        return torch.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+
+    def check_stop(self, new_token: int, text_so_far: str | None = None,
+                   eos_token_ids: Collection[int] = ()) -> FinishReason | None:
+        """Whether the request ends after `new_token` (already recorded by `TokenSampler.step`).
+
+        In SGLang's order: "length" once max_new_tokens tokens were generated; "stop" for a stop
+        token id, an eos id (unless ignore_eos) or a stop string in `text_so_far` (cut the text
+        with `truncate_at_stop`); else None. Also sets `finish_reason` and `matched_stop`.
+        """
+        params, reason, matched = self.params, None, None
+        if len(self.output_token_ids) >= params.max_new_tokens:
+            reason = "length"
+        elif new_token in params.stop_token_ids or (
+                not params.ignore_eos and new_token in eos_token_ids):
+            reason, matched = "stop", new_token
+        elif text_so_far is not None:
+            matched = next((s for s in params.stop if s in text_so_far), None)  # type: ignore[union-attr]
+            reason = "stop" if matched is not None else None
+        self.finish_reason, self.matched_stop = reason, matched
+        return reason
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """Per-row parameters as [B, 1] tensors on the logits' device, built at a batch's first step.
+
+    Greedy rows get neutral filter values (temperature 1, filters off): they take the argmax.
+    """
+
+    rows: torch.Tensor  # [B] int64
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # int64; 1 where off (then masked by top_k_on)
+    top_k_on: torch.Tensor
+    top_p: torch.Tensor
+    top_p_on: torch.Tensor
+    min_p: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+
+class _PenaltyTables:
+    """The multipliers and offsets the penalties apply, per row and token: [B, V] tables.
+
+    Why: penalties depend on each row's whole history. Tables updated by one write per row per
+    step turn them into a few branch-free tensor passes, with no per-step rebuild; rows without
+    penalties hold neutral entries (1 and 0), which leave their logits bit-for-bit unchanged.
+    """
+
+    def __init__(self, requests: Sequence[RequestSamplingState], cols: _Columns,
+                 vocab_size: int, device: torch.device) -> None:
+        shape, self._cols = (len(requests), vocab_size), cols
+        self.counts = torch.zeros(shape, device=device)  # occurrences in the output
+        seen = torch.zeros(shape, dtype=torch.bool, device=device)  # in prompt or output
+        for row, request in enumerate(requests):
+            if request.params.has_penalties:
+                self.counts[row] = request.output_token_counts(vocab_size).to(device)
+                prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64)
+                seen[row, prompt[(prompt >= 0) & (prompt < vocab_size)].to(device)] = True
+        seen |= self.counts > 0
+        self.positive = torch.where(seen, 1.0 / cols.repetition, 1.0)  # x > 0: x * positive
+        self.negative = torch.where(seen, cols.repetition, 1.0)  # x < 0: x * negative
+        self.offset = cols.frequency * self.counts + cols.presence * (self.counts > 0)
+
+    def apply(self, scores: torch.Tensor) -> torch.Tensor:
+        """Repetition, then frequency and presence penalties: a new [B, V] tensor."""
+        scores = scores.clamp(min=0) * self.positive + scores.clamp(max=0) * self.negative
+        return scores - self.offset
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Count each row's new token (one per row, so the scattered writes never collide)."""
+        rows, cols = self._cols.rows, self._cols
+        count = self.counts[rows, tokens] + 1.0
+        self.counts[rows, tokens] = count
+        self.offset[rows, tokens] = cols.frequency[:, 0] * count + cols.presence[:, 0]
+        self.positive[rows, tokens] = 1.0 / cols.repetition[:, 0]
+        self.negative[rows, tokens] = cols.repetition[:, 0]
+
+
+class TokenSamplingState:
+    """The rows of one decode batch, with their parameters as per-row tensors.
+
+    Why: the decode loop samples every step, but the batch changes only when a request joins or
+    leaves. Parameter columns and the [B, V] penalty tables are built once per composition (at
+    the first step, when V and the device are known), and flags record which stages any row needs
+    so the rest cost nothing: all-greedy without penalties is one argmax. Build a new state when
+    rows join or leave; the penalty tables are rebuilt from each request's history.
+    """
+
+    def __init__(self, requests: Sequence[RequestSamplingState]) -> None:
+        self.requests = tuple(requests)
+        params = [r.params for r in self.requests]
+        self._greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, self._greedy, strict=True) if not g]
+        self.all_greedy, self.any_greedy = not sampled, any(self._greedy)
+        self.any_penalty = any(p.has_penalties for p in params)
+        self.any_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        self.any_temperature = any(p.temperature != 1.0 for p in sampled)
+        self.any_top_k = any(p.top_k != -1 for p in sampled)
+        self.any_top_p = any(p.top_p < 1.0 for p in sampled)
+        self.any_min_p = any(p.min_p > 0.0 for p in sampled)
+        # top-k / top-p look at each row's `sort_width` largest probabilities; a top-p row
+        # without top-k may need more, and widens it (kept for later steps: shapes persist)
+        open_top_p = any(p.top_p < 1.0 and p.top_k == -1 for p in sampled)
+        max_top_k = max((p.top_k for p in sampled if p.top_k > 0), default=1)
+        self.sort_width = max(max_top_k, 256 if open_top_p else 1)
+        self._columns: _Columns | None = None
+        self._vocab_size: int | None = None
+        self._penalties: _PenaltyTables | None = None
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __repr__(self) -> str:
+        return (f"<TokenSamplingState rows={len(self)} greedy={sum(self._greedy)} "
+                f"penalised={sum(r.params.has_penalties for r in self.requests)}>")
+
+    def columns(self, vocab_size: int, device: torch.device) -> _Columns:
+        """The per-row tensors for logits [B, vocab_size] on `device` (built once)."""
+        if self._columns is None:
+            self._vocab_size = vocab_size
+            self._columns = self._build_columns(device)
+            if self.any_penalty:
+                self._penalties = _PenaltyTables(self.requests, self._columns, vocab_size, device)
+        elif vocab_size != self._vocab_size:
+            raise ValueError(f"vocab size changed from {self._vocab_size} to {vocab_size}")
+        return self._columns
+
+    def _build_columns(self, device: torch.device) -> _Columns:
+        rows = [(r.params, g) for r, g in zip(self.requests, self._greedy, strict=True)]
+
+        def column(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
+
+        return _Columns(
+            rows=torch.arange(len(rows), device=device),
+            greedy=torch.tensor(self._greedy, dtype=torch.bool, device=device),
+            temperature=column([1.0 if g else p.temperature for p, g in rows]),
+            top_k=column([max(p.top_k, 1) for p, _ in rows], torch.int64),
+            top_k_on=column([p.top_k != -1 and not g for p, g in rows], torch.bool),
+            top_p=column([p.top_p for p, _ in rows]),
+            top_p_on=column([p.top_p < 1.0 and not g for p, g in rows], torch.bool),
+            min_p=column([0.0 if g else p.min_p for p, g in rows]),
+            repetition=column([p.repetition_penalty for p, _ in rows]),
+            frequency=column([p.frequency_penalty for p, _ in rows]),
+            presence=column([p.presence_penalty for p, _ in rows]),
+        )
+
+    def penalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` [B, V] float32 after each row's penalties (a new tensor); needs `columns`."""
+        return scores if self._penalties is None else self._penalties.apply(scores)
+
+    def uniforms(self, device: torch.device) -> torch.Tensor:
+        """One draw per row from each request's own generator (0 for greedy rows): [B]."""
+        draws = [0.0 if g else r.next_uniform()
+                 for r, g in zip(self.requests, self._greedy, strict=True)]
+        return torch.tensor(draws, dtype=torch.float32, device=device)
+
+    def record(self, tokens: torch.Tensor) -> list[int]:
+        """Append each row's sampled token to its request and to the penalty tables."""
+        token_ids = tokens.tolist()
+        for request, token_id in zip(self.requests, token_ids, strict=True):
+            request.output_token_ids.append(token_id)
+        if self._penalties is not None:
+            self._penalties.record(tokens)
+        return token_ids
+
+
+def _filter(probs: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
+    """Zero the tokens that top-k, top-p or min-p removes (ties at a cut-off are kept).
+
+    As in SGLang, every filter is measured on the same temperature-scaled distribution and the
+    kept sets are intersected, so each filter reduces to a per-row probability threshold.
+    """
+    if not (state.any_min_p or state.any_top_k or state.any_top_p):
+        return probs
+    threshold = torch.zeros_like(probs[:, :1])  # [B, 1]
+    if state.any_min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * cols.min_p
+    if state.any_top_k or state.any_top_p:
+        threshold = torch.maximum(threshold, _top_threshold(probs, state, cols))
+    return probs * (probs >= threshold)  # branch-free: faster than masked_fill on CPU
+
+
+def _top_threshold(probs: torch.Tensor, state: TokenSamplingState,
+                   cols: _Columns) -> torch.Tensor:
+    """The smallest probability top-k and top-p keep, per row ([B, 1]; 0 where both are off).
+
+    Reads only the `state.sort_width` largest probabilities of each row and widens that prefix
+    (x8) while a top-p row without top-k has its cut-off beyond it. Values from a prefix equal
+    those of a full sort, and CPU cumsum is sequential, so a row's threshold does not depend on
+    the width that the other rows of its batch ask for.
+    """
+    vocab_size = probs.shape[-1]
+    open_top_p = cols.top_p_on & ~cols.top_k_on
+    while True:
+        width = min(state.sort_width, vocab_size)
+        ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
+                  else probs.topk(width, dim=-1).values)  # [B, width], descending
+        kth = ranked.gather(1, cols.top_k.clamp(max=width) - 1)
+        threshold = torch.where(cols.top_k_on, kth, 0.0)
+        if not state.any_top_p:
+            return threshold
+        mass_before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
+        num_kept = (mass_before < cols.top_p).sum(dim=-1, keepdim=True)  # >= 1
+        if width == vocab_size or not bool((open_top_p & (num_kept == width)).any()):
+            last = ranked.gather(1, num_kept - 1)
+            return torch.maximum(threshold, torch.where(cols.top_p_on, last, 0.0))
+        state.sort_width = width * 8
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one index per row of unnormalised `weights` [B, V] with draws `uniforms` [B]."""
+    cdf = weights.cumsum(dim=-1)  # [B, V], non-decreasing
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
+
+
+class TokenSampler:
+    """Samples next token ids from logits, each row with its own `SamplingParams`.
+
+    Order as SGLang and vLLM: penalties (repetition on prompt + output tokens; frequency and
+    presence from output counts), temperature, top-k / top-p / min-p, softmax, then one draw
+    per row from that request's generator (inverse CDF), so a seeded row gives the same tokens
+    whatever else is in the batch. Greedy rows take the argmax of the penalised logits.
+    Implements `Sampler[TokenSamplingState]`.
+    """
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_fast_steps = 0  # steps served by a plain argmax
+
+    def __repr__(self) -> str:
+        return f"<TokenSampler steps={self.num_steps} fast={self.num_fast_steps}>"
+
+    def step(self, output: torch.Tensor, state: TokenSamplingState) -> torch.Tensor:
+        """Next token ids [B] (int64) for logits `output` [B, V]; records them in `state`.
+
+        Raises:
+            ValueError: `output` is not [len(state), V], or V differs from an earlier step.
+        """
+        cols = _columns_for(output, state)
+        self.num_steps += 1
+        if state.all_greedy and not state.any_penalty:
+            self.num_fast_steps += 1
+            tokens = output.argmax(dim=-1)
+        else:
+            scores = _penalised(output, state, cols)
+            if state.all_greedy:
+                tokens = scores.argmax(dim=-1)
+            else:
+                tokens = _inverse_cdf(_weights(scores, state, cols), state.uniforms(scores.device))
+                if state.any_greedy:
+                    tokens = torch.where(cols.greedy, scores.argmax(dim=-1), tokens)
+        state.record(tokens)
+        return tokens
+
+    def probs(self, logits: torch.Tensor, state: TokenSamplingState) -> torch.Tensor:
+        """The distribution `step` would draw from: [B, V] float32, greedy rows one-hot.
+
+        Does not advance `state` (no draw, nothing recorded); useful for logprobs and tests.
+        """
+        cols = _columns_for(logits, state)
+        scores = _penalised(logits, state, cols)
+        weights = _weights(scores, state, cols)
+        probs = weights / weights.sum(dim=-1, keepdim=True)
+        one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1])
+        return torch.where(cols.greedy[:, None], one_hot.to(probs.dtype), probs)
+
+
+def _columns_for(logits: torch.Tensor, state: TokenSamplingState) -> _Columns:
+    if logits.dim() != 2 or logits.shape[0] != len(state):
+        raise ValueError(f"expected logits [{len(state)}, V], got {list(logits.shape)}")
+    return state.columns(logits.shape[1], logits.device)
+
+
+def _penalised(logits: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
+    """float32 logits after the repetition, then frequency and presence penalties."""
+    return state.penalise(logits.float())
+
+
+def _weights(scores: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
+    """Temperature, softmax, then top-k / top-p / min-p: unnormalised weights [B, V]."""
+    if state.any_temperature:
+        scores = scores / cols.temperature
+    return _filter(torch.softmax(scores, dim=-1), state, cols)
