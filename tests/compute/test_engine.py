@@ -1,0 +1,191 @@
+"""TorchEngine: reused KV gives the recomputed tokens exactly; batching, streaming, bad input."""
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from omni.compute.engine import TorchEngine
+from omni.compute.models import save_pretrained, tiny_model
+from omni.compute.prompt import Audio, Image, Prompt, Text
+from omni.compute.sampling import SamplingParams
+from omni.kv import KVStore, TierConfig
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+SYSTEM = "You are a helpful assistant who answers in one short sentence. "
+
+
+@pytest.fixture
+def reference():
+    """The same model without a store: every token recomputed."""
+    return TorchEngine.tiny(seed=0)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    layout = TorchEngine.tiny(seed=0).kv_layout
+    store = KVStore(layout, [TierConfig("device", 64 * layout.page_bytes),
+                             TierConfig("host", 256 * layout.page_bytes)])
+    yield TorchEngine.tiny(seed=0, store=store)
+    store.close()
+
+
+def pixels(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (24, 24, 3), dtype=np.uint8)
+
+
+async def test_a_second_turn_reuses_the_first_and_equals_recomputation(engine, reference):
+    first = await engine.generate(SYSTEM + "What is Omni?", GREEDY)
+    assert first.cached_tokens == 0
+    follow_up = SYSTEM + "What is Omni?" + first.text + " And why?"
+    second = await engine.generate(follow_up, GREEDY)
+    assert second.cached_tokens > 0
+    assert second.cached_tokens % engine.page_size == 0
+    assert second.cached_tokens >= (len(first.token_ids) + first.prompt_tokens) // 16 * 16 - 16
+    assert second.token_ids == (await reference.generate(follow_up, GREEDY)).token_ids
+
+
+async def test_another_conversation_with_the_same_system_prompt_reuses_it(engine, reference):
+    await engine.generate(SYSTEM + "Hello!", GREEDY)
+    other = await engine.generate(SYSTEM + "Tell me a joke.", GREEDY)
+    assert other.cached_tokens == len(SYSTEM.encode()) // 16 * 16
+    assert other.token_ids == (await reference.generate(SYSTEM + "Tell me a joke.",
+                                                       GREEDY)).token_ids
+
+
+@pytest.mark.parametrize("media", [Image(pixels()), Audio(np.sin(np.arange(3000) / 7.0))],
+                         ids=["image", "audio"])
+async def test_media_prompts_are_reused_and_equal_recomputation(engine, reference, media):
+    prompt = Prompt([Text(SYSTEM), media, Text("Describe it.")])
+    first = await engine.generate(prompt, GREEDY)
+    again = await engine.generate(prompt + Text(" Briefly."), GREEDY)
+    assert again.cached_tokens > first.prompt_tokens - 16
+    recomputed = await reference.generate(prompt + Text(" Briefly."), GREEDY)
+    assert again.token_ids == recomputed.token_ids
+
+
+async def test_one_changed_pixel_shares_no_page_from_the_image_on(engine):
+    changed = pixels()
+    changed[3, 4, 1] ^= 1
+    intro = "An image: "  # 10 tokens, then the image's 16 positions
+    await engine.generate(Prompt([Text(intro * 4), Image(pixels()), Text("What?")]), GREEDY)
+    result = await engine.generate(Prompt([Text(intro * 4), Image(changed), Text("What?")]),
+                                   GREEDY)
+    assert result.cached_tokens == 32  # the two pages before the image's first page
+
+
+async def test_images_and_audio_change_the_output(reference):
+    a = await reference.generate(Prompt([Image(pixels(1)), Text("What?")]), GREEDY)
+    b = await reference.generate(Prompt([Image(pixels(2)), Text("What?")]), GREEDY)
+    assert a.token_ids != b.token_ids
+
+
+async def test_concurrent_requests_are_batched_and_match_single_runs(engine, reference):
+    prompts = [f"request {i}: " + "tell me more " * (i + 1) for i in range(6)]
+    results = {}
+
+    async def one(i):
+        results[i] = await engine.generate(prompts[i], GREEDY)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(6):
+            nursery.start_soon(one, i)
+    for i, prompt in enumerate(prompts):
+        assert results[i].token_ids == (await reference.generate(prompt, GREEDY)).token_ids
+    assert engine._running == [] and engine._waiting == []
+
+
+async def test_forward_passes_run_off_the_event_loop(reference):
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(1)
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        await reference.generate("x" * 200, SamplingParams(max_new_tokens=30, temperature=0))
+        nursery.cancel_scope.cancel()
+    assert len(ticks) > 30
+
+
+async def test_stream_yields_the_tokens_generate_returns(reference):
+    streamed = [t async for t in reference.stream("streaming please", GREEDY)]
+    assert streamed == (await reference.generate("streaming please", GREEDY)).token_ids
+
+
+async def test_cancelling_one_request_leaves_the_others_running(engine, reference):
+    done = {}
+
+    async def long_one():
+        await engine.generate("a long request " * 5, SamplingParams(max_new_tokens=3000,
+                                                                     temperature=0,
+                                                                     ignore_eos=True))
+
+    async def short_one():
+        done["short"] = await engine.generate("short", GREEDY)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(short_one)
+        with trio.move_on_after(0.2):
+            await long_one()
+    assert done["short"].token_ids == (await reference.generate("short", GREEDY)).token_ids
+    assert engine._running == []
+
+
+async def test_sampling_is_reproducible_with_a_seed(reference):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, seed=7)
+    a = await reference.generate("seeded", params)
+    b = await reference.generate("seeded", params)
+    assert a.token_ids == b.token_ids
+
+
+async def test_max_new_tokens_and_stop_token_ids_end_generation(reference):
+    first = await reference.generate("stop here", GREEDY)
+    stop_at = first.token_ids[3]
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=[stop_at])
+    stopped = await reference.generate("stop here", params)
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+    assert len(stopped.token_ids) == first.token_ids.index(stop_at) + 1
+    assert first.finish_reason == "length" and len(first.token_ids) == 12
+
+
+async def test_bad_input_gets_clear_errors(engine):
+    with pytest.raises(ValueError, match="this model's context is 4096 tokens"):
+        await engine.generate([5] * 5000, GREEDY)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        await engine.generate("", GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        await engine.generate([10 ** 6], GREEDY)
+    with pytest.raises(ValueError, match=r"Image must be an \[H, W, 3\] RGB array"):
+        Image(np.zeros((3, 32, 32), dtype=np.uint8))
+    with pytest.raises(ValueError, match="Image must be uint8"):
+        Image(np.zeros((8, 8, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match="Audio must be a non-empty 1-D array"):
+        Audio(np.zeros((2, 100)))
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=2.0)
+
+
+def test_a_store_of_another_layout_is_refused(tmp_path):
+    other = TorchEngine.tiny(seed=0, page_size=8).kv_layout
+    with KVStore(other, [TierConfig("host", 16 * other.page_bytes)]) as store, \
+            pytest.raises(ValueError, match="does not match the model's"):
+        TorchEngine.tiny(seed=0, store=store, page_size=16)
+
+
+async def test_from_pretrained_matches_transformers_generate(tmp_path):
+    """The oracle at the engine level: greedy tokens equal HF's for the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    model, config = tiny_model(seed=3)
+    save_pretrained(model, config, tmp_path)
+    engine = TorchEngine.from_pretrained(tmp_path)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11]
+    ours = await engine.generate(prompt, SamplingParams(max_new_tokens=16, temperature=0,
+                                                        ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert ours.token_ids == out[0, len(prompt):].tolist()
