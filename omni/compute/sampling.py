@@ -36,8 +36,8 @@ _INT_FIELDS = frozenset({"max_new_tokens", "top_k", "seed"})
 def _check_number(name: str, value: object, *, integral: bool) -> Any:
     """`value` as an int (integral) or a finite float; ValueError naming `name` otherwise."""
     kind = "an int" if integral else "a number"
-    wanted = numbers.Integral if integral else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, wanted):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else
+                                                 numbers.Real):
         raise ValueError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
     number = int(value) if integral else float(value)
     if number != number or number in (float("inf"), float("-inf")):
@@ -45,20 +45,23 @@ def _check_number(name: str, value: object, *, integral: bool) -> Any:
     return number
 
 
+def _as_tuple(value: object) -> tuple[Any, ...] | None:
+    """A non-string iterable as a tuple; None for anything else."""
+    is_list = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+    return tuple(value) if is_list else None  # type: ignore[arg-type]
+
+
 def _normalise_stop(stop: object) -> tuple[str, ...]:
-    items = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(items, Iterable) or not all(isinstance(s, str) and s for s in items):
+    items = () if stop is None else (stop,) if isinstance(stop, str) else _as_tuple(stop)
+    if items is None or not all(isinstance(s, str) and s for s in items):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(dict.fromkeys(items))
 
 
 def _normalise_token_ids(ids: object) -> frozenset[int]:
-    items = () if ids is None else ids
-    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
-        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
-    items = tuple(items)
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
-               for t in items):
+    items = () if ids is None else _as_tuple(ids)
+    if items is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                and t >= 0 for t in items):
         raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
     return frozenset(int(t) for t in items)
 
@@ -67,21 +70,15 @@ def _normalise_token_ids(ids: object) -> frozenset[int]:
 class SamplingParams:
     """How one request samples: SGLang's `SamplingParams` fields, defaults and ranges.
 
-    Args:
-        max_new_tokens: the most tokens to generate (>= 0).
-        temperature: softmax temperature (>= 0); 0 means greedy (argmax).
-        top_p: keep the smallest set of tokens whose probability sums to >= top_p, in (0, 1].
-        top_k: keep the k most likely tokens; -1 turns it off (0 is invalid).
-        min_p: drop tokens less likely than min_p * (probability of the most likely), in [0, 1].
-        repetition_penalty: in (0, 2]; tokens seen in prompt or output have positive logits
-            divided by it and negative logits multiplied by it (1 = off).
-        frequency_penalty: in [-2, 2]; subtracted once per earlier occurrence in the output.
-        presence_penalty: in [-2, 2]; subtracted once if the token occurred in the output.
-        stop: a stop string or several; stored as a tuple of unique strings.
-        stop_token_ids: token ids that end the request (even with ignore_eos); stored as a
-            frozenset.
-        ignore_eos: keep going after the model's end-of-sequence token(s).
-        seed: seeds this request's own generator, so its tokens do not depend on the batch.
+    Fields: `max_new_tokens` (>= 0); `temperature` (>= 0, 0 = greedy); `top_p` (in (0, 1]: keep
+    the smallest set of tokens whose probability sums to >= top_p); `top_k` (-1 = off, else >= 1);
+    `min_p` (in [0, 1]: drop tokens less likely than min_p x the most likely);
+    `repetition_penalty` (in (0, 2]: tokens in prompt or output get positive logits divided and
+    negative ones multiplied by it); `frequency_penalty` and `presence_penalty` (in [-2, 2]:
+    subtracted per earlier occurrence in the output, and once if it occurred); `stop` (strings,
+    stored as a tuple); `stop_token_ids` (end the request even with ignore_eos; stored as a
+    frozenset); `ignore_eos`; `seed` (seeds the request's own generator, so its tokens do not
+    depend on the rest of the batch).
 
     Raises:
         ValueError: a value of the wrong type or out of range; the message names the field and
@@ -144,7 +141,6 @@ class SamplingParams:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-
 StateT = TypeVar("StateT", contravariant=True)
 
 
@@ -154,9 +150,8 @@ class Sampler(Protocol[StateT]):
 
     `step(output, state)` takes what the model just produced and returns what it reads next:
     `TokenSampler` maps logits [B, V] to next token ids [B]; a diffusion sampler maps the model's
-    output for image tokens to the next latents. `state` carries whatever the sampler needs
-    across steps (token history and generators; a diffusion schedule and timestep) and is
-    advanced by `step`.
+    output for image tokens to the next latents. `state` carries what the sampler needs across
+    steps (token history and generators; a noise schedule and timestep) and `step` advances it.
     """
 
     def step(self, output: torch.Tensor, state: StateT) -> torch.Tensor:
@@ -178,8 +173,6 @@ class RequestSamplingState:
     stop checks need the parameters. Batches come and go around it (`TokenSamplingState`).
     """
 
-    _UNIFORM_CHUNK = 64
-
     def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = ()) -> None:
         self.params = params
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
@@ -188,7 +181,7 @@ class RequestSamplingState:
         self.matched_stop: int | str | None = None  # the stop token id or string that matched
         self.generator = torch.Generator()
         if params.seed is None:
-            self.generator.seed()  # non-deterministic seed from the OS
+            self.generator.seed()  # a non-deterministic seed from the OS
         else:
             self.generator.manual_seed(params.seed % 2**64)
         self._uniforms: list[float] = []
@@ -198,9 +191,9 @@ class RequestSamplingState:
                 f"output={len(self.output_token_ids)} finish={self.finish_reason}>")
 
     def next_uniform(self) -> float:
-        """The next draw in [0, 1) from this request's generator (drawn in chunks of 64)."""
+        """The next draw in [0, 1) from this request's generator (drawn 64 at a time)."""
         if not self._uniforms:
-            draws = torch.rand(self._UNIFORM_CHUNK, generator=self.generator, dtype=torch.float64)
+            draws = torch.rand(64, generator=self.generator, dtype=torch.float64)
             self._uniforms = draws.tolist()[::-1]
         return self._uniforms.pop()
 
@@ -224,8 +217,9 @@ class RequestSamplingState:
                 not params.ignore_eos and new_token in eos_token_ids):
             reason, matched = "stop", new_token
         elif text_so_far is not None:
-            matched = next((s for s in params.stop if s in text_so_far), None)  # type: ignore[union-attr]
-            reason = "stop" if matched is not None else None
+            stop: tuple[str, ...] = params.stop  # type: ignore[assignment]
+            hits = [(text_so_far.find(s), s) for s in stop if s in text_so_far]
+            reason, matched = ("stop", min(hits)[1]) if hits else (None, None)
         self.finish_reason, self.matched_stop = reason, matched
         return reason
 
@@ -234,13 +228,13 @@ class RequestSamplingState:
 class _Columns:
     """Per-row parameters as [B, 1] tensors on the logits' device, built at a batch's first step.
 
-    Greedy rows get neutral filter values (temperature 1, filters off): they take the argmax.
+    Greedy rows get neutral values (temperature 1, filters off): they take the argmax.
     """
 
     rows: torch.Tensor  # [B] int64
     greedy: torch.Tensor  # [B] bool
-    temperature: torch.Tensor
-    top_k: torch.Tensor  # int64; 1 where off (then masked by top_k_on)
+    inv_temperature: torch.Tensor
+    top_k: torch.Tensor  # int64; 1 where off (masked by top_k_on)
     top_k_on: torch.Tensor
     top_p: torch.Tensor
     top_p_on: torch.Tensor
@@ -248,6 +242,25 @@ class _Columns:
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: list[tuple[SamplingParams, bool]], device: torch.device) -> _Columns:
+        def column(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
+
+        return cls(
+            rows=torch.arange(len(rows), device=device),
+            greedy=torch.tensor([g for _, g in rows], dtype=torch.bool, device=device),
+            inv_temperature=column([1.0 if g else 1.0 / p.temperature for p, g in rows]),
+            top_k=column([max(p.top_k, 1) for p, _ in rows], torch.int64),
+            top_k_on=column([p.top_k != -1 and not g for p, g in rows], torch.bool),
+            top_p=column([p.top_p for p, _ in rows]),
+            top_p_on=column([p.top_p < 1.0 and not g for p, g in rows], torch.bool),
+            min_p=column([0.0 if g else p.min_p for p, g in rows]),
+            repetition=column([p.repetition_penalty for p, _ in rows]),
+            frequency=column([p.frequency_penalty for p, _ in rows]),
+            presence=column([p.presence_penalty for p, _ in rows]),
+        )
 
 
 class _PenaltyTables:
@@ -292,79 +305,56 @@ class TokenSamplingState:
     """The rows of one decode batch, with their parameters as per-row tensors.
 
     Why: the decode loop samples every step, but the batch changes only when a request joins or
-    leaves. Parameter columns and the [B, V] penalty tables are built once per composition (at
-    the first step, when V and the device are known), and flags record which stages any row needs
-    so the rest cost nothing: all-greedy without penalties is one argmax. Build a new state when
-    rows join or leave; the penalty tables are rebuilt from each request's history.
+    leaves. Parameter columns and penalty tables are built once per composition (at the first
+    step, when V and the device are known), and flags record which stages any row needs so the
+    rest cost nothing: all-greedy without penalties is one argmax. Build a new state when rows
+    join or leave; the penalty tables are rebuilt from each request's history.
     """
 
     def __init__(self, requests: Sequence[RequestSamplingState]) -> None:
         self.requests = tuple(requests)
         params = [r.params for r in self.requests]
-        self._greedy = [p.is_greedy for p in params]
-        sampled = [p for p, g in zip(params, self._greedy, strict=True) if not g]
-        self.all_greedy, self.any_greedy = not sampled, any(self._greedy)
+        self._rows = [(p, p.is_greedy) for p in params]
+        sampled = [p for p, greedy in self._rows if not greedy]
+        self.all_greedy, self.any_greedy = not sampled, len(sampled) < len(params)
         self.any_penalty = any(p.has_penalties for p in params)
-        self.any_repetition = any(p.repetition_penalty != 1.0 for p in params)
         self.any_temperature = any(p.temperature != 1.0 for p in sampled)
         self.any_top_k = any(p.top_k != -1 for p in sampled)
         self.any_top_p = any(p.top_p < 1.0 for p in sampled)
         self.any_min_p = any(p.min_p > 0.0 for p in sampled)
-        # top-k / top-p look at each row's `sort_width` largest probabilities; a top-p row
-        # without top-k may need more, and widens it (kept for later steps: shapes persist)
+        # top-k / top-p read each row's `sort_width` largest probabilities; a top-p row without
+        # top-k may need more and widens it, for later steps too (distributions change slowly)
         open_top_p = any(p.top_p < 1.0 and p.top_k == -1 for p in sampled)
-        max_top_k = max((p.top_k for p in sampled if p.top_k > 0), default=1)
-        self.sort_width = max(max_top_k, 256 if open_top_p else 1)
-        self._columns: _Columns | None = None
+        self.sort_width = max([256 if open_top_p else 1] + [p.top_k for p in sampled])
         self._vocab_size: int | None = None
+        self._columns: _Columns | None = None
         self._penalties: _PenaltyTables | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def __repr__(self) -> str:
-        return (f"<TokenSamplingState rows={len(self)} greedy={sum(self._greedy)} "
-                f"penalised={sum(r.params.has_penalties for r in self.requests)}>")
+        return (f"<TokenSamplingState rows={len(self)} greedy={sum(g for _, g in self._rows)} "
+                f"penalised={sum(p.has_penalties for p, _ in self._rows)}>")
 
     def columns(self, vocab_size: int, device: torch.device) -> _Columns:
         """The per-row tensors for logits [B, vocab_size] on `device` (built once)."""
         if self._columns is None:
-            self._vocab_size = vocab_size
-            self._columns = self._build_columns(device)
+            self._vocab_size, self._columns = vocab_size, _Columns.build(self._rows, device)
             if self.any_penalty:
                 self._penalties = _PenaltyTables(self.requests, self._columns, vocab_size, device)
         elif vocab_size != self._vocab_size:
             raise ValueError(f"vocab size changed from {self._vocab_size} to {vocab_size}")
         return self._columns
 
-    def _build_columns(self, device: torch.device) -> _Columns:
-        rows = [(r.params, g) for r, g in zip(self.requests, self._greedy, strict=True)]
-
-        def column(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
-
-        return _Columns(
-            rows=torch.arange(len(rows), device=device),
-            greedy=torch.tensor(self._greedy, dtype=torch.bool, device=device),
-            temperature=column([1.0 if g else p.temperature for p, g in rows]),
-            top_k=column([max(p.top_k, 1) for p, _ in rows], torch.int64),
-            top_k_on=column([p.top_k != -1 and not g for p, g in rows], torch.bool),
-            top_p=column([p.top_p for p, _ in rows]),
-            top_p_on=column([p.top_p < 1.0 and not g for p, g in rows], torch.bool),
-            min_p=column([0.0 if g else p.min_p for p, g in rows]),
-            repetition=column([p.repetition_penalty for p, _ in rows]),
-            frequency=column([p.frequency_penalty for p, _ in rows]),
-            presence=column([p.presence_penalty for p, _ in rows]),
-        )
-
     def penalise(self, scores: torch.Tensor) -> torch.Tensor:
-        """`scores` [B, V] float32 after each row's penalties (a new tensor); needs `columns`."""
+        """`scores` [B, V] float32 after each row's penalties (after `columns` was called)."""
         return scores if self._penalties is None else self._penalties.apply(scores)
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
         """One draw per row from each request's own generator (0 for greedy rows): [B]."""
-        draws = [0.0 if g else r.next_uniform()
-                 for r, g in zip(self.requests, self._greedy, strict=True)]
+        draws = [0.0 if greedy else r.next_uniform()
+                 for r, (_, greedy) in zip(self.requests, self._rows, strict=True)]
         return torch.tensor(draws, dtype=torch.float32, device=device)
 
     def record(self, tokens: torch.Tensor) -> list[int]:
@@ -377,65 +367,14 @@ class TokenSamplingState:
         return token_ids
 
 
-def _filter(probs: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
-    """Zero the tokens that top-k, top-p or min-p removes (ties at a cut-off are kept).
-
-    As in SGLang, every filter is measured on the same temperature-scaled distribution and the
-    kept sets are intersected, so each filter reduces to a per-row probability threshold.
-    """
-    if not (state.any_min_p or state.any_top_k or state.any_top_p):
-        return probs
-    threshold = torch.zeros_like(probs[:, :1])  # [B, 1]
-    if state.any_min_p:
-        threshold = probs.amax(dim=-1, keepdim=True) * cols.min_p
-    if state.any_top_k or state.any_top_p:
-        threshold = torch.maximum(threshold, _top_threshold(probs, state, cols))
-    return probs * (probs >= threshold)  # branch-free: faster than masked_fill on CPU
-
-
-def _top_threshold(probs: torch.Tensor, state: TokenSamplingState,
-                   cols: _Columns) -> torch.Tensor:
-    """The smallest probability top-k and top-p keep, per row ([B, 1]; 0 where both are off).
-
-    Reads only the `state.sort_width` largest probabilities of each row and widens that prefix
-    (x8) while a top-p row without top-k has its cut-off beyond it. Values from a prefix equal
-    those of a full sort, and CPU cumsum is sequential, so a row's threshold does not depend on
-    the width that the other rows of its batch ask for.
-    """
-    vocab_size = probs.shape[-1]
-    open_top_p = cols.top_p_on & ~cols.top_k_on
-    while True:
-        width = min(state.sort_width, vocab_size)
-        ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
-                  else probs.topk(width, dim=-1).values)  # [B, width], descending
-        kth = ranked.gather(1, cols.top_k.clamp(max=width) - 1)
-        threshold = torch.where(cols.top_k_on, kth, 0.0)
-        if not state.any_top_p:
-            return threshold
-        mass_before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
-        num_kept = (mass_before < cols.top_p).sum(dim=-1, keepdim=True)  # >= 1
-        if width == vocab_size or not bool((open_top_p & (num_kept == width)).any()):
-            last = ranked.gather(1, num_kept - 1)
-            return torch.maximum(threshold, torch.where(cols.top_p_on, last, 0.0))
-        state.sort_width = width * 8
-
-
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample one index per row of unnormalised `weights` [B, V] with draws `uniforms` [B]."""
-    cdf = weights.cumsum(dim=-1)  # [B, V], non-decreasing
-    total = cdf[:, -1:]
-    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
-
-
 class TokenSampler:
     """Samples next token ids from logits, each row with its own `SamplingParams`.
 
     Order as SGLang and vLLM: penalties (repetition on prompt + output tokens; frequency and
-    presence from output counts), temperature, top-k / top-p / min-p, softmax, then one draw
-    per row from that request's generator (inverse CDF), so a seeded row gives the same tokens
-    whatever else is in the batch. Greedy rows take the argmax of the penalised logits.
-    Implements `Sampler[TokenSamplingState]`.
+    presence from output counts), temperature, top-k / top-p / min-p, softmax, then one draw per
+    row from that request's generator (inverse CDF in vocabulary order), so on CPU a seeded row
+    gives the same tokens whatever else is in the batch. Greedy rows take the argmax of the
+    penalised logits. Implements `Sampler[TokenSamplingState]`.
     """
 
     def __init__(self) -> None:
@@ -457,7 +396,7 @@ class TokenSampler:
             self.num_fast_steps += 1
             tokens = output.argmax(dim=-1)
         else:
-            scores = _penalised(output, state, cols)
+            scores = state.penalise(output.float())
             if state.all_greedy:
                 tokens = scores.argmax(dim=-1)
             else:
@@ -473,7 +412,7 @@ class TokenSampler:
         Does not advance `state` (no draw, nothing recorded); useful for logprobs and tests.
         """
         cols = _columns_for(logits, state)
-        scores = _penalised(logits, state, cols)
+        scores = state.penalise(logits.float())
         weights = _weights(scores, state, cols)
         probs = weights / weights.sum(dim=-1, keepdim=True)
         one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1])
@@ -486,13 +425,53 @@ def _columns_for(logits: torch.Tensor, state: TokenSamplingState) -> _Columns:
     return state.columns(logits.shape[1], logits.device)
 
 
-def _penalised(logits: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
-    """float32 logits after the repetition, then frequency and presence penalties."""
-    return state.penalise(logits.float())
-
-
 def _weights(scores: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
-    """Temperature, softmax, then top-k / top-p / min-p: unnormalised weights [B, V]."""
-    if state.any_temperature:
-        scores = scores / cols.temperature
-    return _filter(torch.softmax(scores, dim=-1), state, cols)
+    """Temperature, softmax, then top-k / top-p / min-p: unnormalised weights [B, V].
+
+    As in SGLang, each filter is measured on the same temperature-scaled distribution and the
+    kept sets intersect, so each is a per-row probability threshold (ties at it are kept).
+    """
+    probs = torch.softmax(scores * cols.inv_temperature if state.any_temperature else scores, -1)
+    if not (state.any_min_p or state.any_top_k or state.any_top_p):
+        return probs
+    threshold = torch.zeros_like(probs[:, :1])  # [B, 1]
+    if state.any_min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * cols.min_p
+    if state.any_top_k or state.any_top_p:
+        threshold = torch.maximum(threshold, _top_threshold(probs, state, cols))
+    return probs * (probs >= threshold)  # branch-free: faster than masked_fill on CPU
+
+
+def _top_threshold(probs: torch.Tensor, state: TokenSamplingState,
+                   cols: _Columns) -> torch.Tensor:
+    """The smallest probability top-k and top-p keep, per row ([B, 1]; 0 where both are off).
+
+    Reads the `state.sort_width` largest probabilities of each row, widening that prefix (x8)
+    while a top-p row without top-k has its cut-off beyond it. A prefix holds the same values
+    as a full sort and CPU cumsum is sequential, so a row's threshold does not depend on the
+    width the other rows ask for.
+    """
+    vocab_size = probs.shape[-1]
+    open_top_p = cols.top_p_on & ~cols.top_k_on
+    while True:
+        width = min(state.sort_width, vocab_size)
+        ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
+                  else probs.topk(width, dim=-1).values)  # [B, width], descending
+        kth = ranked.gather(1, cols.top_k.clamp(max=width) - 1)
+        threshold = torch.where(cols.top_k_on, kth, 0.0)
+        if not state.any_top_p:
+            return threshold
+        mass_before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
+        num_kept = (mass_before < cols.top_p).sum(dim=-1, keepdim=True)  # >= 1
+        if width == vocab_size or not bool((open_top_p & (num_kept == width)).any()):
+            last = ranked.gather(1, num_kept - 1)
+            return torch.maximum(threshold, torch.where(cols.top_p_on, last, 0.0))
+        state.sort_width = min(width * 8, vocab_size)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one index per row of unnormalised `weights` [B, V] with draws `uniforms` [B]."""
+    cdf = weights.cumsum(dim=-1)  # [B, V], non-decreasing
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
