@@ -1,1 +1,16 @@
-"""Compute Flow: prompts, multimodal prefix keys, sampling, engines (filled in as it lands)."""
+"""Compute Flow: prompts, multimodal prefix keys, sampling, engines.
+
+`Prompt` (text, images, audio) flattens to token ids whose page keys carry media digests;
+`SamplingParams` speaks SGLang's terms and any `Sampler` turns a forward pass into the next
+input (`TokenSampler` for tokens; a diffusion sampler for latents); `TorchEngine` is the
+reference engine serving a Llama / Qwen2 decoder from the KV store. Importing this package
+imports torch.
+"""
+
+from omni.compute.engine import GenerateResult, TorchEngine
+from omni.compute.prompt import Audio, Image, Prompt, Text
+from omni.compute.sampling import Sampler, SamplingParams, TokenSampler
+from omni.compute.tokenizer import ByteTokenizer
+
+__all__ = ["Audio", "ByteTokenizer", "GenerateResult", "Image", "Prompt", "Sampler",
+           "SamplingParams", "Text", "TokenSampler", "TorchEngine"]

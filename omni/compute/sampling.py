@@ -267,7 +267,7 @@ class _PenaltyTables:
     """The multipliers and offsets the penalties apply, per row and token: [B, V] tables.
 
     Why: penalties depend on each row's whole history. Tables updated by one write per row per
-    step turn them into a few branch-free tensor passes, with no per-step rebuild; rows without
+    step turn them into a few branch-free in-place passes, with no per-step rebuild; rows without
     penalties hold neutral entries (1 and 0), which leave their logits bit-for-bit unchanged.
     """
 
@@ -285,11 +285,14 @@ class _PenaltyTables:
         self.positive = torch.where(seen, 1.0 / cols.repetition, 1.0)  # x > 0: x * positive
         self.negative = torch.where(seen, cols.repetition, 1.0)  # x < 0: x * negative
         self.offset = cols.frequency * self.counts + cols.presence * (self.counts > 0)
+        self.any_repetition = any(r.params.repetition_penalty != 1.0 for r in requests)
 
-    def apply(self, scores: torch.Tensor) -> torch.Tensor:
-        """Repetition, then frequency and presence penalties: a new [B, V] tensor."""
-        scores = scores.clamp(min=0) * self.positive + scores.clamp(max=0) * self.negative
-        return scores - self.offset
+    def apply_(self, scores: torch.Tensor, spare: torch.Tensor) -> None:
+        """In place on `scores`: repetition, then frequency and presence penalties."""
+        if self.any_repetition:
+            negative = torch.clamp(scores, max=0, out=spare).mul_(self.negative)
+            scores.clamp_(min=0).mul_(self.positive).add_(negative)
+        scores.sub_(self.offset)
 
     def record(self, tokens: torch.Tensor) -> None:
         """Count each row's new token (one per row, so the scattered writes never collide)."""
@@ -305,10 +308,11 @@ class TokenSamplingState:
     """The rows of one decode batch, with their parameters as per-row tensors.
 
     Why: the decode loop samples every step, but the batch changes only when a request joins or
-    leaves. Parameter columns and penalty tables are built once per composition (at the first
-    step, when V and the device are known), and flags record which stages any row needs so the
-    rest cost nothing: all-greedy without penalties is one argmax. Build a new state when rows
-    join or leave; the penalty tables are rebuilt from each request's history.
+    leaves. Parameter columns, penalty tables and [B, V] scratch buffers are made once per
+    composition (at the first step, when V and the device are known), so a step allocates no
+    large tensor; flags record which stages any row needs so the rest cost nothing (all-greedy
+    without penalties is one argmax). Build a new state when rows join or leave; the penalty
+    tables are rebuilt from each request's history. One thread steps a state at a time.
     """
 
     def __init__(self, requests: Sequence[RequestSamplingState]) -> None:
@@ -329,6 +333,7 @@ class TokenSamplingState:
         self._vocab_size: int | None = None
         self._columns: _Columns | None = None
         self._penalties: _PenaltyTables | None = None
+        self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -337,8 +342,15 @@ class TokenSamplingState:
         return (f"<TokenSamplingState rows={len(self)} greedy={sum(g for _, g in self._rows)} "
                 f"penalised={sum(p.has_penalties for p, _ in self._rows)}>")
 
-    def columns(self, vocab_size: int, device: torch.device) -> _Columns:
-        """The per-row tensors for logits [B, vocab_size] on `device` (built once)."""
+    def columns(self, logits: torch.Tensor) -> _Columns:
+        """The per-row tensors for `logits` [B, V] (built at the first call).
+
+        Raises:
+            ValueError: `logits` is not [len(self), V], or V differs from an earlier call.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(self):
+            raise ValueError(f"expected logits [{len(self)}, V], got {list(logits.shape)}")
+        vocab_size, device = logits.shape[1], logits.device
         if self._columns is None:
             self._vocab_size, self._columns = vocab_size, _Columns.build(self._rows, device)
             if self.any_penalty:
@@ -347,9 +359,22 @@ class TokenSamplingState:
             raise ValueError(f"vocab size changed from {self._vocab_size} to {vocab_size}")
         return self._columns
 
-    def penalise(self, scores: torch.Tensor) -> torch.Tensor:
-        """`scores` [B, V] float32 after each row's penalties (after `columns` was called)."""
-        return scores if self._penalties is None else self._penalties.apply(scores)
+    def scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Reused buffers: two float32 [B, V] and one bool [B, V] (after `columns`)."""
+        if self._scratch is None:
+            assert self._columns is not None and self._vocab_size is not None, "after columns()"
+            shape, device = (len(self), self._vocab_size), self._columns.rows.device
+            self._scratch = (torch.empty(shape, device=device), torch.empty(shape, device=device),
+                             torch.empty(shape, dtype=torch.bool, device=device))
+        return self._scratch
+
+    def penalised(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` as float32 after each row's penalties, in the first scratch buffer."""
+        scores, spare, _ = self.scratch()
+        scores.copy_(logits)
+        if self._penalties is not None:
+            self._penalties.apply_(scores, spare)
+        return scores
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
         """One draw per row from each request's own generator (0 for greedy rows): [B]."""
@@ -390,19 +415,21 @@ class TokenSampler:
         Raises:
             ValueError: `output` is not [len(state), V], or V differs from an earlier step.
         """
-        cols = _columns_for(output, state)
+        cols = state.columns(output)
         self.num_steps += 1
         if state.all_greedy and not state.any_penalty:
             self.num_fast_steps += 1
             tokens = output.argmax(dim=-1)
         else:
-            scores = state.penalise(output.float())
-            if state.all_greedy:
-                tokens = scores.argmax(dim=-1)
+            scores = state.penalised(output)
+            greedy = scores.argmax(dim=-1) if state.any_greedy else None
+            if greedy is not None and state.all_greedy:
+                tokens = greedy
             else:
-                tokens = _inverse_cdf(_weights(scores, state, cols), state.uniforms(scores.device))
-                if state.any_greedy:
-                    tokens = torch.where(cols.greedy, scores.argmax(dim=-1), tokens)
+                weights = _weights(scores, state, cols)
+                tokens = _inverse_cdf(weights, state.uniforms(weights.device), state.scratch()[1])
+                if greedy is not None:
+                    tokens = torch.where(cols.greedy, greedy, tokens)
         state.record(tokens)
         return tokens
 
@@ -411,67 +438,65 @@ class TokenSampler:
 
         Does not advance `state` (no draw, nothing recorded); useful for logprobs and tests.
         """
-        cols = _columns_for(logits, state)
-        scores = state.penalise(logits.float())
+        cols = state.columns(logits)
+        scores = state.penalised(logits)
+        one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1])
         weights = _weights(scores, state, cols)
         probs = weights / weights.sum(dim=-1, keepdim=True)
-        one_hot = torch.nn.functional.one_hot(scores.argmax(dim=-1), scores.shape[-1])
         return torch.where(cols.greedy[:, None], one_hot.to(probs.dtype), probs)
 
 
-def _columns_for(logits: torch.Tensor, state: TokenSamplingState) -> _Columns:
-    if logits.dim() != 2 or logits.shape[0] != len(state):
-        raise ValueError(f"expected logits [{len(state)}, V], got {list(logits.shape)}")
-    return state.columns(logits.shape[1], logits.device)
-
-
 def _weights(scores: torch.Tensor, state: TokenSamplingState, cols: _Columns) -> torch.Tensor:
-    """Temperature, softmax, then top-k / top-p / min-p: unnormalised weights [B, V].
+    """In place on `scores`: temperature, exp(x - max), then top-k / top-p / min-p.
 
-    As in SGLang, each filter is measured on the same temperature-scaled distribution and the
-    kept sets intersect, so each is a per-row probability threshold (ties at it are kept).
+    Returns unnormalised probabilities (each row's largest is exactly 1). As in SGLang, every
+    filter is measured on the same temperature-scaled distribution and the kept sets intersect,
+    so each is a per-row probability threshold (ties at it are kept).
     """
-    probs = torch.softmax(scores * cols.inv_temperature if state.any_temperature else scores, -1)
+    if state.any_temperature:
+        scores.mul_(cols.inv_temperature)
+    weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
     if not (state.any_min_p or state.any_top_k or state.any_top_p):
-        return probs
-    threshold = torch.zeros_like(probs[:, :1])  # [B, 1]
-    if state.any_min_p:
-        threshold = probs.amax(dim=-1, keepdim=True) * cols.min_p
+        return weights
+    threshold = cols.min_p  # min_p x the largest weight, which is 1
     if state.any_top_k or state.any_top_p:
-        threshold = torch.maximum(threshold, _top_threshold(probs, state, cols))
-    return probs * (probs >= threshold)  # branch-free: faster than masked_fill on CPU
+        threshold = torch.maximum(threshold, _top_threshold(weights, state, cols))
+    keep = torch.ge(weights, threshold, out=state.scratch()[2])
+    return weights.mul_(keep)  # branch-free: faster than masked_fill on CPU
 
 
-def _top_threshold(probs: torch.Tensor, state: TokenSamplingState,
+def _top_threshold(weights: torch.Tensor, state: TokenSamplingState,
                    cols: _Columns) -> torch.Tensor:
-    """The smallest probability top-k and top-p keep, per row ([B, 1]; 0 where both are off).
+    """The smallest weight top-k and top-p keep, per row ([B, 1]; 0 where both are off).
 
-    Reads the `state.sort_width` largest probabilities of each row, widening that prefix (x8)
-    while a top-p row without top-k has its cut-off beyond it. A prefix holds the same values
-    as a full sort and CPU cumsum is sequential, so a row's threshold does not depend on the
-    width the other rows ask for.
+    Reads the `state.sort_width` largest weights of each row, widening that prefix (x8) while
+    a top-p row without top-k has its cut-off beyond it. A prefix holds the same values as a
+    full sort and CPU cumsum is sequential, so a row's threshold does not depend on the width
+    that the other rows ask for.
     """
-    vocab_size = probs.shape[-1]
+    vocab_size = weights.shape[-1]
     open_top_p = cols.top_p_on & ~cols.top_k_on
+    mass = weights.sum(dim=-1, keepdim=True) * cols.top_p if state.any_top_p else None
     while True:
         width = min(state.sort_width, vocab_size)
-        ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
-                  else probs.topk(width, dim=-1).values)  # [B, width], descending
+        ranked = (weights.sort(dim=-1, descending=True).values if width == vocab_size
+                  else weights.topk(width, dim=-1).values)  # [B, width], descending
         kth = ranked.gather(1, cols.top_k.clamp(max=width) - 1)
         threshold = torch.where(cols.top_k_on, kth, 0.0)
-        if not state.any_top_p:
+        if mass is None:
             return threshold
         mass_before = ranked.cumsum(dim=-1) - ranked  # mass of the more likely tokens
-        num_kept = (mass_before < cols.top_p).sum(dim=-1, keepdim=True)  # >= 1
+        num_kept = (mass_before < mass).sum(dim=-1, keepdim=True)  # >= 1
         if width == vocab_size or not bool((open_top_p & (num_kept == width)).any()):
             last = ranked.gather(1, num_kept - 1)
             return torch.maximum(threshold, torch.where(cols.top_p_on, last, 0.0))
         state.sort_width = min(width * 8, vocab_size)
 
 
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Sample one index per row of unnormalised `weights` [B, V] with draws `uniforms` [B]."""
-    cdf = weights.cumsum(dim=-1)  # [B, V], non-decreasing
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    """One index per row of unnormalised `weights` [B, V] for draws `uniforms` [B] in [0, 1)."""
+    cdf = torch.cumsum(weights, dim=-1, out=out)  # [B, V], non-decreasing
     total = cdf[:, -1:]
     target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
