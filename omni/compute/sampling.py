@@ -1,146 +1,22 @@
-"""Sampling: the parameters a request samples with, and the samplers that apply them.
+"""Sampling: SGLang's `SamplingParams`, and samplers that turn a forward pass into the next input.
 
-`SamplingParams` keeps SGLang's field names, defaults and valid ranges, so a request written for
-SGLang means the same here. A `Sampler` turns a forward pass into the next input: `TokenSampler`
-turns logits into next token ids; a diffusion sampler turns the model's output for image tokens
-into the next latents, with its own state type. Per-request history lives in a
-`RequestSamplingState`; a `TokenSamplingState` holds one batch composition's per-row tensors.
+`TokenSampler` turns logits into next token ids (per-request history in `RequestSamplingState`,
+one batch composition's tensors in `TokenSamplingState`); a diffusion sampler is another `Sampler`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-FinishReason = Literal["length", "stop"]
+from omni.compute.sampling_params import GREEDY_TEMPERATURE, FinishReason, SamplingParams
 
-# field -> (accepts the value?, the accepted range as the error message words it)
-_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
-    "max_new_tokens": (lambda v: v >= 0, ">= 0"),
-    "temperature": (lambda v: v >= 0, ">= 0 (0 = greedy)"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2]"),
-    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-}
-_INT_FIELDS = frozenset({"max_new_tokens", "top_k", "seed"})
+__all__ = ["GREEDY_TEMPERATURE", "FinishReason", "RequestSamplingState", "Sampler",
+           "SamplingParams", "TokenSampler", "TokenSamplingState", "truncate_at_stop"]
 
-
-def _check_number(name: str, value: object, *, integral: bool) -> Any:
-    """`value` as an int (integral) or a finite float; ValueError naming `name` otherwise."""
-    kind = "an int" if integral else "a number"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integral else
-                                                 numbers.Real):
-        raise ValueError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
-    number = int(value) if integral else float(value)
-    if number != number or number in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return number
-
-
-def _as_tuple(value: object) -> tuple[Any, ...] | None:
-    """A non-string iterable as a tuple; None for anything else."""
-    is_list = isinstance(value, Iterable) and not isinstance(value, str | bytes)
-    return tuple(value) if is_list else None  # type: ignore[arg-type]
-
-
-def _normalise_stop(stop: object) -> tuple[str, ...]:
-    items = () if stop is None else (stop,) if isinstance(stop, str) else _as_tuple(stop)
-    if items is None or not all(isinstance(s, str) and s for s in items):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return tuple(dict.fromkeys(items))
-
-
-def _normalise_token_ids(ids: object) -> frozenset[int]:
-    items = () if ids is None else _as_tuple(ids)
-    if items is None or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                and t >= 0 for t in items):
-        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
-    return frozenset(int(t) for t in items)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SamplingParams:
-    """How one request samples: SGLang's `SamplingParams` fields, defaults and ranges.
-
-    Fields: `max_new_tokens` (>= 0); `temperature` (>= 0, 0 = greedy); `top_p` (in (0, 1]: keep
-    the smallest set of tokens whose probability sums to >= top_p); `top_k` (-1 = off, else >= 1);
-    `min_p` (in [0, 1]: drop tokens less likely than min_p x the most likely);
-    `repetition_penalty` (in (0, 2]: tokens in prompt or output get positive logits divided and
-    negative ones multiplied by it); `frequency_penalty` and `presence_penalty` (in [-2, 2]:
-    subtracted per earlier occurrence in the output, and once if it occurred); `stop` (strings,
-    stored as a tuple); `stop_token_ids` (end the request even with ignore_eos; stored as a
-    frozenset); `ignore_eos`; `seed` (seeds the request's own generator, so its tokens do not
-    depend on the rest of the batch).
-
-    Raises:
-        ValueError: a value of the wrong type or out of range; the message names the field and
-            the accepted range, e.g. ``top_p must be in (0, 1], got 1.5``.
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: str | Sequence[str] | None = None
-    stop_token_ids: Collection[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, (accepts, accepted) in _RANGES.items():
-            value = _check_number(name, getattr(self, name), integral=name in _INT_FIELDS)
-            if not accepts(value):
-                raise ValueError(f"{name} must be {accepted}, got {value!r}")
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "stop", _normalise_stop(self.stop))
-        object.__setattr__(self, "stop_token_ids", _normalise_token_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.seed is not None:
-            object.__setattr__(self, "seed", _check_number("seed", self.seed, integral=True))
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax: temperature 0 or top_k 1."""
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        """True when any of the repetition, frequency or presence penalties is on."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict (lists for `stop` and sorted `stop_token_ids`)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        data["stop"] = list(self.stop)  # type: ignore[arg-type]
-        data["stop_token_ids"] = sorted(self.stop_token_ids)  # type: ignore[type-var]
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
-        """Build from a dict such as `to_dict()` makes; ValueError names any unknown keys."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"SamplingParams.from_dict expects a mapping, got {data!r}")
-        unknown = sorted(repr(k) for k in data if k not in _FIELD_NAMES)
-        if unknown:
-            raise ValueError(f"unknown SamplingParams field(s): {', '.join(unknown)}")
-        return cls(**data)
-
-
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 StateT = TypeVar("StateT", contravariant=True)
 
 
@@ -148,10 +24,9 @@ StateT = TypeVar("StateT", contravariant=True)
 class Sampler(Protocol[StateT]):
     """Turns a forward pass into the next input.
 
-    `step(output, state)` takes what the model just produced and returns what it reads next:
     `TokenSampler` maps logits [B, V] to next token ids [B]; a diffusion sampler maps the model's
-    output for image tokens to the next latents. `state` carries what the sampler needs across
-    steps (token history and generators; a noise schedule and timestep) and `step` advances it.
+    output for image tokens to the next latents. `state` carries what it needs across steps
+    (token history and generators; a noise schedule and timestep), and `step` advances it.
     """
 
     def step(self, output: torch.Tensor, state: StateT) -> torch.Tensor:
@@ -226,10 +101,7 @@ class RequestSamplingState:
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """Per-row parameters as [B, 1] tensors on the logits' device, built at a batch's first step.
-
-    Greedy rows get neutral values (temperature 1, filters off): they take the argmax.
-    """
+    """Per-row parameters as [B, 1] tensors; greedy rows get neutral ones (they take argmax)."""
 
     rows: torch.Tensor  # [B] int64
     greedy: torch.Tensor  # [B] bool
@@ -244,7 +116,8 @@ class _Columns:
     presence: torch.Tensor
 
     @classmethod
-    def build(cls, rows: list[tuple[SamplingParams, bool]], device: torch.device) -> _Columns:
+    def build(cls, rows: list[tuple[SamplingParams, bool]], vocab_size: int,
+              device: torch.device) -> _Columns:
         def column(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
 
@@ -252,7 +125,7 @@ class _Columns:
             rows=torch.arange(len(rows), device=device),
             greedy=torch.tensor([g for _, g in rows], dtype=torch.bool, device=device),
             inv_temperature=column([1.0 if g else 1.0 / p.temperature for p, g in rows]),
-            top_k=column([max(p.top_k, 1) for p, _ in rows], torch.int64),
+            top_k=column([min(max(p.top_k, 1), vocab_size) for p, _ in rows], torch.int64),
             top_k_on=column([p.top_k != -1 and not g for p, g in rows], torch.bool),
             top_p=column([p.top_p for p, _ in rows]),
             top_p_on=column([p.top_p < 1.0 and not g for p, g in rows], torch.bool),
@@ -308,11 +181,10 @@ class TokenSamplingState:
     """The rows of one decode batch, with their parameters as per-row tensors.
 
     Why: the decode loop samples every step, but the batch changes only when a request joins or
-    leaves. Parameter columns, penalty tables and [B, V] scratch buffers are made once per
-    composition (at the first step, when V and the device are known), so a step allocates no
-    large tensor; flags record which stages any row needs so the rest cost nothing (all-greedy
-    without penalties is one argmax). Build a new state when rows join or leave; the penalty
-    tables are rebuilt from each request's history. One thread steps a state at a time.
+    leaves. Columns, penalty tables and [B, V] scratch buffers are made once per composition (at
+    the first step, when V and the device are known), so a step allocates no large tensor; flags
+    skip the stages no row needs (all-greedy without penalties is one argmax). Build a new state
+    when rows join or leave (penalty tables are rebuilt from the requests' histories).
     """
 
     def __init__(self, requests: Sequence[RequestSamplingState]) -> None:
@@ -343,16 +215,13 @@ class TokenSamplingState:
                 f"penalised={sum(p.has_penalties for p, _ in self._rows)}>")
 
     def columns(self, logits: torch.Tensor) -> _Columns:
-        """The per-row tensors for `logits` [B, V] (built at the first call).
-
-        Raises:
-            ValueError: `logits` is not [len(self), V], or V differs from an earlier call.
-        """
+        """The per-row tensors for `logits` [B, V]; ValueError if B or V does not fit."""
         if logits.dim() != 2 or logits.shape[0] != len(self):
             raise ValueError(f"expected logits [{len(self)}, V], got {list(logits.shape)}")
         vocab_size, device = logits.shape[1], logits.device
         if self._columns is None:
-            self._vocab_size, self._columns = vocab_size, _Columns.build(self._rows, device)
+            self._vocab_size = vocab_size
+            self._columns = _Columns.build(self._rows, vocab_size, device)
             if self.any_penalty:
                 self._penalties = _PenaltyTables(self.requests, self._columns, vocab_size, device)
         elif vocab_size != self._vocab_size:
@@ -410,10 +279,9 @@ class TokenSampler:
         return f"<TokenSampler steps={self.num_steps} fast={self.num_fast_steps}>"
 
     def step(self, output: torch.Tensor, state: TokenSamplingState) -> torch.Tensor:
-        """Next token ids [B] (int64) for logits `output` [B, V]; records them in `state`.
+        """Next token ids [B] (int64) for logits `output` [B, V], recorded in `state`.
 
-        Raises:
-            ValueError: `output` is not [len(state), V], or V differs from an earlier step.
+        Raises ValueError when `output` is not [len(state), V] or V changed since the last step.
         """
         cols = state.columns(output)
         self.num_steps += 1
@@ -455,7 +323,10 @@ def _weights(scores: torch.Tensor, state: TokenSamplingState, cols: _Columns) ->
     """
     if state.any_temperature:
         scores.mul_(cols.inv_temperature)
-    weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
+    # exp of anything under -87 underflows, which is ~10x slower on CPU: clamp, then zero what
+    # is below 1e-37 of the top weight (so -inf logits still get exactly 0)
+    weights = scores.sub_(scores.amax(dim=-1, keepdim=True)).clamp_(min=-87.0).exp_()
+    torch.nn.functional.threshold_(weights, 1e-37, 0.0)
     if not (state.any_min_p or state.any_top_k or state.any_top_p):
         return weights
     threshold = cols.min_p  # min_p x the largest weight, which is 1

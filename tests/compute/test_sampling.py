@@ -104,8 +104,9 @@ def test_params_are_frozen_keyword_only_and_hashable():
     assert hash(p) == hash(SamplingParams(top_k=5))
 
 
-def test_is_greedy_for_zero_temperature_or_top_k_one():
+def test_is_greedy_for_temperature_below_sglang_epsilon_or_top_k_one():
     assert SamplingParams(temperature=0).is_greedy and SamplingParams(top_k=1).is_greedy
+    assert SamplingParams(temperature=1e-7).is_greedy
     assert not SamplingParams(temperature=0.01, top_k=2).is_greedy
 
 
@@ -210,6 +211,15 @@ def test_filters_intersect_on_the_same_distribution():
     assert torch.allclose(dist(LOGITS, top_k=2, min_p=0.2, top_p=0.9), keep(1, 3))
 
 
+def test_masked_logits_get_exactly_zero_and_underflowing_ones_flush_to_zero():
+    logits = torch.tensor([0.0, -math.inf, -50.0, -100.0])
+    probs = dist(logits, temperature=1.0)
+    assert probs[1] == 0 and probs[3] == 0  # e^-100 < 1e-37 of the top weight
+    assert math.isclose(probs[2].item(), math.exp(-50), rel_tol=1e-4)
+    state = batch(*[SamplingParams(temperature=50.0, seed=s) for s in range(200)])
+    assert 1 not in TokenSampler().step(logits.expand(200, -1), state).tolist()
+
+
 def test_rows_in_one_batch_each_get_their_own_filters():
     params = [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_p=0.6),
               SamplingParams(temperature=0), SamplingParams(min_p=0.4, top_k=3)]
@@ -257,6 +267,31 @@ def test_presence_penalty_steers_greedy_decoding_away_from_used_tokens():
     # 1-2 < 0.5, then 0.5-2 < 0.0, then all used: [-1, -1.5, -2] however often 0 repeats
     assert [sampler.step(logits, state).item() for _ in range(5)] == [0, 1, 2, 0, 0]
     assert sampler.num_fast_steps == 0
+
+
+def test_greedy_rows_in_a_sampled_batch_take_the_argmax_of_penalised_logits():
+    logits = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0], [0.0, 0.0, 5.0]])
+    state = batch(SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(seed=0),
+                  SamplingParams(top_k=1), prompts=[[0], [], []])
+    tokens = TokenSampler().step(logits, state)
+    assert tokens[0] == 1 and tokens[2] == 2  # 2.0 / 2 < 1.9
+
+
+def test_probs_does_not_advance_the_state():
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(seed=3, frequency_penalty=1.0), SamplingParams(seed=4, top_p=0.8)]
+    state, sampler = batch(*params), TokenSampler()
+    sampler.probs(logits, state)
+    assert [r.output_token_ids for r in state.requests] == [[], []]
+    assert torch.equal(sampler.step(logits, state), TokenSampler().step(logits, batch(*params)))
+
+
+def test_steps_reuse_the_states_scratch_buffers():
+    state, sampler = batch(SamplingParams(top_p=0.9, repetition_penalty=1.2)), TokenSampler()
+    sampler.step(torch.randn(1, 64), state)
+    buffers = [b.data_ptr() for b in state.scratch()]
+    sampler.step(torch.randn(1, 64), state)
+    assert [b.data_ptr() for b in state.scratch()] == buffers
 
 
 def test_penalties_leave_the_callers_logits_untouched():
