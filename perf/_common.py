@@ -7,6 +7,7 @@ the machines that run them are shared and noisy.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -14,16 +15,22 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "Samples",
+    "alternate",
+    "claim",
     "environment",
+    "filesystem_of",
+    "gc_paused",
+    "memory_status",
     "plot_bars",
     "time_async",
+    "time_call",
     "write_json",
 ]
 
@@ -79,6 +86,91 @@ async def time_async(fn: Callable[[], Awaitable[Any]]) -> float:
     start = time.perf_counter()
     await fn()
     return time.perf_counter() - start
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+    """Seconds one call of `fn` takes: a full garbage collection first, and none during the
+    call (as `timeit` does), so that no collection is charged to it."""
+    with gc_paused():
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage, then keep the collector off inside the block (timed loops)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def alternate(measures: dict[str, Callable[[], float]], repeats: int, *,
+              warmup: bool = True) -> dict[str, Samples]:
+    """Call every measure `repeats` times, one round at a time, reversing the order each round
+    (A B, B A, A B ...) so that no side always runs first on a noisy machine.
+
+    Each measure returns its own value (seconds, bytes/s ...), so it may do untimed set-up
+    around what it times. With `warmup`, one untimed round runs first.
+    """
+    names = list(measures)
+    if warmup:
+        for name in names:
+            measures[name]()
+    values: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            values[name].append(measures[name]())
+    return {name: Samples(tuple(v)) for name, v in values.items()}
+
+
+def memory_status() -> dict[str, int]:
+    """This process's resident memory in bytes, from /proc/self/status: ``VmRSS`` and its
+    parts ``RssAnon`` (heap: Python objects, malloc), ``RssFile`` (mapped files, libraries) and
+    ``RssShmem`` (shared memory, e.g. /dev/shm arenas). Empty where there is no /proc."""
+    fields = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name in fields:
+            out[name] = int(value.split()[0]) * 1024  # reported in kB
+    return out
+
+
+def filesystem_of(path: str | os.PathLike[str]) -> str:
+    """The type of the filesystem holding `path` ("ext4", "tmpfs" ...), from /proc/mounts;
+    "unknown" without it. Disk benchmarks record it: on tmpfs they would measure memory."""
+    target, best, kind = str(Path(path).resolve()), "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        _, mount, fs_type, *_ = line.split()
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fs_type
+    return kind
+
+
+def claim(*, unit: str, target: float, measured: Samples, baseline: Samples | None,
+          ratio: float | None, passed: bool, note: str, digits: int = 1,
+          **extra: Any) -> dict[str, Any]:
+    """One claim as JSON: target, measured and baseline samples, their ratio, pass, the
+    claim's own figures (`extra`), and a note saying how it was measured."""
+    return {"unit": unit, "target": target, "measured": measured.to_json(digits),
+            "baseline": None if baseline is None else baseline.to_json(digits),
+            "ratio": None if ratio is None else round(ratio, 3), "pass": bool(passed),
+            **extra, "note": note}
 
 
 def write_json(result: dict[str, Any], out: str | os.PathLike[str] | None) -> str:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from omni.kv.arena import Arena
+from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 from omni.kv.layout import KVLayout, LayoutSpec
 from omni.kv.leases import LeaseTable, table_name
@@ -19,7 +21,7 @@ from omni.kv.leases import LeaseTable, table_name
 if TYPE_CHECKING:
     from omni.kv.store import KVStore
 
-__all__ = ["Lease", "OpenedPages", "PageDescriptor", "open_descriptor"]
+__all__ = ["Lease", "OpenedPages", "PageDescriptor", "forget_mappings", "open_descriptor"]
 
 DESCRIPTOR_VERSION = 1
 _STORE_ID = re.compile(r"[0-9a-f]{8,32}")
@@ -118,25 +120,26 @@ class OpenedPages:
     """Pages of another process's store, mapped into this one (`open_descriptor`).
 
     Index it or iterate it for page tensors (views of the shared memory: writes are seen by
-    the owner). Close it, or use it in ``with``, to give the lease back.
+    the owner). Close it, or use it in ``with``, to give the lease back; the pages must not
+    be used after that (the owner may reuse their memory).
     """
 
-    def __init__(self, descriptor: PageDescriptor, table: LeaseTable, arena: Arena,
-                 pages: list[torch.Tensor]):
+    def __init__(self, descriptor: PageDescriptor, table: LeaseTable, pool: _Pool,
+                 slots: list[int]):
         self.descriptor = descriptor
         self._table = table
-        self._arena = arena
-        self._pages = pages
+        self._pool = pool
+        self._slots = slots
         self._closed = False
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return len(self._slots)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self._pages[index]
+        return self._pool.page(self._slots[index])
 
     def __iter__(self) -> Any:
-        return iter(self._pages)
+        return map(self._pool.page, self._slots)
 
     def valid(self) -> bool:
         """True while the lease is live (not released, not expired)."""
@@ -156,15 +159,10 @@ class OpenedPages:
         self._table.renew(d.lease_slot, d.lease_id, time.monotonic_ns() + int(ttl * 1e9))
 
     def close(self) -> None:
-        """Release the lease and unmap the pages (their tensors must not be used after)."""
-        if self._closed:
-            return
-        self._closed = True
-        d = self.descriptor
-        self._table.release(d.lease_slot, d.lease_id)
-        self._pages = []
-        self._table.close()
-        self._arena.close()
+        """Give the lease back (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._table.release(self.descriptor.lease_slot, self.descriptor.lease_id)
 
     def __enter__(self) -> OpenedPages:
         return self
@@ -173,8 +171,70 @@ class OpenedPages:
         self.close()
 
 
+class _Pool:
+    """One arena seen as pages of one layout, page views made once. Why: building a tensor per
+    page per handoff costs more than the handoff itself."""
+
+    def __init__(self, arena: Arena, layout: KVLayout):
+        self.arena = arena
+        self.num_pages = arena.size // layout.page_bytes
+        self._pages = arena.tensor(0, (self.num_pages, *layout.page_shape), layout.dtype)
+        self._views: list[torch.Tensor | None] = [None] * self.num_pages
+
+    def page(self, slot: int) -> torch.Tensor:
+        view = self._views[slot]
+        if view is None:
+            view = self._views[slot] = self._pages[slot]
+        return view
+
+
+# Mappings kept across handoffs, by name, each with the inode it was opened at: mapping an
+# arena and faulting its pages in again for every descriptor would cost more than copying.
+# A name whose file is gone (its store closed) or was replaced is dropped and mapped anew.
+_tables: dict[str, tuple[int, LeaseTable]] = {}
+_pools: dict[tuple[str, LayoutSpec], tuple[int, _Pool]] = {}
+_mappings_lock = threading.Lock()
+
+
+def _inode(name: str) -> int:
+    try:
+        return os.stat(shm_directory() / name).st_ino
+    except FileNotFoundError:
+        raise KVLeaseError(f"shared memory {name!r} does not exist (its store closed?)") from None
+
+
+def _table_for(name: str) -> LeaseTable:
+    inode = _inode(name)
+    cached = _tables.get(name)
+    if cached is None or cached[0] != inode:
+        _tables[name] = (inode, LeaseTable.attach(name))
+    return _tables[name][1]
+
+
+def _pool_for(name: str, spec: LayoutSpec, layout: KVLayout) -> _Pool:
+    inode = _inode(name)
+    cached = _pools.get((name, spec))
+    if cached is None or cached[0] != inode:
+        _pools[(name, spec)] = (inode, _Pool(Arena.attach(name), layout))
+    return _pools[(name, spec)][1]
+
+
+def forget_mappings() -> None:
+    """Unmap every arena this process mapped for descriptors (they are kept between opens)."""
+    with _mappings_lock:
+        for _, table in _tables.values():
+            table.close()
+        for _, pool in _pools.values():
+            pool.arena.close()
+        _tables.clear()
+        _pools.clear()
+
+
 def open_descriptor(descriptor: PageDescriptor) -> OpenedPages:
     """Map the pages of `descriptor` (from another process of this machine) without a copy.
+
+    The arena stays mapped in this process after the pages are closed, so the next handoff
+    from the same store costs no mapping (`forget_mappings` unmaps).
 
     Raises:
         KVLeaseError: the lease is unknown, released or expired, or the descriptor names an
@@ -191,25 +251,16 @@ def open_descriptor(descriptor: PageDescriptor) -> OpenedPages:
         layout = KVLayout.from_spec(d.layout)
     except ValueError as exc:
         raise KVLeaseError(f"descriptor layout: {exc}") from None
-    table = LeaseTable.attach(d.lease_table)
-    try:
+    with _mappings_lock:
+        table = _table_for(d.lease_table)
         table.check(d.lease_slot, d.lease_id)
-        arena = Arena.attach(d.arena)
-    except BaseException:
-        table.close()
-        raise
-    try:
-        pages = [_page_view(arena, layout, offset) for offset in d.offsets]
-    except BaseException:
-        arena.close()
-        table.close()
-        raise
-    return OpenedPages(d, table, arena, pages)
-
-
-def _page_view(arena: Arena, layout: KVLayout, offset: int) -> torch.Tensor:
+        pool = _pool_for(d.arena, d.layout, layout)
     size = layout.page_bytes
-    if not isinstance(offset, int) or offset < 0 or offset % size or offset + size > arena.size:
-        raise KVLeaseError(f"page offset {offset!r} is outside arena {arena.name} "
-                           f"({arena.size} bytes, pages of {size})")
-    return arena.tensor(offset, layout.page_shape, layout.dtype)
+    slots = []
+    for offset in d.offsets:
+        if not isinstance(offset, int) or offset < 0 or offset % size or offset + size > (
+                pool.arena.size):
+            raise KVLeaseError(f"page offset {offset!r} is outside arena {d.arena} "
+                               f"({pool.arena.size} bytes, pages of {size})")
+        slots.append(offset // size)
+    return OpenedPages(d, table, pool, slots)

@@ -205,14 +205,14 @@ class KVStore:
         return await trio.to_thread.run_sync(self._prefetch_sync, list(keys))
 
     def _prefetch_sync(self, keys: list[bytes]) -> int:
-        with self._lock:
-            self._check_open()
-            names = self._manager.tier_names
-            target = names.index("host") if "host" in names else 0
-            for n, key in enumerate(keys):
+        names = self._manager.tier_names
+        target = names.index("host") if "host" in names else 0
+        for n, key in enumerate(keys):
+            with self._lock:  # page by page: other threads get the store between reads
+                self._check_open()
                 if self._manager.promote(key, target) is None:
                     return n
-            return len(keys)
+        return len(keys)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
@@ -275,6 +275,7 @@ class KVStore:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
         with self._lock:
             self._check_open()
+            self._sweep()  # records that holders gave back are free again
             lease_id = next(self._lease_ids)
             expiry = time.monotonic_ns() + int(seconds * 1e9)
             record = self._table.export(lease_id, expiry)

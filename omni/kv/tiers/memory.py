@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from omni.kv.arena import Arena
@@ -39,6 +41,12 @@ def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
     Copies within one GPU stay stream-ordered and are not waited for.
     """
     if not (dst.is_cuda or src.is_cuda):
+        if (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
+                and dst.shape == src.shape):
+            # One memmove, GIL released: torch's copy_ splits a page across intra-op threads,
+            # which stalls for milliseconds when the other core is busy.
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+            return
         dst.copy_(src)
         return
     dst.copy_(src, non_blocking=True)
