@@ -25,8 +25,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse
+
 bench: $(STAMP)
-	$(BIN)/python perf/scheduler.py --out perf/results/scheduler.json
+	@for b in $(BENCHMARKS); do \
+		echo "== perf/$$b.py"; \
+		$(BIN)/python perf/$$b.py --out perf/results/$$b.json --plot perf/results/$$b.png \
+			> /dev/null || exit 1; \
+	done
+	@echo "results in perf/results/"
 
 lint: $(STAMP)
 	$(BIN)/ruff check omni cli tests perf examples

@@ -253,7 +253,7 @@ class TorchEngine:
         past = self._cached_prefix(r)
         start = r.cached_tokens
         positions = torch.arange(start, len(ids))[None]
-        hidden, new_kv = self.model.forward(self._embed(r.tokens, start), positions, past)
+        hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
         kv = new_kv if past is None else [
             (torch.cat([pk, nk], dim=2), torch.cat([pv, nv], dim=2))
             for (pk, pv), (nk, nv) in zip(past, new_kv, strict=True)]
@@ -268,13 +268,20 @@ class TorchEngine:
         if self.store is None:
             return None
         usable = r.keys[: (len(r.tokens) - 1) // self.page_size]  # compute >= 1 token
-        with self.store.acquire(usable[: self.store.match(usable)]) as lease:
+        try:
+            lease = self.store.acquire(usable[: self.store.match(usable)])
+        except KVCapacityError as exc:  # the store cannot lend them now: recompute
+            log.warning("KV prefix not reused: %s", exc)
+            return None
+        with lease:
             if not len(lease):
                 return None
             r.cached_tokens = len(lease) * self.page_size
             return self.model.kv_from_pages(lease.pages())
 
-    def _embed(self, tokens: PromptTokens, start: int) -> torch.Tensor:
+    def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
+        """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
+        with each image's and audio clip's embeddings at its placeholder positions."""
         ids = torch.tensor(tokens.token_ids[start:])[None]
         hidden = self.model.embed(ids)  # [1, T - start, hidden]
         for item in tokens.media:
