@@ -22,9 +22,14 @@ class BatchKV:
         self.max_batch = max_batch
         self.capacity = capacity
         self._shape = (max_batch, num_kv_heads, capacity, head_dim)
-        self.k = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, not zeros (zero-filling a large buffer costs more than a prefill): positions a
+        # decode step reads past a row's length are made finite first (see `_clean`)
+        self.k = [torch.empty(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(self._shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths: list[int] = []  # per occupied row
+        # per row: positions [0, clean) hold finite values (KV or zeros). A masked position
+        # still enters attention as 0 * V, and 0 * NaN from uninitialised memory is NaN.
+        self._clean = [0] * max_batch
 
     @property
     def size(self) -> int:
@@ -34,26 +39,45 @@ class BatchKV:
         if needed <= self.capacity:
             return
         capacity = max(needed, 2 * self.capacity)
-        for layer in range(len(self.k)):
-            for buffers in (self.k, self.v):
-                old = buffers[layer]
-                new = old.new_zeros((old.shape[0], old.shape[1], capacity, old.shape[3]))
-                new[:, :, : self.capacity] = old
+        rows, used = self.size, max(self.lengths, default=0)
+        for buffers in (self.k, self.v):
+            for layer, old in enumerate(buffers):
+                new = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                new[:rows, :, :used] = old[:rows, :, :used]  # only what is occupied
                 buffers[layer] = new
+        self._clean = [min(c, used) if i < rows else 0 for i, c in enumerate(self._clean)]
         self.capacity = capacity
 
-    def add(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """Put a request's KV (per layer ``[1, H, T, D]``) in a new row; return the row."""
+    def open_row(self, reserve: int) -> int:
+        """A new, empty row with room for `reserve` positions; returns the row."""
         if self.size >= self.max_batch:
             raise RuntimeError("the decode batch is full")
-        length = kv[0][0].shape[2]
-        self._ensure(length + 1)
-        row = self.size
+        self._ensure(reserve + 1)
+        self.lengths.append(0)
+        return self.size - 1
+
+    def write_pages(self, row: int, pages: torch.Tensor) -> None:
+        """Fill an empty row from KV pages ``[n, L, 2, P, H, D]`` (one copy per layer)."""
+        n, _, _, page_size, _, _ = pages.shape
+        length = n * page_size
+        for layer in range(len(self.k)):
+            for which, buffers in enumerate((self.k, self.v)):
+                # [n, P, H, D] -> [H, n * P, D]
+                buffers[layer][row, :, :length] = (
+                    pages[:, layer, which].permute(2, 0, 1, 3).reshape(-1, length, pages.shape[5]))
+        self.lengths[row] = length
+        self._clean[row] = max(self._clean[row], length)
+
+    def extend(self, row: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append a row's new tokens' KV (per layer ``[1, H, T, D]``) after its length."""
+        start = self.lengths[row]
+        end = start + kv[0][0].shape[2]
+        self._ensure(end + 1)
         for layer, (k, v) in enumerate(kv):
-            self.k[layer][row, :, :length] = k[0]
-            self.v[layer][row, :, :length] = v[0]
-        self.lengths.append(length)
-        return row
+            self.k[layer][row, :, start:end] = k[0]
+            self.v[layer][row, :, start:end] = v[0]
+        self.lengths[row] = end
+        self._clean[row] = max(self._clean[row], end)
 
     def remove(self, row: int) -> int | None:
         """Free `row`; returns the row that moved into it (the old last row), or None."""
@@ -65,6 +89,7 @@ class BatchKV:
                 for layer_buf in buffers:
                     layer_buf[row, :, :length] = layer_buf[last, :, :length]
             self.lengths[row] = length
+            self._clean[row] = max(self._clean[row], length)
             moved = last
         self.lengths.pop()
         return moved
@@ -72,6 +97,12 @@ class BatchKV:
     def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views ``[B, H, T_max, D]`` per layer over the occupied rows."""
         b, t = self.size, max(self.lengths)
+        for row in range(b):
+            if self._clean[row] < t:  # garbage this step would read masked: zero it once
+                for buffers in (self.k, self.v):
+                    for buf in buffers:
+                        buf[row, :, self._clean[row]:t] = 0
+                self._clean[row] = t
         return [(k[:b, :, :t], v[:b, :, :t]) for k, v in zip(self.k, self.v, strict=True)]
 
     def mask(self) -> torch.Tensor | None:
@@ -101,6 +132,8 @@ class BatchKV:
                 self.k[layer][rows, :, cols] = k[:, :, 0]
                 self.v[layer][rows, :, cols] = v[:, :, 0]
         self.lengths = [n + 1 for n in self.lengths]
+        for row, n in enumerate(self.lengths):
+            self._clean[row] = max(self._clean[row], n)
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A row's KV for positions ``[start, end)``, per layer ``[1, H, end - start, D]``."""

@@ -220,6 +220,7 @@ class TorchEngine:
             return
         self._driving = True
         try:
+            await trio.lowlevel.checkpoint()  # requests arriving together start in one step
             admitted = self._waiting[: self.max_batch - len(self._running)]
             del self._waiting[: len(admitted)]
             await trio.to_thread.run_sync(self._step, admitted)
@@ -250,34 +251,33 @@ class TorchEngine:
 
     def _prefill(self, r: _Request) -> None:
         ids = r.tokens.token_ids
-        past = self._cached_prefix(r)
+        r.row = self._batch.open_row(len(ids))
+        self._running.append(r)
+        self._load_cached_prefix(r)
         start = r.cached_tokens
+        past = self._batch.row_kv(r.row, 0, start) if start else None
         positions = torch.arange(start, len(ids))[None]
         hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
-        kv = new_kv if past is None else [
-            (torch.cat([pk, nk], dim=2), torch.cat([pv, nv], dim=2))
-            for (pk, pv), (nk, nv) in zip(past, new_kv, strict=True)]
-        r.row = self._batch.add(kv)
+        self._batch.extend(r.row, new_kv)
         r.length = len(ids)
         r.stored_pages = start // self.page_size
-        self._running.append(r)
-        self._store_pages(r, list(ids))
+        self._store_pages(r, ids)
         self._accept(r, self.model.logits(hidden[:, -1]))
 
-    def _cached_prefix(self, r: _Request) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _load_cached_prefix(self, r: _Request) -> None:
+        """Copy the longest cached prefix's pages into the request's batch row."""
         if self.store is None:
-            return None
+            return
         usable = r.keys[: (len(r.tokens) - 1) // self.page_size]  # compute >= 1 token
         try:
             lease = self.store.acquire(usable[: self.store.match(usable)])
         except KVCapacityError as exc:  # the store cannot lend them now: recompute
             log.warning("KV prefix not reused: %s", exc)
-            return None
+            return
         with lease:
-            if not len(lease):
-                return None
-            r.cached_tokens = len(lease) * self.page_size
-            return self.model.kv_from_pages(lease.pages())
+            if len(lease):
+                self._batch.write_pages(r.row, lease.pages())
+                r.cached_tokens = len(lease) * self.page_size
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
@@ -308,7 +308,8 @@ class TorchEngine:
             self._batch_sampling = TokenSamplingState(rows)
         sampled = self._sampler.step(logits, self._batch_sampling).tolist()
         for i, r in enumerate(list(running)):
-            self._store_pages(r, list(r.tokens.token_ids) + r.output)
+            if r.length // self.page_size > r.stored_pages:
+                self._store_pages(r, r.tokens.token_ids + tuple(r.output))
             self._finish_or_continue(r, sampled[i])
 
     def _accept(self, r: _Request, logits: torch.Tensor) -> None:
@@ -342,7 +343,7 @@ class TorchEngine:
             self._running[row] = last
             last.row = row
 
-    def _store_pages(self, r: _Request, ids: list[int]) -> None:
+    def _store_pages(self, r: _Request, ids: tuple[int, ...]) -> None:
         """Put the request's newly completed full pages into the store (best effort)."""
         if self.store is None:
             return
