@@ -46,3 +46,47 @@ def test_kv_benchmark_quick_mode_reports_every_claim(tmp_path):
     assert set(report["block_keys"]["inputs"]) == {"list", "numpy"}
     assert report["bookkeeping"]["pages_stored"] == 2_000
     assert [p.name for p in tmp_path.iterdir()] == ["kv.json"]  # disk files cleaned up
+
+
+def test_prefix_reuse_benchmark_quick_mode_reports_every_turn(tmp_path):
+    """perf/prefix_reuse.py --quick reports per turn the cached tokens, both TTFTs, the
+    speedup against the ideal FLOP ratio, and equal tokens with and without reuse."""
+    out, plot = tmp_path / "prefix_reuse.json", tmp_path / "prefix_reuse.png"
+    proc = subprocess.run([sys.executable, "perf/prefix_reuse.py", "--quick", "--out", str(out),
+                           "--plot", str(plot)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report
+    assert plot.stat().st_size > 0
+    assert report["tokens_equal"] is True and report["cache_consistent"] is True
+    turns = report["turns"]
+    assert [t["turn"] for t in turns] == list(range(1, report["params"]["turns"] + 1))
+    keys = {"prompt_tokens", "cached_tokens", "ttft_reuse_ms", "ttft_recompute_ms", "speedup",
+            "token_ratio", "ideal_flop_ratio", "efficiency", "pass"}
+    for turn in turns:
+        assert keys <= turn.keys()
+        assert turn["ttft_reuse_ms"]["median"] > 0 and turn["ttft_recompute_ms"]["median"] > 0
+    assert turns[0]["cached_tokens"] == 0 and turns[0]["ideal_flop_ratio"] == 1.0
+    assert all(t["cached_tokens"] > 0 and t["ideal_flop_ratio"] > 1 for t in turns[1:])
+    assert {"target", "aggregate", "efficiency", "pass"} <= report["claim"].keys()
+    assert report["claim"]["target"] == 0.8
+
+
+def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
+    """perf/decode.py --quick reports decode tokens/s of ours and transformers' generate at
+    batch 1 and 4, with equal greedy tokens."""
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, "perf/decode.py", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report
+    assert report["tokens_equal"] is True and report["target"] == 1.0
+    cases = [c for m in report["models"] for c in m["cases"]]
+    assert [c["batch"] for c in cases] == [1, 4]
+    for case in cases:
+        rates = case["decode_tokens_per_s"]
+        assert rates["ours"]["median"] > 0 and rates["transformers"]["median"] > 0
+        assert case["new_tokens_each"] == [report["params"]["new_tokens"]] * case["batch"]
+        assert isinstance(case["pass"], bool)
