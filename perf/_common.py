@@ -7,11 +7,16 @@ the machines that run them are shared and noisy.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import cProfile
+import dataclasses
 import gc
+import io
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -215,3 +220,36 @@ def plot_bars(path: str | os.PathLike[str], title: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def benchmark_parser(doc: str | None, *, repeats_help: str, plot_help: str,
+                     profile_help: str, profile_choices: Sequence[str] | None = None
+                     ) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --quick, --seed, --repeats, --out, --plot, --profile."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    parser.add_argument("--out", help="also write the JSON here (folders are created)")
+    parser.add_argument("--plot", help=plot_help)
+    if profile_choices:
+        parser.add_argument("--profile", choices=list(profile_choices), help=profile_help)
+    else:
+        parser.add_argument("--profile", action="store_true", help=profile_help)
+    return parser
+
+
+def params_from(args: argparse.Namespace, params_type: Any) -> Any:
+    """The benchmark's sizes: `params_type.small(seed)` for --quick, else the defaults; then
+    --repeats."""
+    params = params_type.small(args.seed) if args.quick else params_type(seed=args.seed)
+    if args.repeats is not None:
+        params = dataclasses.replace(params, repeats=args.repeats)
+    return params
+
+
+def profile_report(profiler: cProfile.Profile, top: int) -> str:
+    """The `top` functions of a profile by own time, as text."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()

@@ -24,12 +24,9 @@ Usage: ``python perf/decode.py [--quick] [--out PATH.json] [--plot PATH.png] [--
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
-import io
 import os
-import pstats
 import sys
 import tempfile
 import time
@@ -48,7 +45,15 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
 from omni.compute.engine import TorchEngine
 from omni.compute.models import save_pretrained, tiny_model
 from omni.compute.sampling import SamplingParams
-from perf._common import Samples, environment, plot_bars, write_json
+from perf._common import (
+    Samples,
+    benchmark_parser,
+    environment,
+    params_from,
+    plot_bars,
+    profile_report,
+    write_json,
+)
 
 __all__ = ["MODELS", "Params", "main", "measure"]
 
@@ -281,25 +286,16 @@ async def profile(params: Params, top: int = 30) -> str:
 
     engine._step = profiled_step  # type: ignore[method-assign]
     await ours_generate(engine, prompts, params.new_tokens)
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return profile_report(profiler, top)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse `argv`, run the benchmark, print (and optionally write and plot) the result."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=None, help="rounds per measurement")
-    parser.add_argument("--out", help="also write the JSON here (folders are created)")
-    parser.add_argument("--plot", help="write a bar chart (PNG) here")
-    parser.add_argument("--profile", action="store_true",
-                        help="also cProfile our decode loop (to stderr)")
+    parser = benchmark_parser(__doc__, repeats_help="rounds per measurement",
+                              plot_help="write a bar chart (PNG) here",
+                              profile_help="also cProfile our decode loop (to stderr)")
     args = parser.parse_args(argv)
-    params = Params.small(args.seed) if args.quick else Params(seed=args.seed)
-    if args.repeats is not None:
-        params = Params(**{**asdict(params), "repeats": args.repeats})
+    params = params_from(args, Params)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         result = trio.run(measure, params)

@@ -27,12 +27,9 @@ Usage: ``python perf/prefix_reuse.py [--quick] [--out PATH.json] [--plot PATH.pn
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import io
 import math
 import os
-import pstats
 import random
 import sys
 from collections.abc import Sequence
@@ -50,7 +47,14 @@ from omni.compute.engine import GenerateResult, TorchEngine
 from omni.compute.models import DecoderConfig, DecoderLM, tiny_model
 from omni.compute.sampling import SamplingParams
 from omni.kv import KVStore, TierConfig
-from perf._common import Samples, environment, write_json
+from perf._common import (
+    Samples,
+    benchmark_parser,
+    environment,
+    params_from,
+    profile_report,
+    write_json,
+)
 
 __all__ = ["Params", "ideal_flop_ratio", "main", "measure", "prefill_flops"]
 
@@ -373,25 +377,17 @@ async def profile(params: Params, top: int = 30) -> str:
             history = history + message + res.token_ids
     finally:
         store.close()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return profile_report(profiler, top)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse `argv`, run the benchmark, print (and optionally write and plot) the result."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=None, help="chats per engine")
-    parser.add_argument("--out", help="also write the JSON here (folders are created)")
-    parser.add_argument("--plot", help="write a chart (PNG) here")
-    parser.add_argument("--profile", action="store_true",
-                        help="also cProfile one chat's prefills with reuse (to stderr)")
+    parser = benchmark_parser(__doc__, repeats_help="chats per engine",
+                              plot_help="write a chart (PNG) here",
+                              profile_help="also cProfile one chat's prefills with reuse "
+                                           "(to stderr)")
     args = parser.parse_args(argv)
-    params = Params.small(args.seed) if args.quick else Params(seed=args.seed)
-    if args.repeats is not None:
-        params = Params(**{**asdict(params), "repeats": args.repeats})
+    params = params_from(args, Params)
     result = trio.run(measure, params)
     write_json(result, args.out)
     if args.plot:

@@ -16,10 +16,7 @@ Usage: ``python perf/scheduler.py [--quick] [--out PATH.json] [--plot PATH.png]
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import io
-import pstats
 import random
 import sys
 from collections.abc import Sequence
@@ -33,7 +30,16 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import omni
-from perf._common import Samples, environment, plot_bars, time_async, write_json
+from perf._common import (
+    Samples,
+    benchmark_parser,
+    environment,
+    params_from,
+    plot_bars,
+    profile_report,
+    time_async,
+    write_json,
+)
 
 __all__ = ["Params", "main", "measure"]
 
@@ -227,9 +233,7 @@ async def profile(params: Params, scenario: str, top: int = 25) -> str:
         profiler.enable()
         await run()
         profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return profile_report(profiler, top)
 
 
 def _summarise(params: Params, t: dict[str, Samples]) -> dict[str, Any]:
@@ -305,18 +309,12 @@ def _plot(result: dict[str, Any], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse `argv`, run the benchmark, print (and optionally write and plot) the result."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small counts for a smoke run")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement")
-    parser.add_argument("--out", help="also write the JSON here (folders are created)")
-    parser.add_argument("--plot", help="write a bar chart (PNG) here")
-    parser.add_argument("--profile", choices=["chain", "diamond"],
-                        help="also cProfile one Omni pass of a scenario (to stderr)")
+    parser = benchmark_parser(__doc__, repeats_help="repeats per measurement",
+                              plot_help="write a bar chart (PNG) here",
+                              profile_help="also cProfile one Omni pass of a scenario "
+                                           "(to stderr)", profile_choices=["chain", "diamond"])
     args = parser.parse_args(argv)
-    params = Params.small(args.seed) if args.quick else Params(seed=args.seed)
-    if args.repeats is not None:
-        params = Params(**{**asdict(params), "repeats": args.repeats})
+    params = params_from(args, Params)
     result = trio.run(measure, params)
     write_json(result, args.out)
     if args.plot:
