@@ -40,6 +40,8 @@ __all__ = ["GenerateResult", "TorchEngine"]
 
 log = logging.getLogger("omni.compute")
 
+STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
+
 
 @dataclass(frozen=True)
 class GenerateResult:
@@ -76,6 +78,7 @@ class _Request:
     first_token_at: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
+    streaming: bool = False  # its caller takes each token as it comes
     stored_pages: int = 0
 
 
@@ -178,6 +181,7 @@ class TorchEngine:
                      params: SamplingParams | None = None) -> AsyncIterator[int]:
         """Generate from `prompt`, yielding token ids as they are sampled."""
         request = await self._admit(prompt, params)
+        request.streaming = True
         sent = 0
         try:
             while True:
@@ -246,8 +250,16 @@ class TorchEngine:
         for r in admitted:
             if not r.cancelled:
                 self._prefill(r)
-        if self._running:
+        # Decode on in this thread while nothing needs the event loop (no one waits to be
+        # admitted, no stream wants its token now, nobody finished), for up to STEP_BUDGET:
+        # a hop to the event loop and back costs as much as a small model's decode step.
+        deadline = time.perf_counter() + STEP_BUDGET
+        while self._running:
+            size = len(self._running)
             self._decode()
+            if (len(self._running) != size or self._waiting or time.perf_counter() > deadline
+                    or any(r.streaming or r.cancelled for r in self._running)):
+                return
 
     def _prefill(self, r: _Request) -> None:
         ids = r.tokens.token_ids
