@@ -10,6 +10,7 @@ cleanup has run by the time the asyncio caller sees its `CancelledError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -128,10 +129,8 @@ class AsyncioRuntime:
         if self._token is None:  # trio has not run a step yet: it will see the change
             fn()
             return
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(fn)
-        except trio.RunFinishedError:
-            pass
 
     async def _wait_done(self) -> None:
         """Wait for trio's done callback, even through cancellation (re-raised after)."""

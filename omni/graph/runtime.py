@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -269,7 +270,5 @@ class ResultStream:
     def __del__(self) -> None:
         # An abandoned iterator (a `break` without `async with`) must not leave its request
         # blocked on a send forever: cancel it. GC runs this in the trio thread.
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self._scope.cancel()
-        except Exception:  # interpreter shutdown
-            pass

@@ -8,6 +8,7 @@ or when the interpreter exits.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -89,10 +90,8 @@ class _Cleanup:
             except Exception as exc:  # at interpreter exit CUDA may be gone already
                 log.debug("cudaHostUnregister(%#x) failed: %s", address, exc)
         if self.path is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class Arena:

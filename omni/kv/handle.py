@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -106,10 +107,8 @@ class Lease:
         if not getattr(self, "_released", True):
             warnings.warn(f"a KV lease of {len(self.keys)} pages was never released",
                           ResourceWarning, stacklevel=1)
-            try:
+            with contextlib.suppress(Exception):  # the store may be closed already
                 self.release()
-            except Exception:  # the store may be closed already
-                pass
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
