@@ -1,0 +1,377 @@
+"""RPC over ROUTER/DEALER: calls round-trip and multiplex, time out, cancel their handler,
+carry remote errors by name, survive garbage, refuse oversize messages, move payload frames
+byte-identical, and notice a server that stops answering heartbeats.
+
+Everything runs on loopback with ephemeral ports. Real sockets deliver in real time, so the
+time-dependent tests use short real timeouts (a mock clock that autojumps would jump while
+a message is on the wire and time calls out before the server saw them).
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import trio
+import zmq
+
+from omni.transport import (
+    PeerGone,
+    Reply,
+    RPCClient,
+    RPCError,
+    RPCServer,
+    RPCTimeout,
+    TransportError,
+    WireError,
+    WireLimits,
+    wire,
+)
+
+
+class Point(msgspec.Struct):
+    x: int
+    y: int
+
+
+async def add(p: Point) -> Point:
+    return Point(p.x + p.y, p.x * p.y)
+
+
+async def echo(body):
+    return body
+
+
+async def fail(body):
+    raise ValueError(f"no good: {body}")
+
+
+async def echo_payload(body, payload):
+    return Reply({"frames": len(payload)}, list(reversed(payload)))
+
+
+def make_server(**kwargs) -> RPCServer:
+    server = RPCServer(**kwargs)
+    server.register("add", add)
+    server.register("echo", echo)
+    server.register("fail", fail)
+    server.register("payload", echo_payload, with_payload=True)
+    return server
+
+
+async def wait_until(predicate, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def test_a_call_round_trips_a_struct_body_into_the_handlers_type():
+    with trio.fail_after(5):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            assert await client.call("add", Point(3, 4), result_type=Point) == Point(7, 12)
+            assert await client.call("echo", {"a": [1, 2.5, "x", b"y", None]}) == {
+                "a": [1, 2.5, "x", b"y", None]}
+            assert await client.call("echo") is None
+            stats = client.stats()
+            assert (stats.calls, stats.completed, stats.in_flight) == (3, 3, 0)
+
+
+async def test_many_concurrent_calls_are_multiplexed_on_one_socket():
+    rng = random.Random(0)
+    delays = [rng.random() * 0.02 for _ in range(200)]
+
+    async def slow_double(i: int) -> int:
+        await trio.sleep(delays[i])  # replies come back out of order
+        return 2 * i
+
+    server = RPCServer()
+    server.register("double", slow_double)
+    results: dict[int, int] = {}
+    with trio.fail_after(10):
+        async with server, RPCClient(server.endpoint) as client:
+
+            async def one(i: int) -> None:
+                results[i] = await client.call("double", i)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(delays)):
+                    nursery.start_soon(one, i)
+            assert client.stats().in_flight == 0 and server.stats().in_flight == 0
+    assert results == {i: 2 * i for i in range(len(delays))}
+
+
+async def test_a_call_past_its_timeout_raises_rpc_timeout_and_cancels_the_handler():
+    started, cancelled = trio.Event(), trio.Event()
+
+    async def forever(body):
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    server = make_server()
+    server.register("forever", forever)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint) as client:
+            start = trio.current_time()
+            with pytest.raises(RPCTimeout, match="'forever' timed out after 0.2 s"):
+                await client.call("forever", timeout=0.2)
+            assert trio.current_time() - start >= 0.2
+            await cancelled.wait()  # the Cancel reached the server
+            assert started.is_set() and client.stats().timeouts == 1
+            assert await client.call("echo", 1, timeout=1) == 1
+
+
+async def test_cancelling_the_caller_cancels_the_server_handler():
+    started, cancelled = trio.Event(), trio.Event()
+
+    async def forever(body):
+        started.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.set()
+            raise
+
+    server = make_server()
+    server.register("forever", forever)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint) as client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.call, "forever")
+                await started.wait()
+                nursery.cancel_scope.cancel()
+            await cancelled.wait()
+            await wait_until(lambda: server.stats().cancelled == 1)
+            assert server.stats().in_flight == 0 and client.stats().cancelled == 1
+            assert await client.call("echo", "still serving") == "still serving"
+
+
+async def test_a_handler_exception_is_an_rpc_error_by_name_and_the_server_keeps_serving():
+    with trio.fail_after(5):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            with pytest.raises(RPCError) as info:
+                await client.call("fail", 42)
+            assert info.value.remote_type == "ValueError"
+            assert info.value.remote_message == "no good: 42"
+            assert info.value.method == "fail"
+            assert await client.call("echo", 5) == 5
+            assert server.stats().failed == 1 and server.stats().completed == 1
+
+
+async def test_an_unknown_method_or_a_body_of_the_wrong_type_is_an_rpc_error():
+    with trio.fail_after(5):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            with pytest.raises(RPCError, match="UnknownMethod: no method 'nope'"):
+                await client.call("nope")
+            with pytest.raises(RPCError) as info:
+                await client.call("add", "not a point")
+            assert info.value.remote_type == "WireError"
+            assert server.stats().unknown_method == 1
+
+
+async def test_garbage_frames_from_a_raw_dealer_are_counted_and_dropped():
+    garbage = [
+        [b"\x00\x01\x02 not msgpack"],
+        [b""],
+        [msgspec.msgpack.encode([wire.PROTOCOL_VERSION, ["req", "id?", 3]])],  # wrong shape
+        [msgspec.msgpack.encode([wire.PROTOCOL_VERSION, ["reboot", 1]])],  # unknown kind
+        [msgspec.msgpack.encode([99, ["hb", 1]])],  # another version
+        [wire.encode(wire.Response(1))],  # a reply has no business arriving at a server
+        [b"\xff" * 10, b"payload"],
+    ]
+    with trio.fail_after(5):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            raw = zmq.Context.instance().socket(zmq.DEALER)
+            raw.linger = 0
+            raw.connect(server.endpoint)
+            try:
+                for frames in garbage:
+                    raw.send_multipart(frames)
+                await wait_until(lambda: server.stats().dropped == len(garbage))
+            finally:
+                raw.close()
+            assert await client.call("echo", "fine") == "fine"
+            rejected = server.stats().wire
+            assert (rejected.rejected_malformed, rejected.rejected_unknown,
+                    rejected.rejected_version) == (4, 1, 1)
+
+
+async def test_oversize_messages_are_refused_on_both_sides():
+    limits = WireLimits(max_control_bytes=4096)
+    with trio.fail_after(5):
+        async with make_server(limits=limits) as server, \
+                RPCClient(server.endpoint, limits=limits) as client:
+            with pytest.raises(WireError, match="control message limit"):
+                await client.call("echo", b"x" * 5000)  # refused before it is sent
+            raw = zmq.Context.instance().socket(zmq.DEALER)
+            raw.linger = 0
+            raw.connect(server.endpoint)
+            try:
+                raw.send(b"\x92\x01" + b"\x00" * 5000)
+                await wait_until(lambda: server.stats().wire.rejected_oversize == 1)
+            finally:
+                raw.close()
+            assert await client.call("echo", b"x" * 1000) == b"x" * 1000
+
+
+async def test_payload_frames_round_trip_byte_identical_including_zero_copy_ones():
+    rng = random.Random(1)
+    big = rng.randbytes(3 << 20)  # > 64 KiB: sent and received without a copy
+    frames = [b"", b"small", big, memoryview(bytearray(b"view" * 100))]
+    with trio.fail_after(10):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            reply = await client.call_with_payload("payload", None, payload=frames)
+            assert reply.body == {"frames": 4}
+            assert [bytes(f) for f in reply.payload] == [bytes(f) for f in reversed(frames)]
+            assert isinstance(reply.payload[1], memoryview)  # the big one, zero-copy
+            assert await client.call("payload", payload=[b"a"]) == {"frames": 1}
+
+
+async def test_too_many_requests_in_flight_are_refused_as_server_busy():
+    release = trio.Event()
+
+    async def wait(body):
+        await release.wait()
+        return body
+
+    server = RPCServer(max_in_flight=2)
+    server.register("wait", wait)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint) as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(client.call, "wait", i)
+                await wait_until(lambda: server.stats().in_flight == 2)
+                with pytest.raises(RPCError, match="ServerBusy"):
+                    await client.call("wait", 3)
+                release.set()
+            assert server.stats().busy == 1
+
+
+async def test_a_silent_server_fails_in_flight_calls_with_peer_gone_within_three_beats():
+    interval = 0.1
+    started = trio.Event()
+
+    async def forever(body):
+        started.set()
+        await trio.sleep_forever()
+
+    server = make_server()
+    server.register("forever", forever)
+    stop = trio.CancelScope()
+
+    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+        with stop:
+            async with server:
+                task_status.started(server.endpoint)
+                await trio.sleep_forever()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(run_server)
+            async with RPCClient(endpoint, heartbeat_interval=interval) as client:
+                async with trio.open_nursery() as calls:
+                    calls.start_soon(client.call, "echo", 1)  # answered: the peer is alive
+                    await trio.sleep(3 * interval)  # several beats answered
+                    assert client.peer_alive
+                    async def stop_when_started():
+                        await started.wait()
+                        stop.cancel()
+                    calls.start_soon(stop_when_started)
+                    with pytest.raises(PeerGone):
+                        await client.call("forever")
+                    stopped_after = trio.current_time()
+                assert not client.peer_alive and client.stats().peer_gone == 1
+                with pytest.raises(PeerGone):  # new calls fail at once while it is gone
+                    await client.call("echo", 2)
+                assert trio.current_time() - stopped_after < interval
+
+
+async def test_detection_takes_about_three_heartbeat_intervals():
+    interval = 0.1
+    server = make_server()
+    stop = trio.CancelScope()
+
+    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
+        with stop:
+            async with server:
+                task_status.started(server.endpoint)
+                await trio.sleep_forever()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(run_server)
+            async with RPCClient(endpoint, heartbeat_interval=interval) as client:
+                await client.call("echo", 0)
+                await trio.sleep(2.5 * interval)
+                stop.cancel()
+                stopped_at = trio.current_time()
+                await wait_until(lambda: not client.peer_alive)
+                elapsed = trio.current_time() - stopped_at
+                assert 2 * interval - 0.02 <= elapsed <= 3 * interval + 0.15
+
+
+async def test_a_slow_handler_on_a_live_server_is_not_mistaken_for_a_gone_peer():
+    interval = 0.05
+
+    async def slow(body):
+        await trio.sleep(6 * interval)
+        return body
+
+    server = make_server()
+    server.register("slow", slow)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint, heartbeat_interval=interval) as client:
+            assert await client.call("slow", "done") == "done"
+            assert client.peer_alive and client.stats().heartbeats_sent >= 4
+
+
+async def test_a_client_recovers_when_a_server_returns_on_the_same_endpoint():
+    interval = 0.05
+    with trio.fail_after(10):
+        async with make_server() as first:
+            endpoint = first.endpoint
+        async with RPCClient(endpoint, heartbeat_interval=interval) as client:
+            await wait_until(lambda: not client.peer_alive)
+            async with make_server(bind=endpoint):
+                await wait_until(lambda: client.peer_alive)
+                assert await client.call("echo", "back") == "back"
+
+
+async def test_binding_an_address_in_use_raises_a_transport_error_naming_it():
+    async with make_server() as first:
+        with pytest.raises(TransportError, match=f"{first.endpoint}: address already in use"):
+            async with make_server(bind=first.endpoint):
+                pass
+        assert "RPCServer tcp://127.0.0.1:" in repr(first)
+
+
+async def test_using_a_client_outside_async_with_raises_transport_error():
+    client = RPCClient("tcp://127.0.0.1:1")
+    with pytest.raises(TransportError, match="not running"):
+        await client.call("echo")
+    assert "stopped" in repr(client)
+
+
+def test_registering_a_method_twice_or_an_undecodable_body_type_is_refused():
+    server = make_server()
+    with pytest.raises(ValueError, match="already registered"):
+        server.register("echo", echo)
+    with pytest.raises(ValueError, match="cannot decode"):
+        server.register("bad", echo, body_type=object)
+
+
+async def test_stats_and_repr_summarise_the_state():
+    with trio.fail_after(5):
+        async with make_server() as server, RPCClient(server.endpoint) as client:
+            await client.call("echo", 1)
+            with pytest.raises(RPCError):
+                await client.call("fail", 1)
+            assert repr(client) == (f"<RPCClient {server.endpoint} alive in_flight=0 calls=2 "
+                                    "timeouts=0 failed=1>")
+            assert repr(server) == (f"<RPCServer {server.endpoint} methods=4 in_flight=0 "
+                                    "completed=1 failed=1 dropped=0>")
+            assert server.stats().requests == 2 and client.stats().completed == 1
