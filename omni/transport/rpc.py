@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[..., Awaitable[Any]]
 _MAX_ERROR_CHARS = 16_384  # a remote error's message is truncated to this
+_GRACE = 0.005  # seconds to read replies already received before declaring a peer gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,9 @@ class _Route:
 
 @dataclass(frozen=True, slots=True)
 class RPCServerStats:
-    """A server's counters; `wire` holds its codec's (rejected messages by reason)."""
+    """A server's counters: requests by outcome (`cancelled`: by the caller's Cancel;
+    `busy`: refused over `max_in_flight`), `dropped` messages (malformed, unexpected or
+    duplicate); `wire` holds the codec's counters (rejected messages by reason)."""
 
     requests: int
     in_flight: int
@@ -84,7 +87,9 @@ class RPCServerStats:
 
 @dataclass(frozen=True, slots=True)
 class RPCClientStats:
-    """A client's counters; `wire` holds its codec's (rejected messages by reason)."""
+    """A client's counters: `cancelled` counts the Cancel messages sent (callers cancelled
+    or timed out), `late_replies` replies that came after their caller gave up, `dropped`
+    messages that did not decode; `wire` holds the codec's counters."""
 
     calls: int
     in_flight: int
@@ -100,13 +105,16 @@ class RPCClientStats:
     wire: WireStats
 
 
-def _infer_body_type(handler: Handler) -> Any:
-    """The annotation of the handler's first parameter, or ``Any``."""
+def _infer_body_type(method: str, handler: Handler) -> Any:
+    """The annotation of the handler's first parameter, or ``Any`` if it has none."""
     try:
         params = list(inspect.signature(handler).parameters)
         hints = typing.get_type_hints(handler)
-    except (TypeError, ValueError, NameError):
+    except (TypeError, ValueError):  # not introspectable (a builtin, a callable object ...)
         return Any
+    except NameError as exc:  # e.g. a class defined in a function, under postponed annotations
+        raise ValueError(f"method '{method}': cannot resolve the handler's annotations "
+                         f"({exc}); pass body_type=") from None
     return hints.get(params[0], Any) if params else Any
 
 
@@ -205,11 +213,11 @@ class RPCServer(_Service):
         The body is decoded into `body_type` (default: the annotation of the handler's first
         parameter, else ``Any``). The handler returns a msgspec Struct or any msgpack-able
         value, or a `Reply` to send payload frames back. Raises ValueError if `method` is
-        already registered or `body_type` cannot be decoded into.
+        already registered, or the body type cannot be resolved or decoded into.
         """
         if method in self._routes:
             raise ValueError(f"method '{method}' is already registered")
-        body_type = _infer_body_type(handler) if body_type is None else body_type
+        body_type = _infer_body_type(method, handler) if body_type is None else body_type
         try:
             msgspec.msgpack.Decoder(body_type)
         except TypeError as exc:
@@ -420,29 +428,39 @@ class RPCClient(_Service):
         `TransportError` if the client is not running. Cancelling the caller, or a timeout,
         tells the server to cancel the handler.
         """
-        return (await self.call_with_payload(method, body, payload=payload, timeout=timeout,
-                                             result_type=result_type)).body
+        call = await self._call(method, body, payload, timeout)
+        return self._codec.decode_body(call.response.body, result_type)  # type: ignore[union-attr]
 
     async def call_with_payload(self, method: str, body: Any = None, *,
                                 payload: Sequence[Buffer] = (), timeout: float | None = None,
                                 result_type: Any = Any) -> Reply:
         """Like `call`, but returns a `Reply` with the body and the payload frames sent back
         (frames of 64 KiB or more as memoryviews, received without a copy)."""
+        call = await self._call(method, body, payload, timeout)
+        body = self._codec.decode_body(call.response.body, result_type)  # type: ignore[union-attr]
+        return Reply(body, call.payload)
+
+    async def _call(self, method: str, body: Any, payload: Sequence[Buffer],
+                    timeout: float | None) -> _Call:
+        """Send the request and wait; the call once it has a `Response`, else raise."""
         sock = self._require_socket()
         if not self._alive:
             raise PeerGone(self.endpoint, trio.current_time() - self._last_seen)
         codec = self._codec
-        codec.check_payload(payload)
+        if payload:
+            codec.check_payload(payload)
         call_id = self._next_id = self._next_id + 1
         frames = [codec.encode(Request(call_id, method, codec.encode_body(body))), *payload]
         timeout = self.timeout if timeout is None else timeout
         call = self._pending[call_id] = _Call()
         self._calls += 1
+        queued = False
         try:
             try:  # no checkpoint on the fast path: waiting for the reply is the checkpoint
                 sock.send_multipart_nowait(frames)
             except trio.WouldBlock:
                 await sock.send_multipart(frames)
+            queued = True
             if timeout is None:
                 await call.wait()
             else:
@@ -450,25 +468,20 @@ class RPCClient(_Service):
                     await call.wait()
         finally:
             del self._pending[call_id]
-            if not call.done:  # cancelled or timed out: tell the server
+            if queued and not call.done:  # cancelled or timed out: tell the server
                 self._cancelled += 1
                 self._send_nowait([codec.encode(Cancel(call_id))])
-        return self._outcome(method, call, timeout, result_type)
-
-    def _outcome(self, method: str, call: _Call, timeout: float | None,
-                 result_type: Any) -> Reply:
-        """The reply of a finished call, or the error it ended with."""
+        response = call.response
+        if type(response) is Response:
+            self._completed += 1
+            return call
         if call.error is not None:
             raise call.error
-        response = call.response
         if response is None:
             self._timeouts += 1
             raise RPCTimeout(method, math.inf if timeout is None else timeout)
-        if type(response) is Error:
-            self._failed += 1
-            raise RPCError(method, response.type, response.message)
-        self._completed += 1
-        return Reply(self._codec.decode_body(response.body, result_type), call.payload)
+        self._failed += 1
+        raise RPCError(method, response.type, response.message)
 
     # -- in the socket's owner task ----------------------------------------------------------
 
@@ -504,16 +517,33 @@ class RPCClient(_Service):
                 next_ping = now + interval
             deadline = self._last_seen + self._missed * interval
             if self._alive and now >= deadline:
-                self._declare_gone(now)
+                # After the event loop stalled, a pong may already wait on the socket: give
+                # the owner a moment to read it before declaring the peer gone.
+                await trio.sleep(_GRACE)
+                if trio.current_time() >= self._last_seen + self._missed * interval:
+                    self._declare_gone(trio.current_time())
+                continue
             await trio.sleep_until(min(next_ping, deadline) if self._alive else next_ping)
 
     def _declare_gone(self, now: float) -> None:
         self._alive = False
         self._gone += 1
+        silent_for = now - self._last_seen
+        self._fail_pending(lambda: PeerGone(self.endpoint, silent_for))
+
+    def _fail_pending(self, make_error: Callable[[], TransportError]) -> None:
+        """Fail every call in flight, each with its own exception object."""
         for call in self._pending.values():
             if not call.done:
-                call.error = PeerGone(self.endpoint, now - self._last_seen)
+                call.error = make_error()
                 call.resolve()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        try:
+            return await super().__aexit__(*exc_info)
+        finally:  # calls still waiting in other tasks would never get a reply
+            self._fail_pending(lambda: TransportError(
+                f"{self!r} closed with the call in flight"))
 
     def stats(self) -> RPCClientStats:
         """Counters of calls by outcome, heartbeats, dropped messages, and the codec's."""

@@ -6,8 +6,8 @@ receive, even reading ``EVENTS``) can consume that notification. If two tasks to
 socket, one could consume the edge the other is parked on, and the other would sleep forever.
 So exactly one task, the *owner* (`Socket._own`), ever calls into the ZeroMQ socket. It loops:
 receive while ``EVENTS`` says POLLIN and the inbox has room, send while ``EVENTS`` says POLLOUT
-and the outbox has messages, and only when neither can progress park in
-``trio.lowlevel.wait_readable(FD)`` (readable, also for POLLOUT: that is ZeroMQ's contract).
+and the outbox has messages, and only when neither can progress park until the FD is
+readable (readable, also to wait for POLLOUT: that is ZeroMQ's contract).
 Other tasks talk to the owner through two bounded trio memory channels (the outbox and the
 inbox), which gives backpressure, and wake it through a `_Waker` when it is parked.
 
@@ -24,6 +24,7 @@ receiver owns them).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -35,16 +36,10 @@ import zmq
 
 from omni.transport.errors import TransportError
 
-__all__ = [
-    "DEFAULT_HWM",
-    "ZERO_COPY_THRESHOLD",
-    "Buffer",
-    "Socket",
-    "SocketStats",
-    "background_nursery",
-    "open_socket",
-    "wait_sent",
-]
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_HWM", "ZERO_COPY_THRESHOLD", "Buffer", "Socket", "SocketStats",
+           "background_nursery", "open_socket", "wait_sent"]
 
 ZERO_COPY_THRESHOLD: Final = 64 * 1024  # pyzmq copies smaller frames even with copy=False
 DEFAULT_HWM: Final = 1000  # messages ZeroMQ queues per peer and direction
@@ -82,7 +77,8 @@ async def background_nursery() -> AsyncIterator[trio.Nursery]:
 
 @dataclass(frozen=True, slots=True)
 class SocketStats:
-    """A socket's counters: messages and bytes each way, messages waiting in each buffer."""
+    """A socket's counters: messages and bytes each way, messages waiting in each buffer,
+    times the owner woke from parking, and messages ZeroMQ refused (dropped)."""
 
     messages_sent: int
     messages_received: int
@@ -91,6 +87,7 @@ class SocketStats:
     outbox: int
     inbox: int
     wakeups: int
+    send_errors: int
 
 
 class _Outgoing:
@@ -100,6 +97,11 @@ class _Outgoing:
     __slots__ = ("copy", "done", "frames", "next_part", "trackers")
 
     def __init__(self, frames: Sequence[Buffer], copy: bool | None, track: bool):
+        if not frames:
+            raise ValueError("a message needs at least one frame")
+        for frame in frames:  # refuse a non-buffer here, where the caller can see it
+            if type(frame) is not bytes:
+                memoryview(frame)
         self.frames = frames
         self.copy = copy
         self.next_part = 0
@@ -126,10 +128,11 @@ class _Waker:
         self._parked = self._poked = False
         self._scope: trio.CancelScope | None = None
         self._epoll: Any = None
-        self._event_fd = -1
+        self._epoll_fd = self._event_fd = -1
         if use_epoll:
             self._event_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._epoll = select.epoll()
+            self._epoll_fd = self._epoll.fileno()
             self._epoll.register(zmq_fd, select.EPOLLIN)
             self._epoll.register(self._event_fd, select.EPOLLIN)
 
@@ -142,7 +145,7 @@ class _Waker:
             return
         self._parked = True
         try:
-            await trio.lowlevel.wait_readable(self._epoll.fileno())
+            await trio.lowlevel.wait_readable(self._epoll_fd)
         finally:
             self._parked = False
         if self._poked:
@@ -173,6 +176,10 @@ class Socket:
     is at its high-water mark the outbox fills and senders wait (backpressure); when nobody
     receives, the inbox fills and the owner stops reading, and ZeroMQ queues up to its HWM.
 
+    Bulk streams: queue with `send_multipart_nowait` (await `send_multipart` only when it
+    raises `trio.WouldBlock`) and drain with `recv_multipart_nowait` after each await; that
+    spares a checkpoint per message.
+
     With `on_message`, received messages are not queued: the owner calls
     ``on_message(frames)`` for each, synchronously (one hop less for RPC dispatch). The
     callback must not block or raise; it may queue replies with `send_multipart_nowait`.
@@ -189,12 +196,14 @@ class Socket:
         self._out_tx, self._out_rx = trio.open_memory_channel[_Outgoing](send_buffer)
         self._in_tx, self._in_rx = trio.open_memory_channel[list[Buffer]](recv_buffer)
         self._on_message = on_message
+        self._queued = 0  # messages in the outbox: checked before receive_nowait (no raise)
         self._current: _Outgoing | None = None  # taken from the outbox, not yet fully sent
         self._held: list[Buffer] | None = None  # received while the inbox was full
         self._closed = False
         self._error: BaseException | None = None
         self._sent = self._received = self._bytes_sent = self._bytes_received = 0
-        self._wakeups = 0
+        self._wakeups = self._send_errors = 0
+        self._streaming = False  # the last message received was bulk (see `_own`)
 
     # -- the API for any task ----------------------------------------------------------------
 
@@ -213,24 +222,26 @@ class Socket:
         item = _Outgoing(frames, copy, track)
         try:
             self._out_tx.send_nowait(item)
-        except trio.WouldBlock:
-            await self._send_waiting(item)
+        except trio.WouldBlock:  # backpressure: wait for room in the outbox
+            try:
+                await self._out_tx.send(item)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise self._closed_error() from None
+            self._queued += 1
+            self._waker.poke()
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise self._closed_error() from None
         else:
+            self._queued += 1
             self._waker.poke()  # before our checkpoint, so that the owner sends during it
             await trio.lowlevel.checkpoint()
         if item.done is None:
             return None
         await item.done.wait()
+        if item.next_part < len(frames):  # it never went out
+            raise self._closed_error() if self._closed else TransportError(
+                f"{self!r}: ZeroMQ refused the message")
         return zmq.MessageTracker(*item.trackers) if item.trackers else zmq.MessageTracker()
-
-    async def _send_waiting(self, item: _Outgoing) -> None:
-        try:
-            await self._out_tx.send(item)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise self._closed_error() from None
-        self._waker.poke()
 
     def send_multipart_nowait(self, frames: Sequence[Buffer], *,
                               copy: bool | None = None) -> None:
@@ -241,14 +252,17 @@ class Socket:
             self._out_tx.send_nowait(_Outgoing(frames, copy, False))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise self._closed_error() from None
+        self._queued += 1
         self._waker.poke()
 
     async def recv_multipart(self) -> list[Buffer]:
         """The next message: frames under 64 KiB as `bytes`, larger ones as memoryviews.
 
-        Raises `TransportError` once the socket is closed and the inbox drained (and always
-        with `on_message`, where nothing is queued).
+        Raises `TransportError` once the socket is closed and the inbox drained, and at once
+        if messages go to an `on_message` callback instead.
         """
+        if self._on_message is not None:
+            raise TransportError(f"{self!r} delivers messages to its on_message callback")
         try:
             frames = await self._in_rx.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
@@ -257,10 +271,19 @@ class Socket:
             self._waker.poke()  # the owner holds a message for the room just made
         return frames
 
-    def __aiter__(self) -> AsyncIterator[list[Buffer]]:
-        return self._iterate()
+    def recv_multipart_nowait(self) -> list[Buffer]:
+        """The next message if one is waiting in the inbox (a bulk consumer drains the inbox
+        this way after each `recv_multipart`, without a checkpoint per message). Raises
+        `trio.WouldBlock` if the inbox is empty, `TransportError` if the socket is closed."""
+        try:
+            frames = self._in_rx.receive_nowait()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._closed_error() from None
+        if self._held is not None:
+            self._waker.poke()
+        return frames
 
-    async def _iterate(self) -> AsyncIterator[list[Buffer]]:
+    async def __aiter__(self) -> AsyncIterator[list[Buffer]]:
         """Messages until the socket closes."""
         while True:
             try:
@@ -276,7 +299,7 @@ class Socket:
                            + (self._current is not None),
                            self._in_rx.statistics().current_buffer_used
                            + (self._held is not None),
-                           self._wakeups)
+                           self._wakeups, self._send_errors)
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -308,10 +331,16 @@ class Socket:
                 if events & _POLLIN and self._held is None:
                     self._receive_one()
                     progressed = True
-                if events & _POLLOUT and self._next_outgoing() is not None:
+                if events & _POLLOUT and (self._current is not None or self._queued > 0):
                     self._send_current()
                     progressed = True
-                if not progressed:  # parked right after reading EVENTS: the invariant
+                if not progressed and self._streaming:
+                    # Bulk frames come in streams: yield once (the consumer runs, the next
+                    # frame may land) and look again before paying for a park and a wake-up.
+                    self._streaming = False
+                    since_checkpoint = 0
+                    await trio.lowlevel.checkpoint()
+                elif not progressed:  # parked right after reading EVENTS: the invariant
                     since_checkpoint = 0
                     await park()
                     self._wakeups += 1
@@ -322,21 +351,33 @@ class Socket:
             self._error = exc
         finally:
             self._closed = True
+            self._release_tracked()
             self._out_rx.close()
             self._in_tx.close()
             self._waker.close()
 
+    def _release_tracked(self) -> None:
+        """Closing: wake the senders waiting for tracked messages that will never go out."""
+        pending = [self._current] if self._current is not None else []
+        with contextlib.suppress(trio.WouldBlock):
+            while True:
+                pending.append(self._out_rx.receive_nowait())
+        for item in pending:
+            if item.done is not None:
+                item.done.set()
+
     def _receive_one(self) -> None:
         """Receive one message (ZeroMQ said POLLIN) and deliver it."""
-        recv = self._zsock.recv
-        frame = recv(_NOBLOCK, copy=False)
-        parts = [frame]
-        while frame.more:  # the other parts are there: multipart delivery is atomic
-            frame = recv(_NOBLOCK, copy=False)
-            parts.append(frame)
+        recv, frames, more, size = self._zsock.recv, [], True, 0
+        while more:  # after the first part the others are there: delivery is atomic
+            part = recv(_NOBLOCK, copy=False)
+            n = len(part)
+            frames.append(part.bytes if n < ZERO_COPY_THRESHOLD else part.buffer)
+            size += n
+            more = part.more
         self._received += 1
-        self._bytes_received += sum(len(p) for p in parts)
-        frames = [p.bytes if len(p) < ZERO_COPY_THRESHOLD else p.buffer for p in parts]
+        self._bytes_received += size
+        self._streaming = size >= ZERO_COPY_THRESHOLD
         if self._on_message is not None:
             self._on_message(frames)
             return
@@ -353,18 +394,16 @@ class Socket:
             return
         self._held = None
 
-    def _next_outgoing(self) -> _Outgoing | None:
-        if self._current is None:
-            try:
-                self._current = self._out_rx.receive_nowait()
-            except trio.WouldBlock:
-                return None
-        return self._current
-
     def _send_current(self) -> None:
-        """Send the current message's remaining parts; keep it if ZeroMQ says EAGAIN."""
+        """Send the current (else the next queued) message's remaining parts; keep it as
+        current if ZeroMQ says EAGAIN."""
         item = self._current
-        assert item is not None
+        if item is None:
+            try:
+                item = self._current = self._out_rx.receive_nowait()
+            except trio.WouldBlock:  # its sender has not counted it yet
+                return
+            self._queued -= 1
         send, frames, last = self._zsock.send, item.frames, len(item.frames) - 1
         track = item.trackers is not None
         while item.next_part <= last:
@@ -376,6 +415,13 @@ class Socket:
                 tracker = send(frame, _NOBLOCK if i == last else _NOBLOCK_SNDMORE,
                                copy=copy, track=track and not copy)
             except zmq.Again:  # at the HWM (only ever on a first part, in practice)
+                return
+            except zmq.ZMQError as exc:  # e.g. EHOSTUNREACH with ROUTER_MANDATORY: drop it
+                log.warning("%r: dropped a message: %s", self, exc)
+                self._send_errors += 1
+                self._current = None
+                if item.done is not None:
+                    item.done.set()
                 return
             if item.trackers is not None and isinstance(tracker, zmq.MessageTracker):
                 item.trackers.append(tracker)
@@ -456,9 +502,10 @@ async def open_socket(ctx: zmq.Context[Any] | None, socket_type: int, *,
     try:
         _configure(zsock, sndhwm=sndhwm, rcvhwm=rcvhwm, max_msg_size=max_msg_size,
                    options=options)
+        endpoint = _attach(zsock, bind, connect)
         sock = Socket(zsock, send_buffer=send_buffer, recv_buffer=recv_buffer,
                       on_message=on_message, use_epoll=use_epoll)
-        sock.endpoint = _attach(zsock, bind, connect)
+        sock.endpoint = endpoint
         async with background_nursery() as nursery:
             nursery.start_soon(sock._own)
             yield sock

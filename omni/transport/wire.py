@@ -22,24 +22,9 @@ import msgspec
 from omni.transport.errors import WireError
 
 __all__ = [
-    "MAX_CONTROL_BYTES",
-    "MAX_PAYLOAD_BYTES",
-    "MAX_PAYLOAD_FRAMES",
-    "NIL",
-    "PROTOCOL_VERSION",
-    "AnyMessage",
-    "Cancel",
-    "Codec",
-    "Error",
-    "Heartbeat",
-    "Message",
-    "Request",
-    "Response",
-    "WireLimits",
-    "WireStats",
-    "decode",
-    "encode",
-    "stats",
+    "MAX_CONTROL_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_FRAMES", "NIL", "PROTOCOL_VERSION",
+    "AnyMessage", "Cancel", "Codec", "Error", "Heartbeat", "Message", "Request", "Response",
+    "WireLimits", "WireStats", "decode", "encode", "stats",
 ]
 
 PROTOCOL_VERSION: Final = 1

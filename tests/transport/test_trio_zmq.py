@@ -8,6 +8,8 @@ rather than a mock clock (a mock clock would jump while a message is on the wire
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import trio
 import zmq
@@ -129,7 +131,7 @@ async def test_an_idle_owner_sleeps_instead_of_spinning(ctx):
 
 async def test_binding_an_address_in_use_raises_a_transport_error_naming_it(ctx):
     async with open_socket(ctx, zmq.ROUTER, bind=LOOPBACK) as first:
-        with pytest.raises(TransportError, match=f"{first.endpoint}.*already in use"):
+        with pytest.raises(TransportError, match=re.escape(first.endpoint) + ".*already in use"):
             async with open_socket(ctx, zmq.ROUTER, bind=first.endpoint):
                 pass
 
@@ -161,3 +163,56 @@ async def test_on_message_delivers_to_a_callback_instead_of_the_inbox(ctx):
             while len(seen) < 3:
                 await trio.sleep(0.01)
     assert [m[1:] for m in seen] == [[b"0"], [b"1"], [b"2"]]
+
+
+async def test_a_tracked_send_that_never_went_out_raises_when_the_socket_closes(ctx):
+    """A bound PUSH with no peer cannot send; closing it must not leave the sender hanging."""
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            async with open_socket(ctx, zmq.PUSH, bind=LOOPBACK) as push:
+
+                async def send_tracked() -> None:
+                    with pytest.raises(TransportError, match="closed"):
+                        await push.send_multipart([b"nobody listens"], track=True)
+
+                nursery.start_soon(send_tracked)
+                await trio.sleep(0.05)
+                assert push.stats().outbox == 1
+
+
+async def test_a_message_zeromq_refuses_is_dropped_and_counted_not_fatal(ctx):
+    with trio.fail_after(5):
+        async with open_socket(ctx, zmq.ROUTER, bind=LOOPBACK,
+                               options={zmq.ROUTER_MANDATORY: 1}) as router, \
+                open_socket(ctx, zmq.DEALER, connect=router.endpoint) as dealer:
+            with pytest.raises(TransportError, match="refused"):
+                await router.send_multipart([b"no such peer", b"x"], track=True)
+            assert router.stats().send_errors == 1
+            await dealer.send_multipart([b"still works"])
+            assert (await router.recv_multipart())[1:] == [b"still works"]
+
+
+async def test_frames_that_are_not_buffers_or_empty_messages_are_refused_at_the_call(ctx):
+    async with open_socket(ctx, zmq.DEALER, connect="tcp://127.0.0.1:1") as sock:
+        with pytest.raises(TypeError):
+            await sock.send_multipart(["text is not bytes"])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="at least one frame"):
+            sock.send_multipart_nowait([])
+        assert sock.stats().outbox == 0
+
+
+async def test_a_bulk_consumer_drains_the_inbox_without_awaiting_each_message(ctx):
+    with trio.fail_after(5):
+        async with open_socket(ctx, zmq.ROUTER, bind=LOOPBACK) as router, \
+                open_socket(ctx, zmq.DEALER, connect=router.endpoint) as dealer:
+            for i in range(10):
+                dealer.send_multipart_nowait([b"%d" % i])
+            got = [await router.recv_multipart()]
+            while len(got) < 10:
+                try:
+                    got.append(router.recv_multipart_nowait())
+                except trio.WouldBlock:
+                    await trio.sleep(0.001)
+            assert [m[1] for m in got] == [b"%d" % i for i in range(10)]
+            with pytest.raises(trio.WouldBlock):
+                router.recv_multipart_nowait()
