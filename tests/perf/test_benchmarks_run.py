@@ -90,3 +90,31 @@ def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
         assert rates["ours"]["median"] > 0 and rates["transformers"]["median"] > 0
         assert case["new_tokens_each"] == [report["params"]["new_tokens"]] * case["batch"]
         assert isinstance(case["pass"], bool)
+
+
+def run_quick(script: str, tmp_path) -> dict:
+    """Run a benchmark in --quick mode; its stdout and its --out file hold the same JSON."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report
+    return report
+
+
+def test_diffusion_benchmark_quick_mode_matches_recomputation(tmp_path):
+    """perf/diffusion_reuse.py --quick: reuse and recompute give the same latents."""
+    report = run_quick("perf/diffusion_reuse.py", tmp_path)
+    claim = report["reuse_vs_recompute"]
+    assert claim["max_abs_latent_diff"] < 1e-4
+    assert claim["ideal_flop_ratio"] > 1 and isinstance(claim["pass"], bool)
+
+
+def test_transport_benchmark_quick_mode_reports_latency_and_throughput(tmp_path):
+    """perf/transport.py --quick: RPC latency and payload throughput against raw pyzmq."""
+    report = run_quick("perf/transport.py", tmp_path)
+    for claim in ("latency", "throughput"):
+        assert report[claim]["measured"]["median"] > 0
+        assert report[claim]["baseline"]["median"] > 0
+        assert isinstance(report[claim]["pass"], bool)
