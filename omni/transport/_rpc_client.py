@@ -1,0 +1,252 @@
+"""The RPC client: calls multiplexed on one DEALER socket, with timeouts, cancellation and
+heartbeats (see `omni.transport.rpc`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+import zmq
+
+from omni.transport._rpc_base import (
+    _GRACE,
+    Reply,
+    RPCClientStats,
+    _Service,
+)
+from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError, WireError
+from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
+from omni.transport.wire import (
+    Cancel,
+    Error,
+    Heartbeat,
+    Request,
+    Response,
+    WireLimits,
+)
+
+__all__ = ["RPCClient"]
+
+
+class _Call:
+    """A call in flight. Why a record: the owner's callback (a reply) or the heartbeat task
+    (peer gone) resolves it while the caller waits; the first resolution wins. It parks the
+    caller with trio's low-level primitives: a `trio.Event` per call costs measurably more."""
+
+    __slots__ = ("done", "error", "payload", "response", "task")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.response: Response | Error | None = None
+        self.payload: list[Buffer] = []
+        self.error: BaseException | None = None
+        self.task: trio.lowlevel.Task | None = None  # the caller, while it is parked
+
+    def resolve(self) -> None:
+        self.done = True
+        if self.task is not None:
+            task, self.task = self.task, None
+            trio.lowlevel.reschedule(task)
+
+    async def wait(self) -> None:
+        """Until resolved, or cancelled (then `done` stays False)."""
+        if self.done:
+            await trio.lowlevel.checkpoint()
+            return
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            self.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class RPCClient(_Service):
+    """A DEALER that multiplexes concurrent calls to one server, with heartbeats.
+
+    >>> async with RPCClient(server.endpoint) as client:
+    ...     total = await client.call("add", AddArgs(1, 2), timeout=5)
+
+    Args:
+        endpoint: the server's address.
+        ctx: the shared ZeroMQ context (``None``: the process-wide instance).
+        heartbeat_interval: seconds between pings; ``None`` disables heartbeats.
+        missed_heartbeats: intervals without any message from the server before it is
+            declared gone (in-flight calls fail with `PeerGone`).
+        timeout: the default per-call timeout in seconds (``None``: no limit).
+        limits: the wire size limits.
+    """
+
+    def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
+                 heartbeat_interval: float | None = 1.0, missed_heartbeats: int = 3,
+                 timeout: float | None = None, limits: WireLimits | None = None,
+                 sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM,
+                 send_buffer: int = 1024):
+        super().__init__(limits, ctx)
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._interval = heartbeat_interval
+        self._missed = missed_heartbeats
+        self._socket_args = {"sndhwm": sndhwm, "rcvhwm": rcvhwm, "send_buffer": send_buffer}
+        self._pending: dict[int, _Call] = {}
+        self._next_id = 0
+        self._last_seen = 0.0
+        self._alive = True
+        self._calls = self._completed = self._failed = self._timeouts = 0
+        self._cancelled = self._gone = self._late = self._pings = 0
+
+    async def __aenter__(self) -> RPCClient:
+        await self._start(zmq.DEALER, connect=self.endpoint, **self._socket_args)
+        self._last_seen, self._alive = trio.current_time(), True
+        if self._interval is not None:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._heartbeat)
+        return self
+
+    @property
+    def peer_alive(self) -> bool:
+        """False from the moment the server missed its heartbeats until it answers again."""
+        return self._alive
+
+    async def call(self, method: str, body: Any = None, *, payload: Sequence[Buffer] = (),
+                   timeout: float | None = None, result_type: Any = Any) -> Any:
+        """Call `method` with `body` (a msgspec Struct or msgpack-able value) and optional
+        payload frames; the reply's body decoded as `result_type`. Payload frames the server
+        sends back are discarded (see `call_with_payload`).
+
+        Raises `RPCError` if the handler raised or the method is unknown, `RPCTimeout` after
+        `timeout` seconds (default: the client's), `PeerGone` if the server stops answering
+        heartbeats, `WireError` if the request is too large or the reply does not decode, and
+        `TransportError` if the client is not running. Cancelling the caller, or a timeout,
+        tells the server to cancel the handler.
+        """
+        call = await self._call(method, body, payload, timeout)
+        return self._codec.decode_body(call.response.body, result_type)  # type: ignore[union-attr]
+
+    async def call_with_payload(self, method: str, body: Any = None, *,
+                                payload: Sequence[Buffer] = (), timeout: float | None = None,
+                                result_type: Any = Any) -> Reply:
+        """Like `call`, but returns a `Reply` with the body and the payload frames sent back
+        (frames of 64 KiB or more as memoryviews, received without a copy)."""
+        call = await self._call(method, body, payload, timeout)
+        body = self._codec.decode_body(call.response.body, result_type)  # type: ignore[union-attr]
+        return Reply(body, call.payload)
+
+    async def _call(self, method: str, body: Any, payload: Sequence[Buffer],
+                    timeout: float | None) -> _Call:
+        """Send the request and wait; the call once it has a `Response`, else raise."""
+        sock = self._require_socket()
+        if not self._alive:
+            raise PeerGone(self.endpoint, trio.current_time() - self._last_seen)
+        codec = self._codec
+        if payload:
+            codec.check_payload(payload)
+        call_id = self._next_id = self._next_id + 1
+        frames = [codec.encode(Request(call_id, method, codec.encode_body(body))), *payload]
+        timeout = self.timeout if timeout is None else timeout
+        call = self._pending[call_id] = _Call()
+        self._calls += 1
+        queued = False
+        try:
+            try:  # no checkpoint on the fast path: waiting for the reply is the checkpoint
+                sock.send_multipart_nowait(frames)
+            except trio.WouldBlock:
+                await sock.send_multipart(frames)
+            queued = True
+            if timeout is None:
+                await call.wait()
+            else:
+                with trio.move_on_after(timeout):
+                    await call.wait()
+        finally:
+            del self._pending[call_id]
+            if queued and not call.done:  # cancelled or timed out: tell the server
+                self._cancelled += 1
+                self._send_nowait([codec.encode(Cancel(call_id))])
+        response = call.response
+        if type(response) is Response:
+            self._completed += 1
+            return call
+        if call.error is not None:
+            raise call.error
+        if response is None:
+            self._timeouts += 1
+            raise RPCTimeout(method, math.inf if timeout is None else timeout)
+        self._failed += 1
+        raise RPCError(method, response.type, response.message)
+
+    # -- in the socket's owner task ----------------------------------------------------------
+
+    def _on_message(self, frames: list[Buffer]) -> None:
+        try:
+            msg = self._codec.decode(frames[0])
+        except WireError:
+            self._dropped += 1
+            return
+        self._last_seen = trio.current_time()
+        self._alive = True
+        if type(msg) is Response or type(msg) is Error:
+            call = self._pending.get(msg.id)
+            if call is None or call.done:
+                self._late += 1  # its caller gave up already
+                return
+            call.response, call.payload = msg, frames[1:]
+            call.resolve()
+        elif type(msg) is not Heartbeat:
+            self._dropped += 1
+
+    # -- heartbeats --------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        """Ping every interval; declare the peer gone once it is silent too long."""
+        assert self._interval is not None
+        interval, next_ping, seq = self._interval, trio.current_time(), 0
+        while True:
+            now = trio.current_time()
+            if now >= next_ping:
+                seq += 1
+                self._pings += self._send_nowait([self._codec.encode(Heartbeat(seq))])
+                next_ping = now + interval
+            deadline = self._last_seen + self._missed * interval
+            if self._alive and now >= deadline:
+                # After the event loop stalled, a pong may already wait on the socket: give
+                # the owner a moment to read it before declaring the peer gone.
+                await trio.sleep(_GRACE)
+                if trio.current_time() >= self._last_seen + self._missed * interval:
+                    self._declare_gone(trio.current_time())
+                continue
+            await trio.sleep_until(min(next_ping, deadline) if self._alive else next_ping)
+
+    def _declare_gone(self, now: float) -> None:
+        self._alive = False
+        self._gone += 1
+        silent_for = now - self._last_seen
+        self._fail_pending(lambda: PeerGone(self.endpoint, silent_for))
+
+    def _fail_pending(self, make_error: Callable[[], TransportError]) -> None:
+        """Fail every call in flight, each with its own exception object."""
+        for call in self._pending.values():
+            if not call.done:
+                call.error = make_error()
+                call.resolve()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        try:
+            return await super().__aexit__(*exc_info)
+        finally:  # calls still waiting in other tasks would never get a reply
+            self._fail_pending(lambda: TransportError(
+                f"{self!r} closed with the call in flight"))
+
+    def stats(self) -> RPCClientStats:
+        """Counters of calls by outcome, heartbeats, dropped messages, and the codec's."""
+        return RPCClientStats(self._calls, len(self._pending), self._completed, self._failed,
+                              self._timeouts, self._cancelled, self._gone, self._late,
+                              self._dropped, self._pings, self._alive, self._codec.stats())
+
+    def __repr__(self) -> str:
+        state = ("alive" if self._alive else "gone") if self._stack else "stopped"
+        return (f"<RPCClient {self.endpoint} {state} in_flight={len(self._pending)} "
+                f"calls={self._calls} timeouts={self._timeouts} failed={self._failed}>")
