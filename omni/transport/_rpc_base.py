@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -75,7 +76,7 @@ class RPCClientStats:
     wire: WireStats
 
 
-class _Service:
+class _Service(abc.ABC):
     """What server and client share: a socket, a nursery, a codec, and `async with`."""
 
     def __init__(self, limits: WireLimits | None, ctx: zmq.Context[Any] | None):
@@ -117,8 +118,9 @@ class _Service:
             self._dropped += 1
             log.exception("%r: failed to dispatch a message", self)
 
+    @abc.abstractmethod
     def _on_message(self, frames: list[Buffer]) -> None:
-        raise NotImplementedError
+        """Handle one received message (in the socket's owner task; must not block)."""
 
     def _send_nowait(self, frames: list[Buffer]) -> bool:
         """Queue a message from the owner's callback; False (dropped) if the outbox is full."""
