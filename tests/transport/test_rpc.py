@@ -9,6 +9,7 @@ a message is on the wire and time calls out before the server saw them).
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 
@@ -59,6 +60,14 @@ def make_server(**kwargs) -> RPCServer:
     server.register("fail", fail)
     server.register("payload", echo_payload, with_payload=True)
     return server
+
+
+async def serve_until_cancelled(server, stop, task_status=trio.TASK_STATUS_IGNORED):
+    """Run `server` until `stop` is cancelled: a peer that goes silent on demand."""
+    with stop:
+        async with server:
+            task_status.started(server.endpoint)
+            await trio.sleep_forever()
 
 
 async def wait_until(predicate, timeout: float = 5.0) -> None:
@@ -263,12 +272,7 @@ async def test_a_silent_server_fails_in_flight_calls_with_peer_gone_within_three
     server = make_server()
     server.register("forever", forever)
     stop = trio.CancelScope()
-
-    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
-        with stop:
-            async with server:
-                task_status.started(server.endpoint)
-                await trio.sleep_forever()
+    run_server = functools.partial(serve_until_cancelled, server, stop)
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
@@ -295,12 +299,7 @@ async def test_detection_takes_about_three_heartbeat_intervals():
     interval = 0.1
     server = make_server()
     stop = trio.CancelScope()
-
-    async def run_server(task_status=trio.TASK_STATUS_IGNORED):
-        with stop:
-            async with server:
-                task_status.started(server.endpoint)
-                await trio.sleep_forever()
+    run_server = functools.partial(serve_until_cancelled, server, stop)
 
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
