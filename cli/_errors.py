@@ -17,7 +17,8 @@ import typer
 
 from omni import GraphError
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "error_line", "reporting"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "error_line", "first_of",
+           "reporting"]
 
 EXIT_FAILED = 1  # a request (or a node starting up) failed
 EXIT_USAGE = 2  # bad usage, a file that does not load, a graph that does not validate
@@ -31,6 +32,20 @@ class CliError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+
+
+def first_of(error: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]
+             ) -> BaseException | None:
+    """`error` if it is a `kind`, else the first `kind` inside it (an exception group), else
+    None: trio nurseries wrap errors in groups, and the user wants the one that matters."""
+    if isinstance(error, kind):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        match, _ = error.split(kind)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        return match
+    return None
 
 
 def error_line(message: str) -> None:

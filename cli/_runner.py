@@ -19,14 +19,15 @@ __all__ = ["run_batch"]
 
 
 async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
-                    printer: Printer, reporter: Reporter, kv: Any = None) -> Outcome:
+                    printer: Printer, reporter: Reporter, kv: Any = None,
+                    cluster: str | None = None, token_file: str | None = None) -> Outcome:
     """Run `requests` (inputs, in order) on a fresh Runtime; return their latencies and failures.
 
     Raises:
         NodeError: a node failed while the Runtime started (its replicas were being built).
     """
     outcome = Outcome()
-    async with Runtime(graphs=[graph], kv=kv) as rt:
+    async with Runtime(graphs=[graph], kv=kv, cluster=cluster, token_file=token_file) as rt:
         limit = trio.Semaphore(concurrency)
         started = time.perf_counter()
         async with trio.open_nursery() as nursery:

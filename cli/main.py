@@ -1,7 +1,7 @@
 """The ``omni`` command: the typer app and its entry point.
 
 Each command group lives in its own module and is registered here: ``run`` (a single
-command) and ``graph`` (a sub-app). A new group is a module with a ``typer.Typer`` named
+command), ``graph`` and ``cluster`` (sub-apps). A new group is a module with a ``typer.Typer`` named
 ``app``, added with `app.add_typer` below.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 import omni
-from cli import graph_cmd
+from cli import cluster_cmd, graph_cmd
 from cli.run import run
 
 __all__ = ["app", "main"]
@@ -28,6 +28,7 @@ app = typer.Typer(
 )
 app.command("run", no_args_is_help=True)(run)
 app.add_typer(graph_cmd.app, name="graph")
+app.add_typer(cluster_cmd.app, name="cluster")
 
 
 def _show_version(value: bool) -> None:

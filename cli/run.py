@@ -11,7 +11,7 @@ from typing import Annotated, Any, TextIO
 import trio
 import typer
 
-from cli._errors import EXIT_FAILED, CliError, reporting
+from cli._errors import EXIT_FAILED, CliError, first_of, reporting
 from cli._inputs import build_requests, parse_assignments, validate_requests
 from cli._kv import kv_config
 from cli._load import load_module, select_graph
@@ -60,6 +60,14 @@ def run(
         "--kv-disk", metavar="SIZE[:PATH]", show_default=False,
         help="Size and folder of the KV store's disk tier (e.g. 32GiB:/data/kv; the folder "
              "defaults to the user's cache directory).")] = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", metavar="ADDRESS", show_default=False,
+        help="Run class nodes' replicas on the workers of the cluster whose head is at "
+             "ADDRESS (omni cluster start); function nodes run here.")] = None,
+    token_file: Annotated[str | None, typer.Option(
+        "--token-file", metavar="PATH", show_default=False,
+        help="The cluster's token file (default: $OMNI_TOKEN_FILE or "
+             "~/.config/omni/cluster.token).")] = None,
     debug: Annotated[bool, typer.Option(
         "--debug", help="Show tracebacks for errors, not only the one-line message.")] = False,
 ) -> None:
@@ -78,7 +86,8 @@ def run(
         requests = _requests(graph, parse_assignments(inputs or []), inputs_json,
                              num_requests)
         printer = JsonPrinter(out) if as_json else HumanPrinter(graph, len(requests))
-        outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv)
+        outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv,
+                           (cluster, token_file))
     if num_requests is not None or concurrency is not None:
         typer.echo(summary_line(outcome, concurrency or 1), err=True)
     if outcome.num_failed:
@@ -107,10 +116,19 @@ def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None
 
 
 def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
-             printer: Printer, debug: bool, kv: Any) -> Outcome:
+             printer: Printer, debug: bool, kv: Any,
+             cluster: tuple[str | None, str | None]) -> Outcome:
+    from omni.transport.errors import TransportError
+
     try:
         with Reporter(len(requests), debug=debug) as reporter:
-            return trio.run(run_batch, graph, requests, concurrency, printer, reporter, kv)
+            return trio.run(run_batch, graph, requests, concurrency, printer, reporter, kv,
+                            *cluster)
+    except (TransportError, BaseExceptionGroup) as exc:  # no head at --cluster, a bad token
+        error = first_of(exc, TransportError)
+        if error is None:
+            raise
+        raise CliError(str(error)) from exc
     except NodeError as exc:  # raised only while the Runtime starts the graph's replicas
         raise CliError(f"node '{exc.node}' failed to start: {describe_cause(exc)}",
                        exit_code=EXIT_FAILED) from exc

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Node", "NodeClass", "NodeOptions", "Ref", "current_trace", "node", "user_location"]
 
-BalanceName = Literal["round_robin", "least_loaded", "power_of_two"]
+BalanceName = Literal["round_robin", "least_loaded", "power_of_two", "kv_aware"]
 NodeKind = Literal["function", "class"]
 
 _OMNI_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -71,6 +71,8 @@ class NodeOptions:
     concurrency: int | None = None
     max_queue: int = 256
     thread: bool = False
+    resources: Mapping[str, float] | None = None  # per replica, on a cluster worker
+    where: str | None = None  # the cluster worker to place replicas on
 
     def check(self, name: str) -> None:
         """Raise `ValueError` naming the first option that has no valid value."""
@@ -92,6 +94,13 @@ class NodeOptions:
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"node '{name}': max_queue must be an integer >= 0, "
                              f"got {self.max_queue!r}")
+        for resource, amount in (self.resources or {}).items():
+            if not isinstance(resource, str) or isinstance(amount, bool) or not (
+                    isinstance(amount, (int, float)) and amount >= 0):
+                raise ValueError(f"node '{name}': resources must map names to amounts >= 0, "
+                                 f"got {resource!r}: {amount!r}")
+        if self.where is not None and (not isinstance(self.where, str) or not self.where):
+            raise ValueError(f"node '{name}': where must be a worker name, got {self.where!r}")
         if isinstance(self.balance, str):
             if self.balance not in typing.get_args(BalanceName):
                 raise ValueError(f"node '{name}': unknown balance {self.balance!r}; choose one "
@@ -185,7 +194,8 @@ class NodeClass:
 def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
          balance: Any = "round_robin", timeout: float | None = None, retries: int = 0,
          idempotent: bool = False, concurrency: int | None = None, max_queue: int = 256,
-         thread: bool = False) -> Any:
+         thread: bool = False, resources: Mapping[str, float] | None = None,
+         where: str | None = None) -> Any:
     """Make a function, async generator or class a pipeline node.
 
     Use bare (``@omni.node``) or with options (``@omni.node(replicas=2)``).
@@ -193,7 +203,9 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
     Args:
         name: the node's name in graphs, errors and metrics (default: the function's name).
         replicas: instances of a class node (or parallel lanes of a function node).
-        balance: "round_robin", "least_loaded", "power_of_two", or a `Balancer`.
+        balance: "round_robin", "least_loaded", "power_of_two", "kv_aware" (replicas that
+            hold the request's prefix pages win unless loads are uneven; see
+            `omni.graph.balance.KVAware`), or a `Balancer`.
         timeout: seconds one call may take; past it the request fails with a `NodeError`.
         retries: extra attempts after a failure; needs ``idempotent=True``. A streaming node is
             retried only if it had not produced an item yet.
@@ -204,6 +216,9 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
         thread: run a synchronous body in a worker thread (``trio.to_thread``) so a
             compute-heavy node does not freeze the event loop. A synchronous body without it
             runs on the event loop and must be quick.
+        resources: what one replica of a class node needs on a cluster worker, e.g.
+            ``{"gpu": 1}``; replicas go to workers with that much free.
+        where: the name of the cluster worker that hosts this class node's replicas.
 
     Raises:
         TypeError: `fn` is not a function or class; ValueError: an option is invalid.
@@ -211,7 +226,8 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
     if fn is None:
         return functools.partial(node, name=name, replicas=replicas, balance=balance,
                                  timeout=timeout, retries=retries, idempotent=idempotent,
-                                 concurrency=concurrency, max_queue=max_queue, thread=thread)
+                                 concurrency=concurrency, max_queue=max_queue, thread=thread,
+                                 resources=resources, where=where)
     node_name = name or getattr(fn, "__name__", None) or repr(fn)
     is_class = inspect.isclass(fn)
     body = _class_call(fn) if is_class else fn
@@ -222,11 +238,15 @@ def node(fn: Any = None, /, *, name: str | None = None, replicas: int = 1,
                         "generator (async def with yield)")
     if is_class:
         options = NodeOptions(replicas, balance, timeout, retries, idempotent,
-                              1 if concurrency is None else concurrency, max_queue, thread)
+                              1 if concurrency is None else concurrency, max_queue, thread,
+                              dict(resources) if resources else None, where)
         options.check(node_name)
         return NodeClass(fn, options, node_name)
     if not callable(fn):
         raise TypeError(f"@omni.node needs a function, async generator or class, got {fn!r}")
+    if resources or where is not None:
+        raise ValueError(f"node '{node_name}': resources= and where= place class nodes on "
+                         "cluster workers; function nodes run in the driver")
     options = NodeOptions(replicas, balance, timeout, retries, idempotent, concurrency,
                           max_queue, thread)
     options.check(node_name)

@@ -19,8 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
-__all__ = ["Balancer", "CallInfo", "LeastLoaded", "Pool", "PoolStats", "PowerOfTwo", "Replica",
-           "RoundRobin", "make_balancer"]
+__all__ = ["Balancer", "CallInfo", "KVAware", "LeastLoaded", "Pool", "PoolStats", "PowerOfTwo",
+           "PrefixIndex", "Replica", "RoundRobin", "make_balancer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +101,69 @@ class PowerOfTwo:
         return "PowerOfTwo()" if self.seed is None else f"PowerOfTwo(seed={self.seed!r})"
 
 
-_BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo}
+class PrefixIndex(Protocol):
+    """Who holds which KV pages (the cluster's KV directory answers it)."""
+
+    def prefix_len(self, member: str, keys: Sequence[bytes]) -> int: ...
+
+
+class KVAware:
+    """Sends a call where its prompt's KV pages already are, unless that replica is busy.
+
+    The cost of a replica, in pages of prefill work, is the pages of the call's prefix it does
+    not hold plus `load_weight` × its load × the call's pages (each call it holds is about one
+    such call's work): the replica with the lowest cost wins, so a warm replica is preferred
+    until it has about ``1 / load_weight`` calls more than a cold one. When loads are uneven
+    by more than `max_imbalance` calls, the least loaded replica wins outright (a replica that
+    rejoins empty must not be starved, nor a hot one flooded).
+
+    What it needs: a `PrefixIndex` and the member each replica runs on (``replica.member``),
+    and the call's page keys (`keys_of(call)`); the cluster runtime binds both (`bind`). The
+    keys come from the node class's ``kv_keys`` static method called with the call's arguments.
+    Without them, it is `LeastLoaded`.
+    """
+
+    def __init__(self, *, load_weight: float = 0.5, max_imbalance: int = 8):
+        self.load_weight = load_weight
+        self.max_imbalance = max_imbalance
+        self.index: PrefixIndex | None = None
+        self.keys_of: Any = None
+        self.hits = self.misses = self.fallbacks = 0
+        self._least = LeastLoaded()
+
+    def bind(self, index: PrefixIndex | None, keys_of: Any) -> None:
+        """Give the balancer its KV index and the function that computes a call's keys."""
+        self.index = index
+        self.keys_of = keys_of
+
+    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
+        if self.index is None or self.keys_of is None or len(replicas) == 1:
+            return self._least.choose(replicas, call)
+        loads = [r.load for r in replicas]
+        if max(loads) - min(loads) > self.max_imbalance:
+            self.fallbacks += 1
+            return self._least.choose(replicas, call)
+        keys = self.keys_of(call)
+        total = len(keys)
+        best, best_cost, best_overlap = 0, float("inf"), 0
+        for i, replica in enumerate(replicas):
+            member = getattr(replica, "member", None)
+            overlap = self.index.prefix_len(member, keys) if member is not None and total else 0
+            cost = (total - overlap) + self.load_weight * loads[i] * max(total, 1)
+            if cost < best_cost or (cost == best_cost and loads[i] < loads[best]):
+                best, best_cost, best_overlap = i, cost, overlap
+        if best_overlap:
+            self.hits += 1
+        else:
+            self.misses += 1
+        return best
+
+    def __repr__(self) -> str:
+        return f"KVAware(load_weight={self.load_weight}, max_imbalance={self.max_imbalance})"
+
+
+_BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo,
+            "kv_aware": KVAware}
 
 
 def make_balancer(spec: Any) -> Balancer:
@@ -126,7 +188,13 @@ class Replica:
         self.queued = 0
         self.completed = 0
         self.failed = 0
+        self.member: str | None = getattr(instance, "member", None)  # its cluster worker
         self._slots = trio.Semaphore(concurrency) if concurrency is not None else None
+
+    @property
+    def alive(self) -> bool:
+        """False once the worker hosting this replica is gone (until it is replaced)."""
+        return getattr(self.instance, "alive", True)
 
     @property
     def load(self) -> int:
@@ -145,6 +213,14 @@ class Replica:
 
     def __repr__(self) -> str:
         return f"<Replica {self.index} in_flight={self.in_flight} queued={self.queued}>"
+
+
+class NoLiveReplica(RuntimeError):
+    """Every replica of a pool is on a worker that is gone."""
+
+    def __init__(self, pool: str, replicas: Sequence[Replica]):
+        members = ", ".join(sorted({r.member or "?" for r in replicas}))
+        super().__init__(f"no live replica of '{pool}': its workers ({members}) are gone")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +251,20 @@ class Pool:
         Raises:
             RuntimeError: the balancer returned something that is not a replica index.
         """
-        index = self.balancer.choose(self.replicas, call)
-        num_replicas = len(self.replicas)
+        replicas = self.replicas
+        if not all(r.alive for r in replicas):
+            replicas = [r for r in replicas if r.alive]
+            if not replicas:
+                raise NoLiveReplica(self.name, self.replicas)
+        index = self.balancer.choose(replicas, call)
+        num_replicas = len(replicas)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_replicas:
             raise RuntimeError(f"pool '{self.name}': balancer {self.balancer!r} returned "
                                f"{index!r}, not a replica index (an int in 0..{num_replicas - 1})")
-        replica = self.replicas[index]
+        replica = replicas[index]
         if not replica.full:
             return replica
-        open_ = [r for r in self.replicas if not r.full]
+        open_ = [r for r in replicas if not r.full]
         return min(open_, key=lambda r: r.load) if open_ else None
 
     @asynccontextmanager
@@ -217,6 +298,13 @@ class Pool:
             if replica._slots is not None:
                 replica._slots.release()
             self._space.unpark()
+
+    def replace(self, index: int, instance: Any) -> None:
+        """Put a new instance in replica `index` (one on another worker, after a loss)."""
+        replica = self.replicas[index]
+        replica.instance = instance
+        replica.member = getattr(instance, "member", None)
+        self._space.unpark_all()
 
     def stats(self) -> PoolStats:
         """A snapshot of every replica's counters and of the callers waiting for space."""

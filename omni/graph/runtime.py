@@ -39,16 +39,29 @@ class Runtime:
             that is not listed is deployed on its first request.
         kv: the process's KV store, reachable from nodes as ``omni.context().kv``: a
             `omni.kv.KVStore` (yours to close), or an `omni.kv.KVConfig` or `KVLayout` from
-            which the runtime builds one when it starts and closes it when it stops.
+            which the runtime builds one when it starts and closes it when it stops. With a
+            cluster, workers build their own stores of that layout instead.
+        cluster: the address of a cluster head (``omni cluster start``): class nodes'
+            replicas are then placed on its workers (see `omni.graph.cluster`); function
+            nodes still run here.
+        token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
+            ``~/.config/omni/cluster.token``).
 
     Class nodes get one instance per replica, built in the runtime (``__init__`` sees
     ``omni.context().replica``). An instance that is an async context manager is entered
     when it is built and exited when the runtime closes.
     """
 
-    def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None):
+    def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None,
+                 cluster: str | None = None, token_file: str | None = None):
         self.kv: Any = None
         self._kv_spec = kv
+        self.cluster: Any = None
+        if cluster is not None:
+            from omni.graph.cluster import ClusterLink
+
+            self.cluster = ClusterLink(cluster, token_file=token_file, kv_layout=_layout_of(kv))
+            self._kv_spec = kv if hasattr(kv, "acquire") else None  # workers hold the pages
         self._owns_kv = False
         self._node_graphs: dict[int, Graph] = {}
         self._initial = [self._graph_of(g) for g in graphs]
@@ -72,6 +85,8 @@ class Runtime:
         self._request_cm = trio.open_nursery()
         self._requests = await self._request_cm.__aenter__()
         try:
+            if self.cluster is not None:
+                await self._hosts.start(self.cluster.run)
             for g in self._initial:
                 await self.deploy(g)
         except BaseException as exc:
@@ -83,6 +98,8 @@ class Runtime:
         self._requests.cancel_scope.cancel()
         await self._request_cm.__aexit__(None, None, None)
         self._closing.set()
+        if self.cluster is not None:
+            self.cluster.stop()
         try:
             await self._host_cm.__aexit__(None, None, None)
         finally:
@@ -115,6 +132,8 @@ class Runtime:
             self._deployed.add(id(plan))
 
     async def _build_pool(self, node: Node) -> Pool:
+        if self.cluster is not None and node.kind == "class":
+            return await self.cluster.deploy(node)
         instances = []
         for index in range(node.options.replicas):
             instances.append(await self._hosts.start(self._host, node, index))
@@ -190,6 +209,13 @@ class Runtime:
         s = self.stats()
         return (f"<Runtime requests={s.requests_completed}/{s.requests_started} "
                 f"failed={s.requests_failed} pools={len(s.pools)}>")
+
+
+def _layout_of(spec: Any) -> Any:
+    """The page layout of a `kv=` argument (None without one)."""
+    if spec is None:
+        return None
+    return getattr(spec, "layout", spec)
 
 
 def _open_kv(spec: Any) -> tuple[Any, bool]:

@@ -332,7 +332,7 @@ async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]
 
 
 async def _apply(node: Any, body: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    if node.is_async:
+    if node.is_async or getattr(body, "omni_remote", False):  # a replica on a cluster worker
         return await body(*args, **kwargs)
     return await _call_sync(body, args, kwargs, node.options.thread)
 

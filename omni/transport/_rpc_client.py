@@ -78,19 +78,21 @@ class RPCClient(_Service):
             declared gone (in-flight calls fail with `PeerGone`).
         timeout: the default per-call timeout in seconds (``None``: no limit).
         limits: the wire size limits.
+        options: further socket options, e.g. `Credentials.client_options()` for CURVE.
     """
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
                  heartbeat_interval: float | None = 1.0, missed_heartbeats: int = 3,
                  timeout: float | None = None, limits: WireLimits | None = None,
                  sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM,
-                 send_buffer: int = 1024):
+                 send_buffer: int = 1024, options: dict[int, Any] | None = None):
         super().__init__(limits, ctx)
         self.endpoint = endpoint
         self.timeout = timeout
         self._interval = heartbeat_interval
         self._missed = missed_heartbeats
-        self._socket_args = {"sndhwm": sndhwm, "rcvhwm": rcvhwm, "send_buffer": send_buffer}
+        self._socket_args = {"sndhwm": sndhwm, "rcvhwm": rcvhwm, "send_buffer": send_buffer,
+                             "options": options}
         self._pending: dict[int, _Call] = {}
         self._next_id = 0
         self._last_seen = 0.0

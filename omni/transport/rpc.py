@@ -82,12 +82,15 @@ class RPCServer(_Service):
         limits: the wire size limits.
         max_in_flight: handlers running at once; more requests are refused with an error
             (``ServerBusy``) instead of being queued without bound.
+        options: further socket options, e.g. `Credentials.server_options()` for CURVE.
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:*", *, ctx: zmq.Context[Any] | None = None,
                  limits: WireLimits | None = None, max_in_flight: int = 1024,
-                 sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM):
+                 sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM,
+                 options: dict[int, Any] | None = None):
         super().__init__(limits, ctx)
+        self._options = options
         self._bind = bind
         self._hwm = (sndhwm, rcvhwm)
         self._max_in_flight = max_in_flight
@@ -118,7 +121,8 @@ class RPCServer(_Service):
 
     async def __aenter__(self) -> RPCServer:
         await self._start(zmq.ROUTER, bind=self._bind, sndhwm=self._hwm[0],
-                          rcvhwm=self._hwm[1], send_buffer=self._max_in_flight + 64)
+                          rcvhwm=self._hwm[1], send_buffer=self._max_in_flight + 64,
+                          options=self._options)
         return self
 
     @property

@@ -1,0 +1,112 @@
+"""Naming a node's code so that a cluster worker can run it.
+
+A class node travels as a `CodeRef`: its module's name, file path, source text and digest, and
+the class's qualified name. The worker resolves it to the same class: the module already loaded
+under that name with the same digest, else the file at that path if its digest matches, else
+the shipped source. Nothing is unpickled; the source runs as a module, like the graph file
+`omni run` loads (its ``if __name__ == "__main__"`` block does not run). Only members holding
+the cluster token can send it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgspec
+
+__all__ = ["CodeRef", "code_ref", "resolve"]
+
+
+class CodeRef(msgspec.Struct, frozen=True):
+    module: str
+    qualname: str
+    path: str
+    source: str
+    digest: str
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType] = {}  # digest -> module, for sources loaded here
+
+
+def _digest(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+def code_ref(obj: Any) -> CodeRef:
+    """The `CodeRef` of a module-level class or function.
+
+    Raises:
+        ValueError: it is defined inside a function, or its module has no source file.
+    """
+    qualname = obj.__qualname__
+    if "<locals>" in qualname:
+        raise ValueError(f"{qualname} is defined inside a function: a cluster worker can only "
+                         "load classes defined at a module's top level")
+    module = sys.modules.get(obj.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None or not Path(path).is_file():
+        raise ValueError(f"{qualname}: its module {obj.__module__!r} has no source file to send "
+                         "to cluster workers")
+    source = Path(path).read_text()
+    return CodeRef(obj.__module__, qualname, str(Path(path).resolve()), source, _digest(source))
+
+
+def resolve(ref: CodeRef) -> Any:
+    """The object `ref` names, loading its module in this process if needed.
+
+    Raises:
+        ValueError: the digest does not match the source, or the module lacks the name.
+        Exception: whatever running the module's source raises.
+    """
+    if _digest(ref.source) != ref.digest:
+        raise ValueError(f"code for {ref.qualname} does not match its digest")
+    module = _module(ref)
+    obj: Any = module
+    for part in ref.qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"module {ref.module!r} has no {ref.qualname!r}")
+    return obj
+
+
+def _module(ref: CodeRef) -> ModuleType:
+    with _lock:
+        existing = sys.modules.get(ref.module)
+        if existing is not None and _file_digest(getattr(existing, "__file__", None)) == ref.digest:
+            return existing
+        if ref.digest in _loaded:
+            return _loaded[ref.digest]
+        on_disk = _file_digest(ref.path) == ref.digest
+        name = ref.module if ref.module != "__main__" and ref.module not in sys.modules \
+            else f"_omni_remote_{ref.digest[:16]}"
+        spec = importlib.util.spec_from_loader(name, loader=None,
+                                               origin=ref.path if on_disk else None)
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = ref.path
+        folder = str(Path(ref.path).parent)
+        if on_disk and folder not in sys.path:
+            sys.path.insert(0, folder)  # sibling imports work as they did for the sender
+        sys.modules[name] = module  # dataclasses and typing look the module up by name
+        try:
+            exec(compile(ref.source, ref.path, "exec"), module.__dict__)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        _loaded[ref.digest] = module
+        return module
+
+
+def _file_digest(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return _digest(Path(path).read_text())
+    except (OSError, UnicodeDecodeError):
+        return None

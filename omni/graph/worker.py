@@ -1,0 +1,384 @@
+"""A cluster worker (``omni cluster join``): hosts replicas of class nodes for drivers.
+
+The worker serves RPC on its own port: ``node.deploy`` builds a replica (the class's code comes
+with the request, see `omni.graph._code`), ``node.call`` runs one call, ``node.next`` pulls a
+streaming call's items, ``node.undeploy`` drops a replica. It registers with the head and beats
+with what it hosts (`omni.transport.cluster.HeadLink`), so the head can place replicas and show
+status, and it re-registers by itself when the head restarts.
+
+Its KV store is made when the first deployment that uses KV arrives (the layout comes from the
+driver; the tier sizes from the worker's options). The store's events are published for the
+cluster's KV directory, and pages other workers hold are fetched from them when that beats
+recomputing (`omni.transport.kv_peers`).
+
+The event loop must keep answering heartbeats, so constructors and synchronous node bodies
+run in worker threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from omni.graph._code import resolve
+from omni.graph.context import current
+from omni.graph.remote import STREAM_BATCH, CallHead, Deploy, StreamBatch
+from omni.transport.cluster import (
+    HEARTBEAT_S,
+    ClientSet,
+    HeadLink,
+    MemberInfo,
+    MemberLoad,
+    Roster,
+)
+from omni.transport.credentials import Credentials
+from omni.transport.rpc import Reply, RPCServer
+from omni.transport.values import decode_value, encode_value
+
+__all__ = ["KVTiers", "Worker"]
+
+log = logging.getLogger("omni.cluster.worker")
+
+STREAM_IDLE_S = 120.0  # a stream nobody pulls for this long is dropped
+
+
+@dataclass(frozen=True)
+class KVTiers:
+    """The KV tiers a worker offers: sizes ("8GiB") and the disk tier's folder."""
+
+    device: str | None = None
+    host: str | None = "1GiB"
+    disk: str | None = None
+    disk_path: str | None = None
+
+    def capacity(self) -> dict[str, int]:
+        from omni.kv.layout import parse_size
+
+        sizes = {"device": self.device, "host": self.host, "disk": self.disk}
+        return {name: parse_size(size) for name, size in sizes.items() if size is not None}
+
+
+@dataclass
+class _Hosted:
+    node: str
+    instance: Any
+    streaming: bool
+    is_async: bool
+    resources: dict[str, float]
+    stop: trio.Event = field(default_factory=trio.Event)
+
+
+@dataclass
+class _Stream:
+    receive: trio.MemoryReceiveChannel
+    scope: trio.CancelScope
+    error: list[BaseException] = field(default_factory=list)
+    last_pull: float = 0.0
+
+
+class Worker:
+    """One worker process's hosting (see the module docstring).
+
+    Args:
+        name: the worker's name in the cluster (unique among members).
+        head: the head's address.
+        creds: the process's credentials.
+        host: the address to serve on and advertise (where drivers and the head reach it).
+        resources: what it offers: ``cpu``, ``gpu``, ``memory`` (bytes).
+        kv: the KV tiers it offers.
+    """
+
+    def __init__(self, name: str, head: str, creds: Credentials, *, host: str = "127.0.0.1",
+                 resources: dict[str, float] | None = None, kv: KVTiers | None = None,
+                 heartbeat_interval: float = HEARTBEAT_S):
+        self.name = name
+        self.head = head
+        self.creds = creds
+        self.host = host
+        self.resources = dict(resources or {})
+        self.kv_tiers = kv or KVTiers()
+        self.heartbeat_interval = heartbeat_interval
+        self.kv: Any = None  # the store, once a deployment needs one
+        self.endpoint: str | None = None
+        self.link: HeadLink | None = None
+        self._hosted: dict[tuple[str, int], _Hosted] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._stream_ids = itertools.count(1)
+        self._requests = self._failed = 0
+        self._kv_events = ""
+        self._kv_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._server: RPCServer | None = None
+        self.peers: Any = None  # the PeerFetcher, once the store exists
+        self.directory: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled; `task_status.started(endpoint)` once registered.
+
+        Raises:
+            ClusterError: the head refused the registration.
+        """
+        server = self._server = RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
+                                          options=self.creds.server_options())
+        server.register("node.deploy", self._deploy, body_type=Deploy)
+        server.register("node.undeploy", self._undeploy, body_type=tuple[str, int])
+        server.register("node.call", self._call, body_type=CallHead, with_payload=True)
+        server.register("node.next", self._next, body_type=tuple[int, int])
+        server.register("node.close", self._close_stream, body_type=int)
+        server.register("worker.load", self._load_rpc, body_type=Any)
+        try:
+            async with server, trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.endpoint = server.endpoint
+                self.link = HeadLink(self.creds, self.head, self.info, self.load,
+                                     heartbeat_interval=self.heartbeat_interval)
+                await nursery.start(self.link.run)
+                nursery.start_soon(self._reap_streams)
+                log.info("worker '%s' serving at %s", self.name, self.endpoint)
+                task_status.started(self.endpoint)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self.link.leave()
+                    for hosted in self._hosted.values():
+                        hosted.stop.set()
+                    nursery.cancel_scope.cancel()
+        finally:
+            if self.kv is not None:
+                self.kv.close()
+
+    def info(self) -> MemberInfo:
+        from omni.transport.movers import host_id
+
+        return MemberInfo(self.name, self.endpoint or "", host_id(), os.getpid(),
+                          self.resources, self.kv_tiers.capacity(), self._kv_events)
+
+    def load(self) -> MemberLoad:
+        deployments = {f"{d}/{r}": (h.node, h.resources) for (d, r), h in self._hosted.items()}
+        kv = self.kv.stats() if self.kv is not None else {}
+        if self.peers is not None:
+            kv["peers"] = {k: v for k, v in self.peers.stats().items() if isinstance(v, int)}
+        return MemberLoad(deployments, kv, self._requests, self._failed)
+
+    async def _load_rpc(self, _: Any) -> MemberLoad:
+        return self.load()
+
+    # -- deployments -------------------------------------------------------------------------
+
+    async def _deploy(self, body: Deploy) -> bool:
+        key = (body.deployment, body.replica)
+        if key in self._hosted:
+            return True
+        if body.kv_layout is not None:
+            await self._ensure_store(body.kv_layout)
+        target = await trio.to_thread.run_sync(resolve, body.code)
+        cls = getattr(target, "cls", target)  # an @omni.node class is a NodeClass
+        args, kwargs = decode_value(body.init)
+        assert self._nursery is not None
+        await self._nursery.start(self._host, key, body, cls, args, kwargs)
+        log.info("hosting %s replica %d (%s)", body.node, body.replica, body.deployment)
+        return True
+
+    async def _host(self, key: tuple[str, int], body: Deploy, cls: type, args: list,
+                    kwargs: dict, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        from omni.graph._node import Node, NodeOptions
+
+        node = Node(cls, NodeOptions(), body.node, kind="class")
+        token = current.set((None, body.node, body.replica, self))
+        try:
+            instance = await trio.to_thread.run_sync(functools.partial(cls, *args, **kwargs))
+        finally:
+            current.reset(token)
+        hosted = _Hosted(body.node, instance, node.streaming, node.is_async,
+                         dict(body.resources))
+        self._hosted[key] = hosted
+        try:
+            if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
+                async with instance:
+                    task_status.started()
+                    await hosted.stop.wait()
+            else:
+                task_status.started()
+                await hosted.stop.wait()
+        finally:
+            self._hosted.pop(key, None)
+
+    async def _undeploy(self, body: tuple[str, int]) -> bool:
+        hosted = self._hosted.get(tuple(body))
+        if hosted is not None:
+            hosted.stop.set()
+        return hosted is not None
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def _call(self, head: CallHead, payload: list[Any]) -> Any:
+        hosted = self._hosted.get((head.deployment, head.replica))
+        if hosted is None:
+            raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
+                              f"{head.deployment}")
+        args, kwargs = decode_value(payload[0])
+        self._requests += 1
+        if head.stream:
+            return self._open_stream(hosted, head, args, kwargs)
+        token = current.set((head.request_id, hosted.node, head.replica, self))
+        try:
+            if hosted.is_async:
+                result = await hosted.instance(*args, **kwargs)
+            else:
+                result = await trio.to_thread.run_sync(
+                    functools.partial(hosted.instance, *args, **kwargs))
+        except BaseException:
+            self._failed += 1
+            raise
+        finally:
+            current.reset(token)
+        try:
+            return Reply(None, [encode_value(result)])
+        except TypeError as exc:
+            raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
+                from None
+
+    def _open_stream(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> int:
+        stream_id = next(self._stream_ids)
+        send, receive = trio.open_memory_channel(STREAM_BATCH)
+        stream = self._streams[stream_id] = _Stream(receive, trio.CancelScope(),
+                                                    last_pull=trio.current_time())
+        assert self._nursery is not None
+        self._nursery.start_soon(self._produce, stream, hosted, head, args, kwargs, send)
+        return stream_id
+
+    async def _produce(self, stream: _Stream, hosted: _Hosted, head: CallHead, args: list,
+                       kwargs: dict, send: trio.MemorySendChannel) -> None:
+        token = current.set((head.request_id, hosted.node, head.replica, self))
+        try:
+            async with send:
+                with stream.scope:
+                    agen = hosted.instance(*args, **kwargs)
+                    try:
+                        async for item in agen:
+                            await send.send(encode_value(item))
+                    finally:
+                        await agen.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the driver closed the stream
+        except Exception as exc:
+            self._failed += 1
+            stream.error.append(exc)
+        finally:
+            current.reset(token)
+
+    async def _next(self, body: tuple[int, int]) -> Reply:
+        stream_id, most = body
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise LookupError(f"no stream {stream_id} on worker '{self.name}'")
+        stream.last_pull = trio.current_time()
+        items: list[bytes] = []
+        done = False
+        try:
+            items.append(await stream.receive.receive())
+            while len(items) < max(1, most):
+                items.append(stream.receive.receive_nowait())
+        except trio.WouldBlock:
+            pass
+        except trio.EndOfChannel:
+            done = True
+            del self._streams[stream_id]
+        if done and stream.error:
+            raise stream.error[0]
+        return Reply(StreamBatch(len(items), done), items)
+
+    async def _close_stream(self, stream_id: int) -> bool:
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream.scope.cancel()
+            stream.receive.close()
+        return stream is not None
+
+    async def _reap_streams(self) -> None:
+        while True:
+            await trio.sleep(STREAM_IDLE_S / 4)
+            cutoff = trio.current_time() - STREAM_IDLE_S
+            for stream_id in [i for i, s in self._streams.items() if s.last_pull < cutoff]:
+                log.warning("dropping stream %d: not pulled for %.0f s", stream_id,
+                            STREAM_IDLE_S)
+                await self._close_stream(stream_id)
+
+    # -- KV ----------------------------------------------------------------------------------
+
+    async def _ensure_store(self, spec: dict[str, Any]) -> None:
+        from omni.kv import KVLayout, KVStore, TierConfig
+        from omni.kv.layout import LayoutSpec
+
+        layout = KVLayout.from_spec(LayoutSpec(**spec))
+        async with self._kv_lock:
+            if self.kv is not None:
+                if self.kv.layout != layout:
+                    raise ValueError(f"worker '{self.name}' keeps KV pages of {self.kv.layout}; "
+                                     f"this node needs {layout}")
+                return
+            t = self.kv_tiers
+            tiers = [TierConfig(name, size) for name, size in (("device", t.device),
+                                                                ("host", t.host)) if size]
+            if t.disk:
+                tiers.append(TierConfig("disk", t.disk, path=t.disk_path))
+            self.kv = KVStore(layout, tiers)
+            assert self._nursery is not None
+            await self._nursery.start(self._serve_kv)
+
+    async def _serve_kv(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Publish the store's events, serve its pages, and fetch pages from peers."""
+        from omni.transport.kv_directory import KVDirectory, KVPublisher
+        from omni.transport.kv_peers import PeerFetcher, serve_kv
+
+        assert self._server is not None and self.link is not None
+        publisher = KVPublisher(self.kv, self.name, self.creds, bind=f"tcp://{self.host}:*")
+        async with publisher, trio.open_nursery() as nursery:
+            clients = ClientSet(self.creds, nursery, heartbeat_interval=self.heartbeat_interval)
+            publisher.register(self._server)
+            serve_kv(self._server, self.kv)
+            self._kv_events = publisher.endpoint
+
+            async def snapshot(member: str) -> Any:
+                client = clients.get(member)
+                if client is None:
+                    raise LookupError(f"no worker '{member}'")
+                from omni.transport.kv_directory import KVSnapshot
+
+                return await client.call("kv.snapshot", None, result_type=KVSnapshot,
+                                         timeout=5.0)
+
+            async with KVDirectory(self.creds, snapshot) as directory:
+                self.directory = directory
+                self.peers = PeerFetcher(directory, clients.get, self.name,
+                                         layout=self.kv.layout)
+                self.kv.peers = self.peers
+                task_status.started()
+                roster = Roster(self.link.client, interval=self.heartbeat_interval * 2)
+                await roster.run(functools.partial(self._peers_changed, clients, directory))
+
+    async def _peers_changed(self, clients: ClientSet, directory: Any,
+                             members: dict[str, Any]) -> None:
+        """Follow the roster: a KV directory entry and a client for every other worker with a
+        store; a worker that restarted (new endpoints) is connected again."""
+        peers = {n: v for n, v in members.items() if n != self.name and v.info.kv_events}
+        for name in clients.names():
+            if name not in peers or peers[name].info.rpc != clients.get(name).endpoint:
+                directory.remove_member(name)
+                clients.drop(name)
+        for name, view in peers.items():
+            if clients.get(name) is None:
+                await clients.connect(name, view.info.rpc)
+                directory.add_member(name, view.info.kv_events)
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.name} at {self.endpoint} hosting {len(self._hosted)}>"
