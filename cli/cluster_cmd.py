@@ -40,10 +40,11 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-async def _until_signalled(nursery: trio.Nursery) -> None:
+async def _until_signalled(stop: Any) -> None:
+    """Call `stop()` at the first Ctrl-C or SIGTERM."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
-            nursery.cancel_scope.cancel()
+            stop()
             return
 
 
@@ -121,7 +122,7 @@ def start(
                     _say(f"omni cluster head at {endpoint}")
                     _say(f"token file: {path} (workers join with: omni cluster join {endpoint} "
                          f"--token-file {path})")
-                    nursery.start_soon(_until_signalled, nursery)
+                    nursery.start_soon(_until_signalled, nursery.cancel_scope.cancel)
 
             _run(serve)
         _say("head stopped")
@@ -181,7 +182,7 @@ def join(
                 async with trio.open_nursery() as nursery:
                     endpoint = await nursery.start(worker.run)
                     _say(f"joined {address} as '{worker_name}' (serving at {endpoint})")
-                    nursery.start_soon(_until_signalled, nursery)
+                    nursery.start_soon(_until_signalled, worker.stop)
 
             _run(serve)
         _say(f"'{worker_name}' left the cluster")

@@ -117,6 +117,11 @@ class Worker:
         self._server: RPCServer | None = None
         self.peers: Any = None  # the PeerFetcher, once the store exists
         self.directory: Any = None
+        self._stopping = trio.Event()
+
+    def stop(self) -> None:
+        """End `run` cleanly: tell the head this worker leaves, drop its replicas, return."""
+        self._stopping.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -144,20 +149,17 @@ class Worker:
                 nursery.start_soon(self._reap_streams)
                 log.info("worker '%s' serving at %s", self.name, self.endpoint)
                 task_status.started(self.endpoint)
-                try:
-                    await trio.sleep_forever()
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self.link.leave()
-                    for hosted in self._hosted.values():
-                        hosted.stop.set()
-                    nursery.cancel_scope.cancel()
+                await self._stopping.wait()
+                await self.link.leave()
+                for hosted in self._hosted.values():
+                    hosted.stop.set()
+                nursery.cancel_scope.cancel()
         finally:
             if self.kv is not None:
                 self.kv.close()
 
     def info(self) -> MemberInfo:
-        from omni.transport.movers import host_id
+        from omni.transport._host import host_id
 
         return MemberInfo(self.name, self.endpoint or "", host_id(), os.getpid(),
                           self.resources, self.kv_tiers.capacity(), self._kv_events)

@@ -15,8 +15,6 @@ import math
 import mmap
 import os
 import re
-import stat
-import tempfile
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +22,7 @@ from types import TracebackType
 
 import torch
 
+from omni._shm import shm_directory
 from omni.kv.errors import KVLeaseError
 
 __all__ = ["Arena", "register_pinned", "shm_directory"]
@@ -32,19 +31,6 @@ log = logging.getLogger("omni.kv")
 
 # A name is a single path component: no "/", no "..", nothing but what the store generates.
 _NAME_PATTERN = re.compile(r"omni-[0-9a-f]{8,32}-[a-z]+")
-
-
-def shm_directory() -> Path:
-    """Where arenas live: /dev/shm, or a private per-user folder in the temp dir without it."""
-    shm = Path("/dev/shm")
-    if shm.is_dir():
-        return shm
-    private = Path(tempfile.gettempdir()) / f"omni-shm-{os.getuid()}"
-    private.mkdir(mode=0o700, exist_ok=True)
-    info = os.lstat(private)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(f"{private} is not a directory owned by this user")
-    return private
 
 
 def _check_name(name: str) -> None:

@@ -19,12 +19,9 @@ the headers embed); the rest of `omni.transport` does not need it.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -33,10 +30,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import xxhash
 
-from omni.kv.arena import shm_directory
 from omni.kv.errors import KVError
 from omni.kv.handle import Lease, open_descriptor
 from omni.kv.layout import KVLayout, LayoutSpec
+from omni.transport._host import host_id
 from omni.transport._pages import (
     MAX_PAGES,
     Frame,
@@ -363,33 +360,6 @@ def _checksum(spec: LayoutSpec, keys: Sequence[bytes], payload: memoryview) -> b
     digest.update(b"".join(keys))
     digest.update(payload)
     return digest.digest()
-
-
-def _read_first_line(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.readline().strip()
-    except OSError:
-        return ""
-
-
-@functools.cache
-def host_id() -> str:
-    """This machine as peers see it: 32 hex digits from the boot id, the machine id, the host
-    name and the shared-memory folder's device and inode.
-
-    Two processes get the same id when they share /dev/shm on the same boot of the same
-    machine, which is what `SharedMemoryMover` needs; containers with private /dev/shm differ.
-    """
-    parts = [_read_first_line("/proc/sys/kernel/random/boot_id"),
-             _read_first_line("/etc/machine-id") or _read_first_line("/var/lib/dbus/machine-id"),
-             socket.gethostname()]
-    try:
-        info = os.stat(shm_directory())
-        parts.append(f"{info.st_dev}:{info.st_ino}")
-    except OSError:
-        parts.append("")
-    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
 
 
 def locality(local_host_id: str, peer_host_id: str, same_process: bool) -> Locality:
