@@ -1,0 +1,129 @@
+"""Faults on a real cluster: a worker SIGKILLed mid-request, a worker rejoining, the head
+restarting. The driver is this test's own `omni.Runtime(cluster=...)`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+import omni
+from tests.cluster import pipelines as p
+from tests.cluster.conftest import ROOT, Cluster
+
+DRIVER_BEAT = 0.5  # the driver's heartbeat to workers: a dead one is noticed in 3 of them
+
+
+async def wait_until(predicate, timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> None:
+    cluster.head()
+    w1 = cluster.worker("w1")
+    cluster.worker("w2")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        for node in (p.SlowRetried(), p.SlowOnce()):
+            await rt.deploy(node)
+            assert {r.member for r in rt.pool_for(node).replicas} == {"w1", "w2"}
+        outcomes: dict[str, list] = {"retried": [], "once": []}
+        failed_at: list[float] = []
+
+        async def call(kind: str, node) -> None:
+            try:
+                outcomes[kind].append(await rt.run(node, seconds=4.0))
+            except omni.NodeError as exc:
+                failed_at.append(trio.current_time())
+                outcomes[kind].append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for kind, node in (("retried", p.SlowRetried()), ("once", p.SlowOnce())):
+                for _ in range(2):  # least_loaded: one call on each worker
+                    nursery.start_soon(call, kind, node)
+            await trio.sleep(0.5)
+            w1.popen.kill()
+            killed_at = trio.current_time()
+
+        # Retried calls finished on the survivor; the others failed naming the worker.
+        assert outcomes["retried"] == ["w2", "w2"]
+        once = outcomes["once"]
+        assert "w2" in once
+        (error,) = [o for o in once if isinstance(o, omni.NodeError)]
+        assert error.node == "SlowOnce" and "worker 'w1' stopped answering" in str(error)
+        assert failed_at[0] - killed_at < 3 * DRIVER_BEAT + 1.0  # noticed within 3 beats
+
+        # The head noticed too; the rest of the cluster keeps serving.
+        status = await trio.to_thread.run_sync(
+            lambda: cluster.wait_status(lambda m: m["w1"]["state"] == "lost", timeout=5))
+        assert {m["name"]: m["state"] for m in status["members"]} == {"w2": "up", "w1": "lost"}
+        assert await rt.run(p.SlowOnce(), seconds=0) == "w2"
+
+        # The lost replica is replaced on a worker with room: the pool is whole again.
+        pool = rt.pool_for(p.SlowOnce())
+        await wait_until(lambda: all(r.alive for r in pool.replicas), timeout=10)
+        assert {r.member for r in pool.replicas} == {"w2"}
+
+        # A worker restarting with the same name rejoins and takes new replicas (it has the
+        # fewest).
+        cluster.worker("w1")
+        await trio.to_thread.run_sync(
+            lambda: cluster.wait_status(lambda m: m["w1"]["state"] == "up", timeout=10))
+        await rt.deploy(p.Shout())
+        assert sorted(r.member for r in rt.pool_for(p.Shout()).replicas) == ["w1", "w1"]
+
+
+async def _append(results: list, awaitable) -> None:
+    results.append(await awaitable)
+
+
+async def test_a_node_error_on_a_worker_names_it(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        with pytest.raises(omni.NodeError) as info:
+            await rt.run(p.Fails(), x=3)
+        assert info.value.node == "Fails"
+        assert "ValueError: no good: 3 (on worker 'w1')" in str(info.value)
+        assert await rt.run(p.Shout(), text="still") is not None  # the worker keeps serving
+
+
+async def test_placement_by_resources_and_by_name(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1", "--gpus", "1")
+    cluster.worker("w2", "--gpus", "0")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        out = await rt.run(p.placed, x=21)
+        assert out == {"gpu": {"x": 42, "worker": "w1"}, "pinned": "w2"}
+        # a second GPU replica does not fit anywhere: a clear startup error
+        with pytest.raises(omni.NodeError, match=r"no worker can host .*gpu=1"):
+            await rt.deploy(_second_gpu_node())
+
+
+def _second_gpu_node():
+    @omni.node(resources={"gpu": 1})
+    class AnotherGpu:
+        async def __call__(self, x: int) -> int:
+            return x
+
+    return AnotherGpu()
+
+
+def test_the_head_restarting_is_rejoined(cluster: Cluster) -> None:
+    head = cluster.head()
+    cluster.worker("w1")
+    cluster.worker("w2")
+    address = cluster.address
+    head.popen.kill()
+    head.wait()
+    cluster.head(bind=address)  # the same address, a new process that knows nobody
+    cluster.wait_status(lambda m: set(m) == {"w1", "w2"}
+                        and all(v["state"] == "up" for v in m.values()), timeout=15)
+    done = cluster.cli("run", str(ROOT / "tests" / "cluster" / "pipelines.py"), "shout",
+                       "--cluster", address, "--token-file", str(cluster.token),
+                       "--input", "text=after restart", "--json", "-n", "2")
+    assert done.returncode == 0, done.stderr
+    assert {json.loads(line)["shout"]["worker"] for line in done.stdout.splitlines()} == {
+        "w1", "w2"}
