@@ -130,6 +130,7 @@ class KVAware:
         self.keys_of: Any = None
         self.hits = self.misses = self.fallbacks = 0
         self._least = LeastLoaded()
+        self._start = 0
 
     def bind(self, index: PrefixIndex | None, keys_of: Any) -> None:
         """Give the balancer its KV index and the function that computes a call's keys."""
@@ -145,13 +146,17 @@ class KVAware:
             return self._least.choose(replicas, call)
         keys = self.keys_of(call)
         total = len(keys)
-        best, best_cost, best_overlap = 0, float("inf"), 0
-        for i, replica in enumerate(replicas):
-            member = getattr(replica, "member", None)
+        n = len(replicas)
+        start = self._start % n  # ties go round the ring, as in LeastLoaded
+        best, best_cost, best_overlap = start, float("inf"), 0
+        for offset in range(n):
+            i = (start + offset) % n
+            member = getattr(replicas[i], "member", None)
             overlap = self.index.prefix_len(member, keys) if member is not None and total else 0
             cost = (total - overlap) + self.load_weight * loads[i] * max(total, 1)
-            if cost < best_cost or (cost == best_cost and loads[i] < loads[best]):
+            if cost < best_cost:
                 best, best_cost, best_overlap = i, cost, overlap
+        self._start = best + 1
         if best_overlap:
             self.hits += 1
         else:
