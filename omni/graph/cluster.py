@@ -48,6 +48,7 @@ __all__ = ["ClusterLink", "default_token_path"]
 log = logging.getLogger("omni.cluster.driver")
 
 REPAIR_S = 1.0  # seconds between looks for dead replicas to replace
+RENEW_S = 5.0  # seconds between renewals of this driver's replicas (workers drop them at 30)
 
 
 def default_token_path() -> Path:
@@ -123,6 +124,7 @@ class ClusterLink:
                     self._roster.members = await self._roster.refresh()
                     await nursery.start(self._follow_kv)
                     nursery.start_soon(self._repair)
+                    nursery.start_soon(self._renew)
                     task_status.started()
                     await self._stopping.wait()
                     with trio.move_on_after(2.0):
@@ -156,7 +158,7 @@ class ClusterLink:
         client = await self._clients.connect(member.name, member.rpc)
         body = Deploy(deployment, replica, node.name, code_ref(node.target),
                       encode_value([list(node.init_args), node.init_kwargs]),
-                      dict(node.options.resources or {}), self._layout_spec())
+                      dict(node.options.resources or {}), self.session, self._layout_spec())
         try:
             await client.call("node.deploy", body, timeout=120.0)
         except RPCError as exc:
@@ -218,6 +220,18 @@ class ClusterLink:
                     log.info("replica %d of '%s' now on worker '%s'", replica.index,
                              placed.node.name, proxy.member)
                     placed.pool.replace(replica.index, proxy)
+
+    async def _renew(self) -> None:
+        """Tell the workers hosting this driver's replicas that it is still there."""
+        while True:
+            await trio.sleep(RENEW_S)
+            members = {r.instance.member: r.instance.client for p in self._placed
+                       for r in p.pool.replicas if r.alive}
+            for client in members.values():
+                try:
+                    await client.call("node.renew", self.session, timeout=RENEW_S)
+                except TransportError:
+                    pass  # a lost worker: the repair task deals with it
 
     async def _follow_kv(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The KV directory of the workers' stores, for KV-aware balancing."""

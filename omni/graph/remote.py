@@ -38,6 +38,7 @@ class Deploy(msgspec.Struct, frozen=True):
     code: CodeRef
     init: bytes  # encode_value([args, kwargs])
     resources: dict[str, float] = {}
+    session: str = ""  # the driver's; its replicas go when it stops renewing (`node.renew`)
     kv_layout: dict[str, Any] | None = None  # a LayoutSpec's fields, when the node uses KV
 
 

@@ -46,6 +46,7 @@ __all__ = ["KVTiers", "Worker"]
 log = logging.getLogger("omni.cluster.worker")
 
 STREAM_IDLE_S = 120.0  # a stream nobody pulls for this long is dropped
+SESSION_LEASE_S = 30.0  # replicas of a driver that stopped renewing for this long are dropped
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class _Hosted:
     streaming: bool
     is_async: bool
     resources: dict[str, float]
+    session: str
     stop: trio.Event = field(default_factory=trio.Event)
 
 
@@ -111,6 +113,7 @@ class Worker:
         self._streams: dict[int, _Stream] = {}
         self._stream_ids = itertools.count(1)
         self._requests = self._failed = 0
+        self._sessions: dict[str, float] = {}  # driver session -> when it last renewed
         self._kv_events = ""
         self._kv_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
@@ -138,6 +141,7 @@ class Worker:
         server.register("node.call", self._call, body_type=CallHead, with_payload=True)
         server.register("node.next", self._next, body_type=tuple[int, int])
         server.register("node.close", self._close_stream, body_type=int)
+        server.register("node.renew", self._renew, body_type=str)
         server.register("worker.load", self._load_rpc, body_type=Any)
         try:
             async with server, trio.open_nursery() as nursery:
@@ -147,6 +151,7 @@ class Worker:
                                      heartbeat_interval=self.heartbeat_interval)
                 await nursery.start(self.link.run)
                 nursery.start_soon(self._reap_streams)
+                nursery.start_soon(self._reap_sessions)
                 log.info("worker '%s' serving at %s", self.name, self.endpoint)
                 task_status.started(self.endpoint)
                 await self._stopping.wait()
@@ -178,6 +183,7 @@ class Worker:
 
     async def _deploy(self, body: Deploy) -> bool:
         key = (body.deployment, body.replica)
+        self._sessions[body.session] = trio.current_time()
         if key in self._hosted:
             return True
         if body.kv_layout is not None:
@@ -201,7 +207,7 @@ class Worker:
         finally:
             current.reset(token)
         hosted = _Hosted(body.node, instance, node.streaming, node.is_async,
-                         dict(body.resources))
+                         dict(body.resources), body.session)
         self._hosted[key] = hosted
         try:
             if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
@@ -219,6 +225,24 @@ class Worker:
         if hosted is not None:
             hosted.stop.set()
         return hosted is not None
+
+    async def _renew(self, session: str) -> bool:
+        """A driver says it is still there; False if this worker hosts nothing of it."""
+        known = session in self._sessions
+        self._sessions[session] = trio.current_time()
+        return known
+
+    async def _reap_sessions(self) -> None:
+        """Drop the replicas of drivers that are gone (killed before they could undeploy)."""
+        while True:
+            await trio.sleep(SESSION_LEASE_S / 4)
+            cutoff = trio.current_time() - SESSION_LEASE_S
+            for session in [s for s, at in self._sessions.items() if at < cutoff]:
+                del self._sessions[session]
+                for hosted in self._hosted.values():
+                    if hosted.session == session:
+                        log.info("dropping %s: its driver stopped renewing", hosted.node)
+                        hosted.stop.set()
 
     # -- calls -------------------------------------------------------------------------------
 
