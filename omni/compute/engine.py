@@ -41,6 +41,7 @@ __all__ = ["GenerateResult", "TorchEngine"]
 log = logging.getLogger("omni.compute")
 
 STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
+PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,9 @@ class TorchEngine:
         self._waiting: list[_Request] = []
         self._driving = False
         self._progress = trio.lowlevel.ParkingLot()
+        # Seconds prefill takes per page of prompt (an EWMA; None until a prefill ran): what
+        # the store's peer fetch must beat to be worth it.
+        self._prefill_page_s: float | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -204,7 +208,7 @@ class TorchEngine:
         request.sampling = RequestSamplingState(params, tokens.token_ids)
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
-            await self.store.prefetch(usable[: self.store.match(usable)])
+            await self.store.prefetch(usable, recompute_page_s=self._prefill_page_s)
         self._waiting.append(request)
         return request
 
@@ -269,12 +273,23 @@ class TorchEngine:
         start = r.cached_tokens
         past = self._batch.row_kv(r.row, 0, start) if start else None
         positions = torch.arange(start, len(ids))[None]
+        began = time.perf_counter()
         hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
+        self._note_prefill(time.perf_counter() - began, len(ids) - start)
         self._batch.extend(r.row, new_kv)
         r.length = len(ids)
         r.stored_pages = start // self.page_size
         self._store_pages(r, ids)
         self._accept(r, self.model.logits(hidden[:, -1]))
+
+    def _note_prefill(self, seconds: float, tokens: int) -> None:
+        """Fold one prefill's wall time per page into the recompute-cost estimate."""
+        if tokens <= 0:
+            return
+        per_page = seconds / tokens * self.page_size
+        last = self._prefill_page_s
+        self._prefill_page_s = per_page if last is None else (
+            last + PREFILL_EWMA * (per_page - last))
 
     def _load_cached_prefix(self, r: _Request) -> None:
         """Copy the longest cached prefix's pages into the request's batch row."""

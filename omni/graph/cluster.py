@@ -235,7 +235,7 @@ class ClusterLink:
 
     async def _follow_kv(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The KV directory of the workers' stores, for KV-aware balancing."""
-        from omni.transport.kv_directory import KVDirectory, KVSnapshot
+        from omni.transport.kv_directory import KVDirectory, KVSnapshot, request_snapshot
 
         assert self._clients is not None and self._roster is not None and self._creds
         clients = self._clients
@@ -244,7 +244,7 @@ class ClusterLink:
             client = clients.get(member)
             if client is None:
                 raise LookupError(f"no worker '{member}'")
-            return await client.call("kv.snapshot", None, result_type=KVSnapshot, timeout=5.0)
+            return await request_snapshot(client, timeout=5.0)
 
         followed: dict[str, str] = {}
 

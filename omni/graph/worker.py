@@ -363,7 +363,7 @@ class Worker:
 
     async def _serve_kv(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Publish the store's events, serve its pages, and fetch pages from peers."""
-        from omni.transport.kv_directory import KVDirectory, KVPublisher
+        from omni.transport.kv_directory import KVDirectory, KVPublisher, request_snapshot
         from omni.transport.kv_peers import PeerFetcher, serve_kv
 
         assert self._server is not None and self.link is not None
@@ -378,10 +378,7 @@ class Worker:
                 client = clients.get(member)
                 if client is None:
                     raise LookupError(f"no worker '{member}'")
-                from omni.transport.kv_directory import KVSnapshot
-
-                return await client.call("kv.snapshot", None, result_type=KVSnapshot,
-                                         timeout=5.0)
+                return await request_snapshot(client, timeout=5.0)
 
             async with KVDirectory(self.creds, snapshot) as directory:
                 self.directory = directory

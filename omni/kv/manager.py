@@ -13,7 +13,7 @@ its own: the store calls it with its lock held.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +90,9 @@ class TierManager:
             raise ValueError("the disk tier must be the last tier")
         self._entries: dict[bytes, _Entry] = {}
         self._staging: torch.Tensor | None = None  # disk -> non-CPU memory goes through it
+        # (key, True) when a page enters, (key, False) when its last copy goes (eviction,
+        # discard, corruption, a failed write): the store's events. Tier moves are not.
+        self.on_change: Callable[[bytes, bool], None] | None = None
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -106,6 +109,10 @@ class TierManager:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    def keys(self) -> list[bytes]:
+        """Every key with a page in some tier."""
+        return list(self._entries)
 
     def index(self, name: str) -> int:
         for i, t in enumerate(self._tiers):
@@ -176,6 +183,8 @@ class TierManager:
             entry.mem = (0, slot)
         self._entries[key] = entry
         state.policy.insert(key)
+        if self.on_change is not None:
+            self.on_change(key, True)
         return True
 
     # -- pins --------------------------------------------------------------------------------
@@ -249,7 +258,7 @@ class TierManager:
             log.warning("page %s failed verification on disk: dropped (a miss)", key.hex())
             self._drop_disk_copy(key, entry)
             if entry.mem is None:
-                del self._entries[key]
+                self._forget(key)
             return None
         entry.mem = (target, new_slot)
         self._tiers[target].policy.insert(key)
@@ -298,7 +307,7 @@ class TierManager:
         if self._is_disk(index):
             self._drop_disk_copy(key, entry)
             if entry.mem is None:
-                del self._entries[key]
+                self._forget(key)
             return
         slot = entry.mem[1]
         below = index + 1
@@ -310,7 +319,7 @@ class TierManager:
             self._release_slot(index, slot, key)
             entry.mem = None
             if entry.disk is None:
-                del self._entries[key]
+                self._forget(key)
 
     def _demote_to_memory(self, key: bytes, entry: _Entry, index: int, slot: int, below: int
                           ) -> None:
@@ -338,7 +347,7 @@ class TierManager:
         self._release_slot(index, slot, key)
         entry.mem = None
         if entry.disk is None:
-            del self._entries[key]
+            self._forget(key)
 
     def _release_slot(self, index: int, slot: int, key: bytes) -> None:
         state = self._tiers[index]
@@ -348,6 +357,12 @@ class TierManager:
     def _drop_disk_copy(self, key: bytes, entry: _Entry) -> None:
         self._release_slot(self._disk, entry.disk, key)
         entry.disk = None
+
+    def _forget(self, key: bytes) -> None:
+        """The page's last copy is gone: drop its entry and report it."""
+        del self._entries[key]
+        if self.on_change is not None:
+            self.on_change(key, False)
 
     def _is_disk(self, index: int) -> bool:
         return index == self._disk
@@ -368,7 +383,7 @@ class TierManager:
             self._release_slot(entry.mem[0], entry.mem[1], key)
         if entry.disk is not None:
             self._drop_disk_copy(key, entry)
-        del self._entries[key]
+        self._forget(key)
         return True
 
     def check(self) -> None:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from omni.kv.errors import KVError
+from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease, PageDescriptor
 from omni.kv.layout import KVLayout, parse_size
 from omni.kv.leases import LeaseTable
 from omni.kv.manager import TierManager
+from omni.kv.peers import PeerSource
 from omni.kv.policy import EvictionPolicy, make_policy
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.disk import DiskTier
@@ -91,6 +94,10 @@ class KVStore:
         lease_ttl: seconds a lease handed to another process lives unless released sooner.
         max_exported: how many such leases may be live at once.
 
+    Attributes:
+        peers: where `prefetch` gets pages this store lacks (a `PeerSource`, e.g. the
+            cluster's `PeerFetcher`); None (the default): nowhere, they are recomputed.
+
     Raises:
         ValueError: a tier smaller than one page, a duplicate tier, an unwritable disk path.
     """
@@ -112,6 +119,9 @@ class KVStore:
         self._num_leases = 0
         self._exported: dict[int, tuple[int, list[bytes]]] = {}  # record -> (lease id, keys)
         self._closed = False
+        self.peers: PeerSource | None = None
+        self._events = StoreEvents()
+        self._peer_fetches = self._peer_pages = 0
         self._tiers: list[Any] = []
         try:
             for config in configs:
@@ -119,6 +129,7 @@ class KVStore:
             policies = [make_policy(c.policy if c.policy is not None else policy)
                         for c in configs]
             self._manager = TierManager(layout, self._tiers, policies)
+            self._manager.on_change = self._events.record
             self._table = LeaseTable.create(self.store_id, max_exported)
         except BaseException:
             for tier in self._tiers:
@@ -152,7 +163,7 @@ class KVStore:
                              f"{self.layout}), got {got}")
         if pages.dtype != self.layout.dtype:
             raise ValueError(f"pages must have dtype {self.layout.dtype}, got {pages.dtype}")
-        with self._lock:
+        with self._mutating():
             self._check_open()
             return sum(self._manager.put(key, pages[i]) for i, key in enumerate(keys))
 
@@ -173,7 +184,7 @@ class KVStore:
                 stays pinned then.
         """
         self._check_keys(keys)
-        with self._lock:
+        with self._mutating():
             self._check_open()
             self._sweep()
             manager = self._manager
@@ -195,28 +206,83 @@ class KVStore:
             self._num_leases += 1
             return Lease(self, held, slots)
 
-    async def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Bring the pages of `keys` up from disk, in a worker thread; return how many leading
-        keys are now in memory. Await it before `acquire` so the event loop never waits on
-        I/O."""
+    async def prefetch(self, keys: Sequence[bytes], *,
+                       recompute_page_s: float | None = None) -> int:
+        """Get the pages of `keys` ready for `acquire`; return how many leading keys are now
+        in the store.
+
+        First the local pages: the leading run present here is brought up from disk in a
+        worker thread (so the event loop never waits on I/O), stopping at the first key
+        missing (or found corrupt). Then, when `peers` is set and keys are still missing,
+        ``await peers.fetch(self, rest, recompute_page_s=...)`` brings what it can of the
+        rest from other workers, unless it judges that slower than recomputing
+        `recompute_page_s` seconds per page (None: unknown, so it fetches). Await it before
+        `match` and `acquire`.
+        """
         import trio
 
         self._check_keys(keys)
-        return await trio.to_thread.run_sync(self._prefetch_sync, list(keys))
+        keys = list(keys)
+        n = await trio.to_thread.run_sync(self._prefetch_sync, keys)
+        if self.peers is None or n >= len(keys):
+            return n
+        got = await self.peers.fetch(self, keys[n:], recompute_page_s=recompute_page_s)
+        with self._lock:
+            self._peer_fetches += 1
+            self._peer_pages += got
+        return n + got
 
     def _prefetch_sync(self, keys: list[bytes]) -> int:
         names = self._manager.tier_names
         target = names.index("host") if "host" in names else 0
         for n, key in enumerate(keys):
-            with self._lock:  # page by page: other threads get the store between reads
+            with self._mutating():  # page by page: other threads get the store between reads
                 self._check_open()
                 if self._manager.promote(key, target) is None:
                     return n
         return len(keys)
 
+    def discard(self, keys: Sequence[bytes]) -> int:
+        """Forget the pages of `keys` in every tier; returns how many went. Pages pinned by
+        a lease stay (they are in use); absent keys are ignored."""
+        self._check_keys(keys)
+        with self._mutating():
+            self._check_open()
+            manager = self._manager
+            return sum(manager.discard(key) for key in keys if not manager.is_pinned(key))
+
+    def keys(self) -> list[bytes]:
+        """Every key with a page in some tier, now (a snapshot: what a resync sends)."""
+        with self._lock:
+            self._check_open()
+            return self._manager.keys()
+
+    def add_listener(self, fn: Listener) -> Callable[[], None]:
+        """Call ``fn(stored, removed)`` whenever pages enter or leave the store; returns the
+        function that removes it.
+
+        `stored` holds keys that are new to the store (in any tier), `removed` keys whose
+        last copy went (evicted from the last tier, discarded, dropped as corrupt or after a
+        failed write); the two never share a key, and one call covers one store operation.
+        Moves between tiers are not events. Why: a cluster directory mirrors which pages
+        each worker holds, and replaying these events must give `keys()`.
+
+        `fn` runs under the store's lock, in whatever thread changed the store: it must be
+        quick and must not call the store. An exception from it is logged and ignored.
+        """
+        with self._lock:
+            self._events.add(fn)
+
+        def remove() -> None:
+            with self._lock:
+                self._events.remove(fn)
+
+        return remove
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
-        write_errors; and "leases": open, exported, pinned_pages."""
+        write_errors; "leases": open, exported, pinned_pages; and once `peers` is set, "peers":
+        fetches (prefetches that asked it) and pages (that it brought)."""
         with self._lock:
             self._sweep()
             out: dict[str, dict[str, int]] = {}
@@ -226,6 +292,8 @@ class KVStore:
                              "capacity": self._manager.tier(i).num_slots, **vars(counters)}
             out["leases"] = {"open": self._num_leases, "exported": len(self._exported),
                              "pinned_pages": self._manager.num_pinned()}
+            if self.peers is not None or self._peer_fetches:
+                out["peers"] = {"fetches": self._peer_fetches, "pages": self._peer_pages}
             return out
 
     def close(self) -> None:
@@ -251,6 +319,19 @@ class KVStore:
             parts = [f"{name}={self._manager.num_used(i)}/{self._manager.tier(i).num_slots}"
                      for i, name in enumerate(self._manager.tier_names)]
         return f"<KVStore {' '.join(parts)}>"
+
+    # -- events ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _mutating(self) -> Iterator[None]:
+        """The lock, and the listeners told what changed when the operation ends (even when
+        it fails half-way: pages may have been evicted before a KVCapacityError)."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                if self._events.pending:
+                    self._events.emit(self._manager)
 
     # -- for leases --------------------------------------------------------------------------
 
