@@ -147,6 +147,9 @@ def join(
     kv_disk: Annotated[str | None, typer.Option(
         "--kv-disk", metavar="SIZE[:PATH]", show_default=False,
         help="KV disk tier to offer, and its folder (e.g. 64GiB:/data/kv).")] = None,
+    kv_fetch: Annotated[bool, typer.Option(
+        "--kv-fetch/--no-kv-fetch", help="Fetch KV pages other workers hold when that beats "
+                                          "recomputing them.")] = True,
     gpus: Annotated[int | None, typer.Option(
         "--gpus", min=0, show_default=False,
         help="GPUs to offer (default: those torch sees).")] = None,
@@ -175,7 +178,7 @@ def join(
                      "gpu": float(gpus if gpus is not None else _gpu_count())}
         with _credentials(_token_path(token_file), create=False) as creds:
             worker = Worker(worker_name, address, creds, host=host, resources=resources,
-                            kv=tiers, heartbeat_interval=heartbeat)
+                            kv=tiers, heartbeat_interval=heartbeat, kv_fetch=kv_fetch)
 
             async def serve() -> None:
                 await probe(creds, address, timeout=timeout)

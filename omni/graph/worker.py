@@ -94,12 +94,14 @@ class Worker:
         host: the address to serve on and advertise (where drivers and the head reach it).
         resources: what it offers: ``cpu``, ``gpu``, ``memory`` (bytes).
         kv: the KV tiers it offers.
+        kv_fetch: fetch missing pages from other workers when that beats recomputing.
     """
 
     def __init__(self, name: str, head: str, creds: Credentials, *, host: str = "127.0.0.1",
                  resources: dict[str, float] | None = None, kv: KVTiers | None = None,
-                 heartbeat_interval: float = HEARTBEAT_S):
+                 heartbeat_interval: float = HEARTBEAT_S, kv_fetch: bool = True):
         self.name = name
+        self.kv_fetch = kv_fetch
         self.head = head
         self.creds = creds
         self.host = host
@@ -384,7 +386,8 @@ class Worker:
                 self.directory = directory
                 self.peers = PeerFetcher(directory, clients.get, self.name,
                                          layout=self.kv.layout)
-                self.kv.peers = self.peers
+                if self.kv_fetch:
+                    self.kv.peers = self.peers
                 task_status.started()
                 roster = Roster(self.link.client, interval=self.heartbeat_interval * 2)
                 await roster.run(functools.partial(self._peers_changed, clients, directory))
