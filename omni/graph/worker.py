@@ -59,7 +59,7 @@ class KVTiers:
     disk_path: str | None = None
 
     def capacity(self) -> dict[str, int]:
-        from omni.kv.layout import parse_size
+        from omni._units import parse_size
 
         sizes = {"device": self.device, "host": self.host, "disk": self.disk}
         return {name: parse_size(size) for name, size in sizes.items() if size is not None}
