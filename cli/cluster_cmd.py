@@ -192,8 +192,8 @@ def join(
 
 
 def _kv_tiers(device: str | None, host: str, disk: str | None) -> Any:
-    from omni.graph.worker import KVTiers
     from omni._units import parse_size
+    from omni.graph.worker import KVTiers
 
     size, _, folder = (disk or "").partition(":")
     tiers = KVTiers(device, host, size or None, folder or None)
