@@ -69,10 +69,14 @@ def _credentials(path: str, *, create: bool) -> Any:
     return Credentials(token)
 
 
-def _cluster_errors() -> tuple[type[BaseException], ...]:
-    from omni.transport.errors import TransportError
+def _address(address: str, *, bind: bool = False) -> str:
+    """The address as a ZeroMQ endpoint, or a `CliError` saying what is wrong with it."""
+    from omni.transport.cluster import ClusterError, check_address
 
-    return (TransportError,)
+    try:
+        return check_address(address, bind=bind)
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _run(serve: Any) -> Any:
@@ -105,13 +109,10 @@ def start(
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Start the cluster's head and serve until Ctrl-C or SIGTERM."""
-    from omni.transport.cluster import Head, check_address
+    from omni.transport.cluster import Head
 
     with reporting(debug):
-        try:
-            bind = check_address(bind, bind=True)
-        except _cluster_errors() as exc:
-            raise CliError(str(exc)) from None
+        bind = _address(bind, bind=True)
         path = _token_path(token_file)
         with _credentials(path, create=True) as creds:
             head = Head(creds, bind, heartbeat_interval=heartbeat)
@@ -164,13 +165,10 @@ def join(
 ) -> None:
     """Join the cluster at ADDRESS as a worker; serve until Ctrl-C or SIGTERM."""
     from omni.graph.worker import Worker
-    from omni.transport.cluster import check_address, probe
+    from omni.transport.cluster import probe
 
     with reporting(debug):
-        try:
-            address = check_address(address)
-        except _cluster_errors() as exc:
-            raise CliError(str(exc)) from None
+        address = _address(address)
         tiers = _kv_tiers(kv_device, kv_host, kv_disk)
         worker_name = name or socket.gethostname()
         host = advertise or _local_address(address)
@@ -247,14 +245,11 @@ def status(
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Show the cluster's members: replicas, KV usage and hit rates."""
-    from omni.transport.cluster import MemberView, check_address, probe
+    from omni.transport.cluster import MemberView, probe
     from omni.transport.rpc import RPCClient
 
     with reporting(debug):
-        try:
-            address = check_address(address)
-        except _cluster_errors() as exc:
-            raise CliError(str(exc)) from None
+        address = _address(address)
         with _credentials(_token_path(token_file), create=False) as creds:
 
             async def fetch() -> list[MemberView]:
