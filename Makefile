@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport
+BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster
 
 bench: $(STAMP)
 	@for b in $(BENCHMARKS); do \

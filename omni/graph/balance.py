@@ -19,8 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
-__all__ = ["Balancer", "CallInfo", "KVAware", "LeastLoaded", "Pool", "PoolStats", "PowerOfTwo",
-           "PrefixIndex", "Replica", "RoundRobin", "make_balancer"]
+__all__ = ["Balancer", "CallInfo", "LeastLoaded", "Pool", "PoolStats", "PowerOfTwo", "Replica",
+           "RoundRobin", "make_balancer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,78 +101,15 @@ class PowerOfTwo:
         return "PowerOfTwo()" if self.seed is None else f"PowerOfTwo(seed={self.seed!r})"
 
 
-class PrefixIndex(Protocol):
-    """Who holds which KV pages (the cluster's KV directory answers it)."""
-
-    def prefix_len(self, member: str, keys: Sequence[bytes]) -> int: ...
-
-
-class KVAware:
-    """Sends a call where its prompt's KV pages already are, unless that replica is busy.
-
-    The cost of a replica, in pages of prefill work, is the pages of the call's prefix it does
-    not hold plus `load_weight` × its load × the call's pages (each call it holds is about one
-    such call's work): the replica with the lowest cost wins, so a warm replica is preferred
-    until it has about ``1 / load_weight`` calls more than a cold one. When loads are uneven
-    by more than `max_imbalance` calls, the least loaded replica wins outright (a replica that
-    rejoins empty must not be starved, nor a hot one flooded).
-
-    What it needs: a `PrefixIndex` and the member each replica runs on (``replica.member``),
-    and the call's page keys (`keys_of(call)`); the cluster runtime binds both (`bind`). The
-    keys come from the node class's ``kv_keys`` static method called with the call's arguments.
-    Without them, it is `LeastLoaded`.
-    """
-
-    def __init__(self, *, load_weight: float = 0.5, max_imbalance: int = 8):
-        self.load_weight = load_weight
-        self.max_imbalance = max_imbalance
-        self.index: PrefixIndex | None = None
-        self.keys_of: Any = None
-        self.hits = self.misses = self.fallbacks = 0
-        self._least = LeastLoaded()
-        self._start = 0
-
-    def bind(self, index: PrefixIndex | None, keys_of: Any) -> None:
-        """Give the balancer its KV index and the function that computes a call's keys."""
-        self.index = index
-        self.keys_of = keys_of
-
-    def choose(self, replicas: Sequence[Replica], call: CallInfo) -> int:
-        if self.index is None or self.keys_of is None or len(replicas) == 1:
-            return self._least.choose(replicas, call)
-        loads = [r.load for r in replicas]
-        if max(loads) - min(loads) > self.max_imbalance:
-            self.fallbacks += 1
-            return self._least.choose(replicas, call)
-        keys = self.keys_of(call)
-        total = len(keys)
-        n = len(replicas)
-        start = self._start % n  # ties go round the ring, as in LeastLoaded
-        best, best_cost, best_overlap = start, float("inf"), 0
-        for offset in range(n):
-            i = (start + offset) % n
-            member = getattr(replicas[i], "member", None)
-            overlap = self.index.prefix_len(member, keys) if member is not None and total else 0
-            cost = (total - overlap) + self.load_weight * loads[i] * max(total, 1)
-            if cost < best_cost:
-                best, best_cost, best_overlap = i, cost, overlap
-        self._start = best + 1
-        if best_overlap:
-            self.hits += 1
-        else:
-            self.misses += 1
-        return best
-
-    def __repr__(self) -> str:
-        return f"KVAware(load_weight={self.load_weight}, max_imbalance={self.max_imbalance})"
-
-
-_BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo,
-            "kv_aware": KVAware}
+_BUILTIN = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "power_of_two": PowerOfTwo}
 
 
 def make_balancer(spec: Any) -> Balancer:
     """A fresh balancer for a pool from a name, a Balancer class, or an instance."""
+    if spec == "kv_aware":
+        from omni.graph.kv_aware import KVAware  # it builds on this module's balancers
+
+        return KVAware()
     if isinstance(spec, str):
         return _BUILTIN[spec]()
     if isinstance(spec, type):

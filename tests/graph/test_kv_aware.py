@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import pytest
 
 import omni
-from omni.graph.balance import CallInfo, KVAware, make_balancer
+from omni.graph.balance import CallInfo, make_balancer
+from omni.graph.kv_aware import KVAware
 
 
 class Index:
@@ -102,3 +103,20 @@ def test_resources_and_where_belong_to_class_nodes() -> None:
         class Bad:
             def __call__(self, x: int) -> int:
                 return x
+
+
+def test_a_prefix_just_sent_somewhere_follows_it_before_the_directory_hears() -> None:
+    a = keys("a", 8)
+    kv = balancer({})  # the directory knows nothing yet
+    replicas = [FakeReplica("w1"), FakeReplica("w2")]
+    first = kv.choose(replicas, call(a))
+    assert [kv.choose(replicas, call(a)) for _ in range(3)] == [first] * 3
+    kv.memory_s = 0.0  # once the memory lapses, only the directory counts
+    assert kv.choose(replicas, call(a)) != first
+
+
+def test_replicas_that_all_hold_a_prefix_are_chosen_stably() -> None:
+    a = keys("a", 8)
+    kv = balancer({"w1": set(a), "w2": set(a)})
+    replicas = [FakeReplica("w1"), FakeReplica("w2")]
+    assert len({kv.choose(replicas, call(a)) for _ in range(6)}) == 1

@@ -118,3 +118,20 @@ def test_transport_benchmark_quick_mode_reports_latency_and_throughput(tmp_path)
         assert report[claim]["measured"]["median"] > 0
         assert report[claim]["baseline"]["median"] > 0
         assert isinstance(report[claim]["pass"], bool)
+
+
+def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(tmp_path):
+    """perf/cluster.py --quick: a head and 2 workers as subprocesses; KV-aware routing's hit
+    rate and throughput against round-robin's, each phase serving all its requests."""
+    report = run_quick("perf/cluster.py", tmp_path)
+    for name, target in (("hit_rate", 2.0), ("throughput", 1.0)):
+        claim = report[name]
+        assert {"target", "measured", "baseline", "ratio", "pass", "note"} <= claim.keys(), name
+        assert claim["target"] == target and isinstance(claim["pass"], bool), name
+        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] >= 0, name
+    assert report["all_pass"] == (report["hit_rate"]["pass"] and report["throughput"]["pass"])
+    assert {"hits", "misses", "fallbacks"} <= report["hit_rate"]["balancer"].keys()
+    assert all(sorted(m) == ["w1", "w2"] for m in report["cluster"]["placement"].values())
+    assert report["cluster"]["capacity_pages"] > 0
+    requests = report["workload"]["requests_per_phase"]
+    assert [p["requests"] for p in report["phases"]] == [requests] * 2
