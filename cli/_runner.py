@@ -6,6 +6,7 @@ The library does the work; this module only starts requests in order, hands resu
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -20,14 +21,19 @@ __all__ = ["run_batch"]
 
 async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
                     printer: Printer, reporter: Reporter, kv: Any = None,
-                    cluster: str | None = None, token_file: str | None = None) -> Outcome:
+                    cluster: str | None = None, token_file: str | None = None,
+                    metrics_port: int | None = None) -> Outcome:
     """Run `requests` (inputs, in order) on a fresh Runtime; return their latencies and failures.
 
     Raises:
         NodeError: a node failed while the Runtime started (its replicas were being built).
     """
     outcome = Outcome()
-    async with Runtime(graphs=[graph], kv=kv, cluster=cluster, token_file=token_file) as rt:
+    async with Runtime(graphs=[graph], kv=kv, cluster=cluster, token_file=token_file,
+                       metrics_port=metrics_port) as rt:
+        if rt.metrics_address is not None:
+            host, port = rt.metrics_address
+            sys.stderr.write(f"metrics at http://{host}:{port}/metrics\n")
         limit = trio.Semaphore(concurrency)
         started = time.perf_counter()
         async with trio.open_nursery() as nursery:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Iterator
@@ -68,6 +69,10 @@ def run(
         "--token-file", metavar="PATH", show_default=False,
         help="The cluster's token file (default: $OMNI_TOKEN_FILE or "
              "~/.config/omni/cluster.token).")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        "--metrics-port", metavar="PORT", min=0, max=65535, show_default=False,
+        help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the run lasts "
+             "(0: a free port, printed on stderr).")] = None,
     debug: Annotated[bool, typer.Option(
         "--debug", help="Show tracebacks for errors, not only the one-line message.")] = False,
 ) -> None:
@@ -87,7 +92,8 @@ def run(
                              num_requests)
         printer = JsonPrinter(out) if as_json else HumanPrinter(graph, len(requests))
         outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv,
-                           (cluster, token_file))
+                           {"cluster": cluster, "token_file": token_file,
+                            "metrics_port": metrics_port})
     if num_requests is not None or concurrency is not None:
         typer.echo(summary_line(outcome, concurrency or 1), err=True)
     if outcome.num_failed:
@@ -116,19 +122,21 @@ def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None
 
 
 def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
-             printer: Printer, debug: bool, kv: Any,
-             cluster: tuple[str | None, str | None]) -> Outcome:
+             printer: Printer, debug: bool, kv: Any, options: dict[str, Any]) -> Outcome:
     from omni.transport.errors import TransportError
 
     try:
         with Reporter(len(requests), debug=debug) as reporter:
-            return trio.run(run_batch, graph, requests, concurrency, printer, reporter, kv,
-                            *cluster)
-    except (TransportError, BaseExceptionGroup) as exc:  # no head at --cluster, a bad token
-        error = first_of(exc, TransportError)
-        if error is None:
-            raise
-        raise CliError(str(error)) from exc
+            return trio.run(functools.partial(run_batch, graph, requests, concurrency, printer,
+                                              reporter, kv, **options))
+    except (TransportError, OSError, BaseExceptionGroup) as exc:
+        error = first_of(exc, (TransportError, OSError))
+        if isinstance(error, TransportError):  # no head at --cluster, a refused token
+            raise CliError(str(error)) from exc
+        if isinstance(error, OSError):  # --metrics-port in use or not allowed
+            raise CliError(f"cannot serve metrics on port {options['metrics_port']}: "
+                           f"{error.strerror or error}") from exc
+        raise
     except NodeError as exc:  # raised only while the Runtime starts the graph's replicas
         raise CliError(f"node '{exc.node}' failed to start: {describe_cause(exc)}",
                        exit_code=EXIT_FAILED) from exc

@@ -46,6 +46,9 @@ class Runtime:
             nodes still run here.
         token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
             ``~/.config/omni/cluster.token``).
+        metrics_port: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics`` while
+            the runtime runs (0: a free port; see `metrics_address`). See `omni.graph.metrics`.
+        metrics_host: the interface to serve metrics on.
 
     Class nodes get one instance per replica, built in the runtime (``__init__`` sees
     ``omni.context().replica``). An instance that is an async context manager is entered
@@ -53,8 +56,12 @@ class Runtime:
     """
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None,
-                 cluster: str | None = None, token_file: str | None = None):
+                 cluster: str | None = None, token_file: str | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
         self.kv: Any = None
+        self.metrics: Any = None
+        self.metrics_address: tuple[str, int] | None = None
+        self._metrics_at = (metrics_host, metrics_port)
         self._kv_spec = kv
         self.cluster: Any = None
         if cluster is not None:
@@ -85,6 +92,8 @@ class Runtime:
         self._request_cm = trio.open_nursery()
         self._requests = await self._request_cm.__aenter__()
         try:
+            if self._metrics_at[1] is not None:
+                await self._start_metrics(*self._metrics_at)
             if self.cluster is not None:
                 await self._hosts.start(self.cluster.run)
             for g in self._initial:
@@ -98,6 +107,8 @@ class Runtime:
         self._requests.cancel_scope.cancel()
         await self._request_cm.__aexit__(None, None, None)
         self._closing.set()
+        if self.metrics is not None:
+            self._metrics_scope.cancel()
         if self.cluster is not None:
             self.cluster.stop()
         try:
@@ -105,6 +116,36 @@ class Runtime:
         finally:
             if self._owns_kv:
                 self.kv.close()
+
+    async def _start_metrics(self, host: str, port: int) -> None:
+        from omni.graph.metrics import Metrics, serve_metrics
+
+        self.metrics = Metrics(self._collect_metrics)
+
+        async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.CancelScope() as scope:
+                self._metrics_scope = scope
+                await serve_metrics(self.metrics, port, host=host, task_status=task_status)
+
+        self.metrics_address = await self._hosts.start(serve)
+
+    def _collect_metrics(self) -> list[tuple[str, str, str, dict, float]]:
+        """What a scrape reads now: replicas' calls, the KV store's tiers and peer bytes."""
+        out: list[tuple[str, str, str, dict, float]] = []
+        for pool in self._pools.values():
+            for r in pool.replicas:
+                labels = {"node": pool.name, "replica": r.index, "worker": r.member or ""}
+                out.append(("omni_replica_in_flight", "gauge", "Calls running on a replica.",
+                            labels, r.in_flight))
+                out.append(("omni_replica_calls_total", "counter",
+                            "Calls a replica finished, by outcome.",
+                            {**labels, "outcome": "ok"}, r.completed))
+                out.append(("omni_replica_calls_total", "counter",
+                            "Calls a replica finished, by outcome.",
+                            {**labels, "outcome": "failed"}, r.failed))
+        if self.kv is not None:
+            out.extend(_kv_samples(self.kv))
+        return out
 
     # -- deployment -------------------------------------------------------------------------
 
@@ -186,10 +227,18 @@ class Runtime:
                 await self.deploy(graph)
             result = await run_plan(plan, self, request_id, values)
         except BaseException:
-            self._failed += 1
+            self._count(graph, "failed")
             raise
-        self._completed += 1
+        self._count(graph, "ok")
         return result
+
+    def _count(self, graph: Any, outcome: str) -> None:
+        if outcome == "ok":
+            self._completed += 1
+        else:
+            self._failed += 1
+        if self.metrics is not None:
+            self.metrics.request_done(getattr(graph, "name", "?"), outcome)
 
     def stream(self, graph: Any, /, **inputs: Any) -> ResultStream:
         """Run one request; iterate ``(output_name, item)`` as outputs are produced.
@@ -209,6 +258,39 @@ class Runtime:
         s = self.stats()
         return (f"<Runtime requests={s.requests_completed}/{s.requests_started} "
                 f"failed={s.requests_failed} pools={len(s.pools)}>")
+
+
+_KV_COUNTERS = {"hits": "Lookups that found a page in this tier.",
+                "misses": "Lookups that found no page.",
+                "evictions": "Pages evicted from this tier.",
+                "promotions": "Pages moved up into this tier.",
+                "demotions": "Pages moved down out of this tier.",
+                "corrupt": "Pages dropped because their checksum failed."}
+
+
+def _kv_samples(store: Any) -> list[tuple[str, str, str, dict, float]]:
+    out: list[tuple[str, str, str, dict, float]] = []
+    stats = store.stats()
+    for tier, counters in stats.items():
+        if tier in ("leases", "peers"):
+            continue
+        out.append(("omni_kv_pages", "gauge", "Pages held per tier.", {"tier": tier},
+                    counters["pages"]))
+        out.append(("omni_kv_capacity_pages", "gauge", "Pages a tier can hold.",
+                    {"tier": tier}, counters["capacity"]))
+        for name, help_ in _KV_COUNTERS.items():
+            out.append((f"omni_kv_{name}_total", "counter", help_, {"tier": tier},
+                        counters.get(name, 0)))
+    leases = stats.get("leases", {})
+    out.append(("omni_kv_pinned_pages", "gauge", "Pages pinned by leases.", {},
+                leases.get("pinned_pages", 0)))
+    peers = getattr(store, "peers", None)
+    if peers is not None and hasattr(peers, "stats"):
+        for locality, counts in peers.stats().get("by_locality", {}).items():
+            out.append(("omni_kv_peer_bytes_total", "counter",
+                        "KV bytes fetched from peers, by mover locality.",
+                        {"locality": locality}, counts.get("bytes", 0)))
+    return out
 
 
 def _layout_of(spec: Any) -> Any:
@@ -262,12 +344,12 @@ class ResultStream:
                                    lambda name, item: send.send((name, item)))
                 except (NodeError, trio.BrokenResourceError) as exc:
                     self._error = exc
-                    rt._failed += 1
+                    rt._count(self._graph, "failed")
                     return
                 except BaseException:
-                    rt._failed += 1
+                    rt._count(self._graph, "failed")
                     raise
-                rt._completed += 1
+                rt._count(self._graph, "ok")
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
         return self
