@@ -28,12 +28,18 @@ test: $(STAMP)
 BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster
 
 bench: $(STAMP)
-	@for b in $(BENCHMARKS); do \
+	@start=$$(date +%s); \
+	for b in $(BENCHMARKS); do \
 		echo "== perf/$$b.py"; \
+		t=$$(date +%s); \
 		$(BIN)/python perf/$$b.py --out perf/results/$$b.json --plot perf/results/$$b.png \
 			> /dev/null || exit 1; \
-	done
-	@echo "results in perf/results/"
+		echo "   $$(( $$(date +%s) - t )) s"; \
+	done; \
+	echo "== perf/report.py"; \
+	$(BIN)/python perf/report.py || exit 1; \
+	echo "results in perf/results/, report in perf/REPORT.md, table in README.md"; \
+	echo "make bench: $$(( $$(date +%s) - start )) s in all"
 
 lint: $(STAMP)
 	$(BIN)/ruff check omni cli tests perf examples

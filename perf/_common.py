@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import datetime
 import gc
 import io
 import json
@@ -81,6 +82,7 @@ def environment() -> dict[str, Any]:
         "omni": omni.__version__,
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
