@@ -53,10 +53,10 @@ def compatible(src: Any, dst: Any) -> bool:
     if isinstance(src, (typing.TypeVar, str)) or isinstance(dst, (typing.TypeVar, str)):
         return True
     src, dst = _strip_annotated(src), _strip_annotated(dst)
+    if _is_union(src):  # every value it may be must fit (before splitting dst: X | None -> X | None)
+        return all(compatible(member, dst) for member in typing.get_args(src))
     if _is_union(dst):
         return any(compatible(src, member) for member in typing.get_args(dst))
-    if _is_union(src):
-        return all(compatible(member, dst) for member in typing.get_args(src))
     if src is type(None) or dst is type(None):
         return src is dst
     if typing.get_origin(src) is typing.Literal:

@@ -105,6 +105,8 @@ def test_compatible_types_connect():
     (int, float, True), (bool, int, True), (str, int, False), (list[int], Sequence[int], True),
     (list[int], list[str], False), (int, int | None, True), (int | None, int, False),
     (None, int, True), (dict[str, int], dict, True), (str, object, True),
+    (int | None, int | None, True), (int | str, str | int | None, True),
+    (int | str, int | None, False),
 ])
 def test_type_compatibility_rules(src, dst, ok):
     assert compatible(src, dst) is ok
