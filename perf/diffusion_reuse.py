@@ -227,14 +227,19 @@ async def measure(params: Params) -> dict[str, Any]:
 def _plot(result: dict[str, Any], path: str) -> None:
     main, cfg = result["reuse_vs_recompute"], result["cfg_batching"]
 
+    steps = result["params"]["steps"]
+
     def samples(entry: dict[str, Any]) -> Samples:
         return Samples(tuple(entry["runs"]))
+
+    def per_step_ms(entry: dict[str, Any]) -> Samples:
+        return Samples(tuple(1e3 * v / steps for v in entry["runs"]))
 
     plot_bars(path, f"Diffusion on the LLM: prompt KV reuse (torch threads: "
                     f"{result['env']['torch_threads']})", [
         (f"speedup {main['speedup']:.2f}x, ideal {main['ideal_flop_ratio']:.2f}x",
-         "s per generation (lower is better)",
-         {"reuse": samples(main["reuse"]), "recompute": samples(main["recompute"])}),
+         "ms per denoising step (lower is better)",
+         {"reuse": per_step_ms(main["reuse"]), "recompute": per_step_ms(main["recompute"])}),
         *[(f"CFG, negative prompt of {run['negative_prompt_tokens']} tokens",
            "s per generation (lower is better)",
            {"batched": samples(run["batched"]), "separate": samples(run["separate"])})
