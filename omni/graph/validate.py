@@ -53,7 +53,7 @@ def compatible(src: Any, dst: Any) -> bool:
     if isinstance(src, (typing.TypeVar, str)) or isinstance(dst, (typing.TypeVar, str)):
         return True
     src, dst = _strip_annotated(src), _strip_annotated(dst)
-    if _is_union(src):  # every value it may be must fit (before splitting dst: X | None -> X | None)
+    if _is_union(src):  # each value it may be must fit (checked first: X | None into X | None)
         return all(compatible(member, dst) for member in typing.get_args(src))
     if _is_union(dst):
         return any(compatible(src, member) for member in typing.get_args(dst))

@@ -1,0 +1,394 @@
+"""Omni dialogue: speech and images in, an LLM's streamed reply spoken out, sessions cached.
+
+    omni run examples/omni_dialogue.py --inputs-json examples/dialogue_turns.jsonl --json
+    omni run examples/omni_dialogue.py --inputs-json examples/dialogue_turns.jsonl --json \\
+        --kv-device 80KiB --kv-disk 16MiB:/tmp/omni-kv    # idle sessions go to disk and back
+    omni graph show examples/omni_dialogue.py --format mermaid
+
+One request is one turn of a conversation: ``{"session": "alice", "text": "Hi!"}`` plus,
+optionally, ``"audio"`` (a 16 kHz mono 16-bit WAV file), ``"image"`` (PNG, JPEG or a ``.npy``
+``[H, W, 3]`` array), ``"out"`` (where to write the spoken reply) and ``"max_tokens"`` (32).
+Paths are relative to the current folder. The reply's WAV goes to ``out``, by default
+``<session>-<turn>.wav`` in ``$OMNI_DIALOGUE_OUT`` (the current folder when unset).
+
+    begin ─┐
+    hear ──┼─► Dialogue ─────────► Speech ──────────────► write_reply ─► the turn's result
+    look ──┘   (LLM: streams       (streams an audio       (writes the WAV
+                the reply tokens)   chunk per 4 tokens)     as chunks come)
+
+- `hear` and `look` read the files (in worker threads); the engine's built-in audio and image
+  encoders turn them into embeddings at placeholder positions during prefill, and each
+  item's content digest enters the KV page keys.
+- `Dialogue` keeps each session's history (the prompt segments and the reply tokens exactly
+  as generated), so turn k's prompt starts with turn k-1's prompt and reply: their KV pages
+  are found in the runtime's KV store (`omni.context().kv`) and only the new message is
+  computed. As the tiers fill (``--kv-*``), pages of idle sessions move down to host memory
+  or disk, and come back up when the session speaks again. The top tier must hold a
+  session's whole history at once, or that turn recomputes it (the tiny model's pages are
+  8 KiB: 80KiB holds 10 pages, 160 tokens).
+- `Dialogue` remembers the 256 most recently used sessions (LRU); an older one starts over.
+  A session's history holds its token ids and its images and audio clips (pixels and
+  samples: should its pages be gone, the next turn encodes them again), and is cut from the
+  oldest turn on when it would outgrow the model's context (`trimmed_turns`).
+  It serves one turn at a time (a class node's default), so the turns of a session never
+  overlap; ``omni run`` sends one request at a time unless given ``--concurrency``.
+- Decoding is greedy: a turn's reply is the same with or without the cache.
+
+The LLM is the built-in tiny random Llama (a byte tokenizer; its replies are gibberish, made
+in milliseconds; a run takes a few seconds, most of it importing torch). With
+``OMNI_MODEL=/path`` (a Hugging Face Llama or Qwen2 folder: config.json, safetensors and
+tokenizer.json) it is that model, loaded with `TorchEngine.from_pretrained`, in float32 on
+the CPU; the prompt is then a plain "User: ... Assistant:" transcript, not the model's chat
+template. The speech decoder stays the built-in, untrained
+`omni.compute.speech.SpeechDecoder` either way: it makes one tone per token, not words; a
+real vocoder takes its place through the same `decode_chunk` method. The model is chosen per
+process, because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
+before any request runs.
+
+Each result reports `cached_tokens` (prompt tokens whose KV came from the store),
+`new_tokens` (prompt tokens this turn computed), `ttft_s` and `first_audio_s` (seconds from
+the request's start until the first token and the first audio chunk reached `write_reply`),
+the WAV's path and length, and `kv`: pages this turn brought up to the top tier
+(`promoted`), read back from disk (`from_disk`) and pushed down a tier (`demoted`), from the
+store's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import trio
+
+import omni
+from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
+from omni.compute.models import DecoderConfig, tiny_config
+from omni.compute.prompt import PromptTokens
+from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter, read_wav
+from omni.kv import MediaSpan
+
+MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
+PAGE_SIZE = 16
+MAX_SESSIONS = 256
+TOKENS_PER_CHUNK = 4
+MAX_TOKENS_LIMIT = 4096
+SYSTEM = "A conversation between a curious user and a helpful assistant.\n"
+
+
+def llm_config(model: str) -> DecoderConfig:
+    """The LLM's config, read without loading its weights (for KV_LAYOUT and the vocabulary)."""
+    if not model:
+        return tiny_config()
+    config = Path(model) / "config.json"
+    try:
+        return DecoderConfig.from_hf(json.loads(config.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"OMNI_MODEL={model!r}: cannot read {config} ({exc}); give a Hugging "
+                         "Face model folder, or unset OMNI_MODEL for the built-in tiny "
+                         "model") from None
+
+
+CONFIG = llm_config(MODEL)
+KV_LAYOUT = CONFIG.kv_layout(PAGE_SIZE, torch.float32)  # `omni run` builds the store from it
+
+
+# -- what flows between the nodes -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: the session, the new user message and when the request started."""
+
+    session: str
+    text: str
+    out: str | None
+    max_tokens: int
+    started: float  # time.perf_counter() when the request entered the graph
+
+
+class Event:
+    """What the LLM streams to the speech decoder, and the speech decoder to `write_reply`."""
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    """The LLM's first event: the turn's number and what its prompt cost."""
+
+    session: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the store
+    trimmed_turns: int  # oldest turns dropped so that the prompt fits the context
+
+
+@dataclass(frozen=True)
+class Token(Event):
+    """One generated token."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class AudioChunk(Event):
+    """Samples (float32, mono, `SAMPLE_RATE`) of a few tokens, in order."""
+
+    samples: np.ndarray
+
+
+@dataclass(frozen=True)
+class Finished(Event):
+    """The LLM's last event: the reply and the pages the store moved for this turn."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop" (an end-of-sequence token) or "length" (max_tokens)
+    kv: dict[str, int]
+
+
+# -- the nodes ------------------------------------------------------------------------------
+
+
+@omni.node
+async def begin(session: str, text: str, out: str, max_tokens: int) -> Turn:
+    """The entry: check the request and note when it started."""
+    started = time.perf_counter()
+    if not isinstance(session, str) or not session.strip() or len(session) > 200:
+        raise ValueError(f"session must be a non-empty string of at most 200 characters, "
+                         f"got {session!r:.60}")
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a string, got {text!r:.60}")
+    if out is not None and not isinstance(out, str):
+        raise ValueError(f"out must be a file path, got {out!r:.60}")
+    if (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+            or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
+        raise ValueError(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, "
+                         f"got {max_tokens!r}")
+    return Turn(session, text, out or None, max_tokens, started)
+
+
+@omni.node(thread=True)
+def hear(audio: str) -> Prompt:
+    """A WAV file (16 kHz, mono, 16-bit) as a prompt fragment for the engine's audio encoder
+    (an empty one without a file)."""
+    if not audio:
+        return Prompt()
+    samples, rate = read_wav(audio)
+    if rate != SAMPLE_RATE:
+        raise ValueError(f"{audio}: expected {SAMPLE_RATE} Hz audio, got {rate} Hz (resample "
+                         f"it: ffmpeg -i IN -ac 1 -ar {SAMPLE_RATE} OUT.wav)")
+    return Prompt(Audio(samples, rate))
+
+
+@omni.node(thread=True)
+def look(image: str) -> Prompt:
+    """A PNG/JPEG file or a ``.npy`` ``[H, W, 3]`` array as a prompt fragment for the
+    engine's image encoder (an empty one without a file)."""
+    if not image:
+        return Prompt()
+    if not os.path.isfile(image):
+        raise ValueError(f"image file not found: {image}")
+    try:
+        if image.lower().endswith(".npy"):
+            return Prompt(Image(np.load(image, allow_pickle=False)))
+        return Prompt(Image(image))
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{image}: {exc}") from None
+
+
+@dataclass
+class _Session:
+    exchanges: list[tuple[list, int]]  # (segments of a message and its reply, their tokens)
+    turns: int = 0
+
+
+@omni.node
+class Dialogue:
+    """The LLM. Keeps the history of the `max_sessions` most recently used sessions and
+    streams a turn's reply token by token, between a `Started` and a `Finished` event."""
+
+    def __init__(self, model: str = MODEL, max_sessions: int = MAX_SESSIONS, seed: int = 0):
+        self.store = omni.context().kv  # None when the runtime has no KV store
+        if not model:
+            self.engine = TorchEngine.tiny(seed=seed, store=self.store, page_size=PAGE_SIZE)
+        else:
+            self.engine = TorchEngine.from_pretrained(model, store=self.store,
+                                                      page_size=PAGE_SIZE)
+        if self.engine.tokenizer is None:
+            raise ValueError(f"{model} has no tokenizer.json: the dialogue needs text")
+        self.tokenizer = self.engine.tokenizer
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.system = Text(self.tokenizer.encode(SYSTEM))
+
+    async def __call__(self, turn: Turn, heard: Prompt, seen: Prompt) -> AsyncIterator[Event]:
+        session = self._session(turn.session)
+        message = self._message(turn.text, heard + seen, first=not session.turns)
+        trimmed = self._fit(session, message, turn.max_tokens)
+        prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
+                         *message])
+        tokens = self.engine.prepare(prompt)
+        before = self._kv_counters()
+        number = session.turns + 1
+        yield Started(turn.session, number, len(tokens), self._cached_tokens(tokens), trimmed)
+        params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
+        reply: list[int] = []
+        async for token_id in self.engine.stream(prompt, params):
+            reply.append(token_id)
+            yield Token(token_id)
+        # The reply goes into the history as the generated ids, not as re-tokenized text:
+        # the next turn's prompt then has exactly the tokens whose pages were just stored.
+        exchange = [*message, Text(reply)] if reply else message
+        session.exchanges.append((exchange, _count(exchange)))
+        session.turns = number
+        eos = set(self.tokenizer.eos_token_ids) or set(self.engine.config.eos_token_ids)
+        reason = "stop" if reply and reply[-1] in eos else "length"
+        after = self._kv_counters()
+        yield Finished(self.tokenizer.decode(reply), tuple(reply), reason,
+                       {k: after[k] - before[k] for k in after})
+
+    def _session(self, name: str) -> _Session:
+        session = self.sessions.get(name)
+        if session is None:
+            session = self.sessions[name] = _Session([])
+            while len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)  # the least recently used session
+        self.sessions.move_to_end(name)
+        return session
+
+    def _message(self, text: str, media: Prompt, *, first: bool) -> list:
+        """The user's message as prompt segments, text as token ids."""
+        head = Text(self.tokenizer.encode("User: " if first else "\nUser: "))
+        return [head, *media.segments, Text(self.tokenizer.encode(f"{text}\nAssistant:"))]
+
+    def _fit(self, session: _Session, message: list, max_tokens: int) -> int:
+        """Drop the session's oldest turns until prompt + reply fit the context; how many."""
+        limit = self.engine.config.max_position_embeddings
+        fixed = _count([self.system]) + _count(message) + max_tokens
+        if fixed > limit:
+            raise ValueError(f"the message ({_count(message)} tokens) and max_tokens="
+                             f"{max_tokens} do not fit the model's context of {limit} tokens")
+        trimmed = 0
+        while fixed + sum(n for _, n in session.exchanges) > limit:
+            session.exchanges.pop(0)
+            trimmed += 1
+        return trimmed
+
+    def _cached_tokens(self, tokens: PromptTokens) -> int:
+        """Prompt tokens whose KV the engine will take from the store, counted the way it
+        does: the leading full pages present in any tier (it computes at least the last
+        token), provided they all fit in the top tier at once (else it recomputes them all).
+        Exact while this node serves one call at a time: nothing else adds, pins or drops
+        pages between this count and the prefill. (`TorchEngine.stream` yields token ids
+        only; `generate` reports the same number as `GenerateResult.cached_tokens`.)"""
+        if self.store is None:
+            return 0
+        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
+        keys = self.engine.page_keys(tokens.token_ids, spans)
+        usable = keys[: (len(tokens) - 1) // self.engine.page_size]
+        found = self.store.match(usable)
+        stats = self.store.stats()
+        top = next(name for name in ("device", "host", "disk") if name in stats)
+        room = stats[top]["capacity"] - stats["leases"]["pinned_pages"]
+        return found * self.engine.page_size if found <= room else 0
+
+    def _kv_counters(self) -> dict[str, int]:
+        if self.store is None:
+            return {"promoted": 0, "from_disk": 0, "demoted": 0}
+        stats = self.store.stats()
+        tiers = [name for name in ("device", "host", "disk") if name in stats]
+        return {"promoted": stats[tiers[0]]["promotions"],
+                "from_disk": stats["disk"]["hits"] if "disk" in stats else 0,
+                "demoted": sum(stats[name]["demotions"] for name in tiers)}
+
+
+def _count(segments: list) -> int:
+    """Tokens of prompt segments whose text is token ids."""
+    return sum(len(s.content) if isinstance(s, Text) else s.num_positions for s in segments)
+
+
+@omni.node(concurrency=8)
+class Speech:
+    """The speech decoder: passes the LLM's events on and adds an `AudioChunk` after every
+    `tokens_per_chunk` tokens (and after the last ones)."""
+
+    def __init__(self, tokens_per_chunk: int = TOKENS_PER_CHUNK, seed: int = 0):
+        self.decoder = SpeechDecoder(CONFIG.vocab_size, sample_rate=SAMPLE_RATE, seed=seed)
+        self.tokens_per_chunk = tokens_per_chunk
+
+    async def __call__(self, reply: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        pending: list[int] = []
+        async for event in reply:
+            if isinstance(event, Finished) and pending:
+                yield await self._chunk(pending)
+                pending = []
+            yield event
+            if isinstance(event, Token):
+                pending.append(event.id)
+                if len(pending) == self.tokens_per_chunk:
+                    yield await self._chunk(pending)
+                    pending = []
+
+    async def _chunk(self, token_ids: list[int]) -> AudioChunk:
+        samples = await trio.to_thread.run_sync(self.decoder.decode_chunk, token_ids)
+        return AudioChunk(samples)
+
+
+@omni.node
+async def write_reply(turn: Turn, spoken: AsyncIterator[Event]) -> dict:
+    """Write the audio chunks to the WAV file as they come; assemble the turn's result."""
+    started = finished = writer = None
+    ttft = first_audio = None
+    try:
+        async for event in spoken:
+            now = time.perf_counter() - turn.started
+            if isinstance(event, Started):
+                started = event
+                writer = WavWriter(_wav_path(turn, event.turn), SAMPLE_RATE)
+            elif isinstance(event, Token) and ttft is None:
+                ttft = now
+            elif isinstance(event, AudioChunk):
+                first_audio = now if first_audio is None else first_audio
+                writer.write(event.samples)
+            elif isinstance(event, Finished):
+                finished = event
+    finally:
+        if writer is not None:
+            writer.close()
+    if started is None or finished is None:
+        raise RuntimeError("the reply stream ended early")
+    return {
+        "session": started.session, "turn": started.turn, "reply": finished.text,
+        "prompt_tokens": started.prompt_tokens, "cached_tokens": started.cached_tokens,
+        "new_tokens": started.prompt_tokens - started.cached_tokens,
+        "generated_tokens": len(finished.token_ids), "token_ids": list(finished.token_ids),
+        "finish_reason": finished.finish_reason, "trimmed_turns": started.trimmed_turns,
+        "ttft_s": ttft, "first_audio_s": first_audio,
+        "total_s": time.perf_counter() - turn.started,
+        "wav": str(writer.path.resolve()), "audio_s": writer.seconds, "kv": finished.kv,
+    }
+
+
+def _wav_path(turn: Turn, number: int) -> Path:
+    if turn.out is not None:
+        path = Path(turn.out)
+    else:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", turn.session)
+        path = Path(os.environ.get("OMNI_DIALOGUE_OUT", ".")) / f"{safe}-{number}.wav"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@omni.graph
+def dialogue(session: str, text: str, audio: str = "", image: str = "", out: str = "",
+             max_tokens: int = 32):
+    turn = begin(session, text, out, max_tokens)
+    reply = Dialogue()(turn, hear(audio), look(image))
+    return write_reply(turn, Speech()(reply))
