@@ -71,9 +71,7 @@ import trio
 import omni
 from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
 from omni.compute.models import DecoderConfig, tiny_config
-from omni.compute.prompt import PromptTokens
 from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter, read_wav
-from omni.kv import MediaSpan
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
 PAGE_SIZE = 16
@@ -237,12 +235,17 @@ class Dialogue:
         tokens = self.engine.prepare(prompt)
         before = self._kv_counters()
         number = session.turns + 1
-        yield Started(turn.session, number, len(tokens), self._cached_tokens(tokens), trimmed)
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
         reply: list[int] = []
-        async for token_id in self.engine.stream(prompt, params):
+        stream = self.engine.stream(prompt, params)
+        async for token_id in stream:
+            if not reply:  # the prefill is done: how much of the prompt came from the store
+                yield Started(turn.session, number, len(tokens), stream.cached_tokens, trimmed)
             reply.append(token_id)
             yield Token(token_id)
+        if not reply:
+            yield Started(turn.session, number, len(tokens), stream.result.cached_tokens,
+                          trimmed)
         # The reply goes into the history as the generated ids, not as re-tokenized text:
         # the next turn's prompt then has exactly the tokens whose pages were just stored.
         exchange = [*message, Text(reply)] if reply else message
@@ -281,23 +284,6 @@ class Dialogue:
             trimmed += 1
         return trimmed
 
-    def _cached_tokens(self, tokens: PromptTokens) -> int:
-        """Prompt tokens whose KV the engine will take from the store, counted the way it
-        does: the leading full pages present in any tier (it computes at least the last
-        token), provided they all fit in the top tier at once (else it recomputes them all).
-        Exact while this node serves one call at a time: nothing else adds, pins or drops
-        pages between this count and the prefill. (`TorchEngine.stream` yields token ids
-        only; `generate` reports the same number as `GenerateResult.cached_tokens`.)"""
-        if self.store is None:
-            return 0
-        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        keys = self.engine.page_keys(tokens.token_ids, spans)
-        usable = keys[: (len(tokens) - 1) // self.engine.page_size]
-        found = self.store.match(usable)
-        stats = self.store.stats()
-        top = next(name for name in ("device", "host", "disk") if name in stats)
-        room = stats[top]["capacity"] - stats["leases"]["pinned_pages"]
-        return found * self.engine.page_size if found <= room else 0
 
     def _kv_counters(self) -> dict[str, int]:
         if self.store is None:

@@ -9,11 +9,11 @@ imports torch.
 
 from omni.compute._diffusion_modules import FlowMatchEulerSampler
 from omni.compute.diffusion import DiffusionResult, ImageGenerator
-from omni.compute.engine import GenerateResult, TorchEngine
+from omni.compute.engine import GenerateResult, TokenStream, TorchEngine
 from omni.compute.prompt import Audio, Image, Prompt, Text
 from omni.compute.sampling import Sampler, SamplingParams, TokenSampler
 from omni.compute.tokenizer import ByteTokenizer
 
 __all__ = ["Audio", "ByteTokenizer", "DiffusionResult", "FlowMatchEulerSampler",
            "GenerateResult", "Image", "ImageGenerator", "Prompt", "Sampler", "SamplingParams",
-           "Text", "TokenSampler", "TorchEngine"]
+           "Text", "TokenSampler", "TokenStream", "TorchEngine"]

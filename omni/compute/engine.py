@@ -36,7 +36,7 @@ from omni.compute.sampling import (
 from omni.compute.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
 
-__all__ = ["GenerateResult", "TorchEngine"]
+__all__ = ["GenerateResult", "TokenStream", "TorchEngine"]
 
 log = logging.getLogger("omni.compute")
 
@@ -81,6 +81,36 @@ class _Request:
     cancelled: bool = False
     streaming: bool = False  # its caller takes each token as it comes
     stored_pages: int = 0
+
+
+class TokenStream:
+    """`TorchEngine.stream`'s token ids, as an async iterator (``async for token in ...``).
+
+    `cached_tokens` is known once the first token arrived (the prefix came from the store
+    then), `result` (a `GenerateResult`) once the iteration ended; `aclose()` stops it early.
+    """
+
+    def __init__(self, engine: TorchEngine, prompt: Any, params: SamplingParams | None):
+        self.result: GenerateResult | None = None
+        self._request: _Request | None = None
+        self._tokens = engine._stream(prompt, params, self)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the store (None before the prefill)."""
+        if self.result is not None:
+            return self.result.cached_tokens
+        request = self._request
+        return request.cached_tokens if request is not None and request.output else None
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> int:
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
 
 
 class TorchEngine:
@@ -181,11 +211,17 @@ class TorchEngine:
             self._forget(request)
         return self._result(request)
 
-    async def stream(self, prompt: Prompt | str | list[int],
-                     params: SamplingParams | None = None) -> AsyncIterator[int]:
-        """Generate from `prompt`, yielding token ids as they are sampled."""
+    def stream(self, prompt: Prompt | str | list[int],
+               params: SamplingParams | None = None) -> TokenStream:
+        """Generate from `prompt`: an async iterator of token ids as they are sampled, whose
+        `result` (cached tokens, time to first token...) is there once it is exhausted."""
+        return TokenStream(self, prompt, params)
+
+    async def _stream(self, prompt: Any, params: SamplingParams | None,
+                      stream: TokenStream) -> AsyncIterator[int]:
         request = await self._admit(prompt, params)
         request.streaming = True
+        stream._request = request
         sent = 0
         try:
             while True:
@@ -195,6 +231,7 @@ class TorchEngine:
                     sent += 1
                     yield request.output[sent - 1]
                 if request.finish_reason is not None:
+                    stream.result = self._result(request)
                     return
         finally:
             self._forget(request)

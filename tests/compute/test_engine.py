@@ -115,6 +115,21 @@ async def test_stream_yields_the_tokens_generate_returns(reference):
     assert streamed == (await reference.generate("streaming please", GREEDY)).token_ids
 
 
+async def test_a_stream_reports_its_cache_use_like_generate(engine):
+    prompt = "a prompt long enough to fill a few pages of sixteen tokens"
+    first = engine.stream(prompt, GREEDY)
+    assert first.cached_tokens is None and first.result is None  # nothing ran yet
+    tokens = [t async for t in first]
+    assert first.result.token_ids == tokens and first.result.cached_tokens == 0
+    again = engine.stream(prompt, GREEDY)
+    async for _ in again:
+        assert again.cached_tokens == (len(prompt) - 1) // 16 * 16  # known from the 1st token
+        break
+    await again.aclose()
+    generated = await engine.generate(prompt, GREEDY)
+    assert generated.cached_tokens > 0 and generated.token_ids == tokens
+
+
 async def test_cancelling_one_request_leaves_the_others_running(engine, reference):
     done = {}
 
