@@ -19,8 +19,14 @@ $(STAMP): pyproject.toml
 		{ echo "install failed: see the pip output above"; exit 1; }
 	@touch $(STAMP)
 
+DEMO_OUT ?= $(or $(TMPDIR),/tmp)/omni-demo
+
 demo: $(STAMP)
 	$(BIN)/omni run examples/hello.py --input text="omni runs pipelines"
+	@mkdir -p $(DEMO_OUT)
+	OMNI_DIALOGUE_OUT=$(DEMO_OUT) $(BIN)/omni run examples/omni_dialogue.py \
+		--inputs-json examples/dialogue_turns.jsonl --json
+	@echo "the replies' speech is in $(DEMO_OUT)"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -33,3 +33,15 @@ def test_every_readme_python_block_runs(tmp_path):
         out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)
         assert out.returncode == 0, f"README python block {i}: {out.stderr}"
+
+
+def test_the_examples_graphs_in_the_readme_are_what_omni_graph_show_prints():
+    import subprocess
+    import sys
+
+    text = README.read_text()
+    for example in ("omni_dialogue", "image_generation"):
+        shown = subprocess.run([sys.executable, "-m", "cli", "graph", "show",
+                                f"examples/{example}.py", "--format", "mermaid"],
+                               cwd=README.parent, capture_output=True, text=True, check=True)
+        assert f"```mermaid\n{shown.stdout.strip()}\n```" in text, example
