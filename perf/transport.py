@@ -1,6 +1,7 @@
-"""Transport: trio ZeroMQ sockets and RPC against blocking pyzmq, over TCP loopback.
+"""Transport: trio ZeroMQ sockets and RPC against blocking pyzmq over TCP loopback, and KV
+pages over shared memory against TCP.
 
-Two claims, each measured against its baseline in the same run, between two processes (this
+Three claims, each measured against its baseline in the same run, between two processes (this
 one, the client, and a server child process per side):
 
 1. Latency. Sequential round trips of a small message: `RPCClient.call` to an `RPCServer`
@@ -13,14 +14,24 @@ one, the client, and a server child process per side):
    pyzmq with ``copy=False`` on both ends. GiB/s; target ≥ 0.8× raw pyzmq. RPC calls
    returning the frames as payload are reported too: one frame per call (concurrent
    calls), and all frames in one call (one multipart message).
+3. Shared memory. 64 MiB of KV pages fetched from a child process's `KVStore` with the
+   "kv.fetch" RPC (`serve_kv`): as a descriptor of the store's shared memory
+   (`SharedMemoryMover`, what a requester on the same machine gets) against the same pages
+   as one checksummed frame over TCP loopback (`FrameMover`, what a remote requester gets).
+   Seconds from the request to pages in this process, every byte read once; target: shared
+   memory ≥ 20× faster.
 
-Usage: ``python perf/transport.py [--quick] [--out PATH.json] [--plot PATH.png]``.
+Usage: ``python perf/transport.py [--quick] [--out PATH.json] [--plot PATH.png]``;
+``--profile`` instead runs the RPC round trips under cProfile in both processes and writes
+the two reports to stderr (no JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import os
 import statistics
 import subprocess
 import sys
@@ -37,12 +48,14 @@ if __package__ in (None, ""):  # run as a script: make `perf` and `omni` importa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omni.transport import Reply, RPCClient, RPCServer, open_socket
-from perf._common import Samples, claim, environment, plot_bars, write_json
+from perf._common import Samples, claim, environment, plot_bars, profile_report, write_json
 
 __all__ = ["Params", "main", "measure"]
 
 LATENCY_TARGET = 2.0  # RPC round trip at most this many times the blocking one
 THROUGHPUT_TARGET = 0.8  # trio sockets at least this fraction of raw pyzmq
+SHARED_MEMORY_TARGET = 20.0  # a shared-memory KV fetch at least this many times faster than TCP
+REMOTE_HOST = "another-host"  # a host id that is not this machine's: the holder sends frames
 MIB = 1 << 20
 LOOPBACK = "tcp://127.0.0.1:*"
 
@@ -57,12 +70,14 @@ class Params:
     frame_bytes: int = MIB
     total_bytes: int = 64 * MIB
     transfers: int = 4  # transfers of `total_bytes` per throughput sample (steadier figures)
+    kv_fetches: int = 5  # KV fetches of `total_bytes` per shared-memory sample (their median)
     quick: bool = False
 
     @classmethod
     def small(cls) -> Params:
         """Sizes for a smoke run (a few seconds)."""
-        return cls(repeats=3, round_trips=300, total_bytes=16 * MIB, transfers=1, quick=True)
+        return cls(repeats=3, round_trips=300, total_bytes=16 * MIB, transfers=1, kv_fetches=1,
+                   quick=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +109,9 @@ def serve_blocking() -> None:
                 sock.send_multipart([identity, frames[size]], copy=False)
 
 
-async def _serve_trio() -> None:
-    """A trio ROUTER on the same protocol and an `RPCServer`; prints both endpoints."""
+async def _serve_trio(profile: bool = False) -> None:
+    """A trio ROUTER on the same protocol and an `RPCServer`; prints both endpoints, serves
+    until stdin closes (with `profile`, then writes its cProfile report to stderr)."""
     frames: dict[int, bytes] = {}
 
     async def echo(body: bytes) -> bytes:
@@ -110,28 +126,88 @@ async def _serve_trio() -> None:
     server = RPCServer(LOOPBACK)
     server.register("echo", echo)
     server.register("bulk", bulk)
-    async with server, open_socket(None, zmq.ROUTER, bind=LOOPBACK) as sock:
+    async with server, open_socket(None, zmq.ROUTER, bind=LOOPBACK) as sock, \
+            trio.open_nursery() as nursery:
         print(sock.endpoint, server.endpoint, flush=True)
-        async for identity, op, *args in sock:
-            if op == b"echo":
-                await sock.send_multipart([identity, op, *args])
-                continue
-            count, size = int(args[0]), int(args[1])
-            if size not in frames:
-                frames[size] = _bulk_frame(size)
-            for _ in range(count):  # the bulk idiom: queue, and wait only for outbox room
-                try:
-                    sock.send_multipart_nowait([identity, frames[size]])
-                except trio.WouldBlock:
-                    await sock.send_multipart([identity, frames[size]])
-            await trio.lowlevel.checkpoint()
+        nursery.start_soon(_echo_raw, sock, frames)
+        profiler = cProfile.Profile() if profile else None
+        if profiler is not None:
+            profiler.enable()
+        await trio.to_thread.run_sync(sys.stdin.read)
+        if profiler is not None:
+            profiler.disable()
+            sys.stderr.write("== the server (child process)\n" + profile_report(profiler, 25))
+        nursery.cancel_scope.cancel()
 
 
-def _start_child(kind: str) -> tuple[subprocess.Popen[str], list[str]]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind], text=True,
+async def _echo_raw(sock: Any, frames: dict[int, bytes]) -> None:
+    """Serve the raw-socket protocol on a trio ROUTER."""
+    async for identity, op, *args in sock:
+        if op == b"echo":
+            await sock.send_multipart([identity, op, *args])
+            continue
+        count, size = int(args[0]), int(args[1])
+        if size not in frames:
+            frames[size] = _bulk_frame(size)
+        for _ in range(count):  # the bulk idiom: queue, and wait only for outbox room
+            try:
+                sock.send_multipart_nowait([identity, frames[size]])
+            except trio.WouldBlock:
+                await sock.send_multipart([identity, frames[size]])
+        await trio.lowlevel.checkpoint()
+
+
+def _kv_pages(total_bytes: int) -> tuple[Any, list[bytes]]:
+    """The layout (512 KiB pages: 8 layers x 16 tokens x 8 heads x 128 fp16) and the keys of
+    `total_bytes` of pages, the same in both processes."""
+    import torch
+
+    from omni.kv import KVLayout, block_keys
+
+    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, page_size=16,
+                      dtype=torch.float16)
+    tokens = total_bytes // layout.page_bytes * layout.page_size
+    return layout, block_keys(range(tokens), layout.page_size, extra=("perf/transport",))
+
+
+async def _serve_kv(total_bytes: int) -> None:
+    """A `KVStore` whose one tier, host memory, is shared memory, holding `total_bytes` of
+    random pages, served by "kv.fetch" (`serve_kv`); prints its endpoint, serves until stdin
+    closes, then closes the store (which unlinks its shared memory: not killed for that)."""
+    import torch
+
+    from omni.kv import KVStore, TierConfig
+    from omni.transport.kv_peers import serve_kv
+
+    layout, keys = _kv_pages(total_bytes)
+    raw = torch.randint(0, 256, (len(keys) * layout.page_bytes,), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(0))
+    with KVStore(layout, [TierConfig("host", 2 * total_bytes)]) as store:
+        store.put(keys, raw.view(layout.dtype).view(len(keys), *layout.page_shape))
+        del raw
+        server = RPCServer(LOOPBACK)
+        serve_kv(server, store)
+        async with server:
+            print(server.endpoint, flush=True)
+            await trio.to_thread.run_sync(sys.stdin.read)
+
+
+def _start_child(kind: str, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, *args], text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().split()
+
+
+def _stop_child(proc: subprocess.Popen[str], grace: float = 0.0) -> None:
+    """Close its stdin (a child that watches it exits cleanly), kill it after `grace` s."""
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +301,73 @@ async def rpc_throughput(client: RPCClient, p: Params, frames_per_call: int) -> 
     return received / elapsed / (1 << 30)
 
 
+async def kv_fetch(client: RPCClient, layout: Any, keys: list[bytes], host: str
+                   ) -> tuple[float, float, int]:
+    """One "kv.fetch" of `keys` as a requester on `host` (ours: shared memory; another: a
+    frame): seconds until the pages are usable here (a frame's checksum verified, shared
+    memory mapped), seconds until every byte has been read once too, and the bytes' sum."""
+    import torch
+
+    from omni.transport.kv_peers import FetchReply, FetchRequest
+    from omni.transport.movers import unpack
+
+    start = time.perf_counter()
+    reply = await client.call_with_payload(
+        "kv.fetch", FetchRequest(keys, host, os.getpid()), result_type=FetchReply)
+    with unpack(reply.body.header, reply.payload, layout) as received:
+        usable = time.perf_counter()
+        if len(received) != len(keys):
+            raise RuntimeError(f"fetched {len(received)} of {len(keys)} pages")
+        # Every byte read once, page by page (views of the frame or of the shared memory);
+        # summed as int64 words: a uint8 sum is many times slower in torch.
+        total = sum(int(received.page(i).view(torch.int64).sum()) for i in range(len(keys)))
+        if not received.valid():  # shared memory: the lease ended while we read
+            raise RuntimeError("the shared-memory lease ended during the read")
+        end = time.perf_counter()
+    return usable - start, end - start, total
+
+
+async def _measure_kv(p: Params, endpoint: str) -> dict[str, Samples]:
+    """Alternate fetches over shared memory and over TCP; per sample the median of
+    `p.kv_fetches` fetches, in ms."""
+    import torch
+
+    layout, keys = _kv_pages(p.total_bytes)
+    sums: set[int] = set()
+    usable: dict[str, list[float]] = {"shm": [], "tcp": []}
+    # The reads on one thread: on a busy machine a second thread's time slices come late, and
+    # each per-page sum would wait for its slowest thread (hundreds of ms in all).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        s = await _fetch_alternately(p, endpoint, layout, keys, sums, usable)
+    finally:
+        torch.set_num_threads(threads)
+    if len(sums) != 1:
+        raise RuntimeError(f"the two paths delivered different bytes (sums {sums})")
+    usable_samples = {f"{k}_usable": Samples(tuple(v[1:])) for k, v in usable.items()}
+    return {**s, **usable_samples}  # v[0]: the warm-up round's
+
+
+async def _fetch_alternately(p: Params, endpoint: str, layout: Any, keys: list[bytes],
+                             sums: set[int], usable: dict[str, list[float]]
+                             ) -> dict[str, Samples]:
+    from omni.transport.movers import host_id
+
+    async with RPCClient(endpoint, timeout=60) as client:
+        def fetching(host: str, name: str) -> Callable[[], Awaitable[float]]:
+            async def measure() -> float:
+                runs = [await kv_fetch(client, layout, keys, host)
+                        for _ in range(p.kv_fetches)]
+                sums.update(total for _, _, total in runs)
+                usable[name].append(statistics.median(ready for ready, _, _ in runs) * 1e3)
+                return statistics.median(done for _, done, _ in runs) * 1e3
+            return measure
+
+        return await _alternate({"shm": fetching(host_id(), "shm"),
+                                 "tcp": fetching(REMOTE_HOST, "tcp")}, p.repeats)
+
+
 async def _alternate(measures: dict[str, Callable[[], Awaitable[float]]],
                      repeats: int) -> dict[str, Samples]:
     """Each measure `repeats` times after one warm-up round, reversing the order each round."""
@@ -271,6 +414,27 @@ async def _measure_all(p: Params, blocking_ep: str, raw_ep: str,
             **{f"tp_{k}": v for k, v in throughput.items()}}
 
 
+async def _profile_rpc(p: Params, endpoint: str) -> str:
+    async with RPCClient(endpoint, timeout=60) as client:
+        await rpc_latency(client, p.round_trips, bytes(p.message_bytes))  # warm-up
+        profiler = cProfile.Profile()
+        profiler.enable()
+        median = await rpc_latency(client, p.round_trips, bytes(p.message_bytes))
+        profiler.disable()
+    return (f"== the client: {p.round_trips} RPC round trips, median {median:.1f} µs under "
+            f"cProfile\n" + profile_report(profiler, 25))
+
+
+def profile(p: Params) -> None:
+    """cProfile `p.round_trips` RPC round trips in both processes; the reports to stderr."""
+    proc, (_, rpc_ep) = _start_child("trio", "--profile")
+    try:
+        sys.stderr.write(trio.run(_profile_rpc, p, rpc_ep))
+        sys.stderr.flush()
+    finally:
+        _stop_child(proc, grace=10)  # it writes its report as it exits
+
+
 def measure(p: Params) -> dict[str, Any]:
     """Start the server children, run both measurements, return the result dict."""
     (bproc, (blocking_ep,)), (tproc, (raw_ep, rpc_ep)) = (_start_child("blocking"),
@@ -278,11 +442,16 @@ def measure(p: Params) -> dict[str, Any]:
     try:
         s = trio.run(_measure_all, p, blocking_ep, raw_ep, rpc_ep)
     finally:
-        for proc in (bproc, tproc):
-            proc.kill()
-            proc.wait()
+        _stop_child(bproc)
+        _stop_child(tproc, grace=10)
+    kproc, (kv_ep,) = _start_child("kv", str(p.total_bytes))  # after: torch loads meanwhile
+    try:
+        kv = trio.run(_measure_kv, p, kv_ep)
+    finally:
+        _stop_child(kproc, grace=10)
     lat_ratio = s["lat_rpc"].median / s["lat_blocking"].median
     tp_ratio = s["tp_socket"].median / s["tp_blocking"].median
+    shm_ratio = kv["tcp"].median / kv["shm"].median
     return {
         "env": {**environment(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()},
         "params": asdict(p),
@@ -310,7 +479,24 @@ def measure(p: Params) -> dict[str, Any]:
                  "payload; rpc_one_call: one call returning every frame (one multipart "
                  "message: libzmq delivers it only whole, hence slower); baseline: blocking "
                  f"pyzmq, copy=False both ends; target ratio ≥ {THROUGHPUT_TARGET}"),
-        "all_pass": lat_ratio <= LATENCY_TARGET and tp_ratio >= THROUGHPUT_TARGET,
+        "shared_memory": claim(
+            unit="ms", target=SHARED_MEMORY_TARGET, measured=kv["shm"], baseline=kv["tcp"],
+            ratio=shm_ratio, passed=shm_ratio >= SHARED_MEMORY_TARGET, digits=2,
+            usable=kv["shm_usable"].to_json(2), baseline_usable=kv["tcp_usable"].to_json(2),
+            note=f"ms per fetch of {p.total_bytes // MIB} MiB of KV pages (512 KiB each) from "
+                 "a child process's KVStore (host tier: shared memory) by its \"kv.fetch\" "
+                 "RPC, from the request until every byte has been read once in this process "
+                 "(a sum of each page viewed as int64, on one torch thread), median of "
+                 f"{p.kv_fetches} fetches per run; measured: a requester on this machine "
+                 "(SharedMemoryMover: a descriptor, the store's memory mapped here, the "
+                 "mapping kept between fetches as open_descriptor does); baseline: a "
+                 "requester of another host id (FrameMover: the pages copied out of the "
+                 "store, one checksummed frame over TCP loopback, the checksum verified "
+                 "here); usable / baseline_usable: until the pages are usable, before the "
+                 "read; both paths' sums checked equal; ratio = baseline / measured, target "
+                 f"≥ {SHARED_MEMORY_TARGET}"),
+        "all_pass": (lat_ratio <= LATENCY_TARGET and tp_ratio >= THROUGHPUT_TARGET
+                     and shm_ratio >= SHARED_MEMORY_TARGET),
     }
 
 
@@ -318,9 +504,9 @@ def _plot(result: dict[str, Any], path: str) -> None:
     def samples(d: dict[str, Any]) -> Samples:
         return Samples(tuple(d["runs"]))
 
-    lat, tp = result["latency"], result["throughput"]
+    lat, tp, shm = result["latency"], result["throughput"], result["shared_memory"]
     mib = result["params"]["total_bytes"] // MIB
-    plot_bars(path, "Omni transport over TCP loopback, two processes", [
+    plot_bars(path, "Omni transport between two processes", [
         ("round trip (lower is better)", "µs", {"pyzmq": samples(lat["baseline"]),
                                                 "Socket": samples(lat["socket"]),
                                                 "RPC": samples(lat["measured"])}),
@@ -328,6 +514,8 @@ def _plot(result: dict[str, Any], path: str) -> None:
                                                 "Socket": samples(tp["measured"]),
                                                 "RPC": samples(tp["rpc"]),
                                                 "RPC 1 call": samples(tp["rpc_one_call"])}),
+        (f"KV fetch of {mib} MiB (lower is better)", "ms", {
+            "TCP frame": samples(shm["baseline"]), "shared memory": samples(shm["measured"])}),
     ])
 
 
@@ -338,14 +526,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement")
     parser.add_argument("--out", help="also write the JSON here (folders are created)")
     parser.add_argument("--plot", help="write a bar chart (PNG) here")
-    parser.add_argument("--serve", choices=["blocking", "trio"], help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: cProfile RPC round trips in the client and the server "
+                             "(reports to stderr)")
+    parser.add_argument("--serve", choices=["blocking", "trio", "kv"], help=argparse.SUPPRESS)
+    parser.add_argument("kv_bytes", nargs="?", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve is not None:  # a server child: runs until killed
-        serve_blocking() if args.serve == "blocking" else trio.run(_serve_trio)
+    if args.serve == "blocking":  # the server children: blocking runs until killed, the
+        serve_blocking()          # others until stdin closes
+    elif args.serve is not None:
+        trio.run(_serve_kv, args.kv_bytes) if args.serve == "kv" else trio.run(
+            _serve_trio, args.profile)
+    if args.serve is not None:
         return None
     p = Params.small() if args.quick else Params()
     if args.repeats is not None:
         p = replace(p, repeats=args.repeats)
+    if args.profile:
+        profile(p)
+        return None
     result = measure(p)
     write_json(result, args.out)
     if args.plot:

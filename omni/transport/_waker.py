@@ -19,8 +19,8 @@ class _Waker:
     On Linux the owner parks on a private epoll set holding the ZeroMQ FD and an eventfd, and a
     poke writes the eventfd (about a microsecond). Elsewhere the owner parks on the ZeroMQ FD in
     a cancel scope and a poke cancels it (several times dearer: trio raises and catches
-    `Cancelled`). Either way the epoll set or FD only *wakes* the owner; only the owner calls
-    into ZeroMQ.
+    `Cancelled`). Either way the epoll set or FD only *wakes* the owner; only the owner waits
+    on ZeroMQ (a direct send pokes it if it consumed a signal the owner needs).
     """
 
     def __init__(self, zmq_fd: int, *, use_epoll: bool | None = None):

@@ -14,6 +14,8 @@ flight fails with `PeerGone`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import typing
 from dataclasses import dataclass
@@ -46,6 +48,44 @@ from omni.transport.wire import (
 __all__ = ["Handler", "RPCClient", "RPCClientStats", "RPCServer", "RPCServerStats", "Reply"]
 
 
+_MAX_IDLE_WORKERS = 32  # idle handler tasks kept for the next requests; more end
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A request handed to a worker: who asked, what, and the route that serves it."""
+
+    identity: bytes
+    msg: Request
+    payload: list[Buffer]
+    route: _Route
+
+
+class _Worker:
+    """A task that runs requests one after another. Why workers: spawning a task and entering
+    a cancel scope per request cost more than the rest of a small call on the server; an
+    idle worker is handed the next request and rescheduled instead. `scope` is the cancel
+    scope its requests run in (a new one after each cancelled request), which a `Cancel`
+    message cancels; `job` is the request handed to it."""
+
+    __slots__ = ("context", "job", "scope", "task")
+
+    def __init__(self, job: _Job) -> None:
+        self.job: _Job | None = job
+        self.scope = trio.CancelScope()
+        self.task: trio.lowlevel.Task | None = None
+        self.context: contextvars.Context | None = None  # the task's first, kept pristine
+
+    def hand(self, job: _Job) -> None:
+        """Give the idle worker `job` and wake it. Each request starts in a fresh copy of the
+        context the worker started with, as a task of its own would: set before the worker
+        resumes, because trio runs each step of a task in the task's context of the moment."""
+        assert self.task is not None and self.context is not None
+        self.job = job
+        self.task.context = self.context.copy()
+        trio.lowlevel.reschedule(self.task)
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     """A registered method. Why a record: the body type is resolved once, at registration."""
@@ -69,7 +109,8 @@ def _infer_body_type(method: str, handler: Handler) -> Any:
 
 
 class RPCServer(_Service):
-    """A ROUTER that runs each request's handler in its own task.
+    """A ROUTER that runs each request's handler in a task of its own while it runs (worker
+    tasks, reused: each request still starts in a fresh copy of the server's context).
 
     >>> server = RPCServer()
     >>> server.register("add", add)            # async def add(body: AddArgs) -> int
@@ -95,7 +136,8 @@ class RPCServer(_Service):
         self._hwm = (sndhwm, rcvhwm)
         self._max_in_flight = max_in_flight
         self._routes: dict[str, _Route] = {}
-        self._active: dict[tuple[bytes, int], trio.CancelScope] = {}
+        self._active: dict[tuple[bytes, int], _Worker] = {}
+        self._idle: list[_Worker] = []
         self._requests = self._completed = self._failed = self._cancelled = 0
         self._unknown = self._busy = self._heartbeats = 0
 
@@ -147,9 +189,9 @@ class RPCServer(_Service):
         if type(msg) is Request:
             self._start_request(identity, msg, frames[2:])
         elif type(msg) is Cancel:
-            scope = self._active.get((identity, msg.id))
-            if scope is not None:
-                scope.cancel()
+            worker = self._active.get((identity, msg.id))
+            if worker is not None:
+                worker.scope.cancel()
         elif type(msg) is Heartbeat:
             self._heartbeats += 1
             self._send_nowait([identity, self._codec.encode(msg)])
@@ -170,33 +212,85 @@ class RPCServer(_Service):
         elif key in self._active or self._nursery is None:
             self._dropped += 1  # a duplicate id, or a request during shutdown
         else:
-            scope = self._active[key] = trio.CancelScope()
-            self._nursery.start_soon(self._handle, identity, msg, payload, route, scope)
+            job = _Job(identity, msg, payload, route)
+            if self._idle:
+                worker = self._active[key] = self._idle.pop()
+                worker.hand(job)
+            else:
+                worker = self._active[key] = _Worker(job)
+                self._nursery.start_soon(self._work, worker)
 
     def _reply_error(self, identity: bytes, request_id: int, kind: str, message: str) -> None:
         self._send_nowait([identity, self._codec.encode(Error(request_id, kind, message))])
 
-    # -- one task per request ----------------------------------------------------------------
+    # -- the worker tasks --------------------------------------------------------------------
 
-    async def _handle(self, identity: bytes, msg: Request, payload: list[Buffer],
-                      route: _Route, scope: trio.CancelScope) -> None:
-        try:
+    async def _work(self, worker: _Worker) -> None:
+        """Run the worker's requests until it is not needed any more.
+
+        A request runs in the worker's cancel scope. Its reply goes out from inside the scope
+        only when that cannot wait (the outbox has room) and no Cancel came; otherwise the
+        worker leaves the scope first (a Cancel that came too late must not interrupt the
+        reply, nor leak into the next request) and continues in a new one.
+        """
+        task = worker.task = trio.lowlevel.current_task()
+        worker.context = task.context.copy()
+        while True:
+            scope, reply = worker.scope, None
             with scope:
-                reply = await self._invoke(msg, payload, route)
+                while True:
+                    reply = await self._run(worker)
+                    if scope.cancel_called or not self._reply_nowait(reply):
+                        break
+                    if not await self._next_job(worker):
+                        return
+            if scope.cancelled_caught:  # the caller sent Cancel: it wants no reply
+                self._cancelled += 1
+            elif reply is not None:
+                await self._reply(reply)
+            worker.scope = trio.CancelScope()
+            if not await self._next_job(worker):
+                return
+
+    async def _run(self, worker: _Worker) -> list[Buffer]:
+        """The reply to the worker's request, identity first; it is in flight until then."""
+        job = worker.job
+        assert job is not None
+        try:
+            reply = await self._invoke(job.msg, job.payload, job.route)
         finally:
-            del self._active[(identity, msg.id)]
-        if scope.cancelled_caught:  # the caller sent Cancel: it wants no reply
-            self._cancelled += 1
-            return
-        reply.insert(0, identity)
-        try:  # the task ends here, so no checkpoint is owed unless the outbox is full
-            sock = self._require_socket()
-            try:
-                sock.send_multipart_nowait(reply)
-            except trio.WouldBlock:
-                await sock.send_multipart(reply)
+            del self._active[(job.identity, job.msg.id)]
+        reply.insert(0, job.identity)
+        return reply
+
+    def _reply_nowait(self, reply: list[Buffer]) -> bool:
+        """Send `reply` unless that would wait (False: the outbox is full)."""
+        try:
+            self._require_socket().send_multipart_nowait(reply)
+        except trio.WouldBlock:
+            return False
         except TransportError:
             pass  # shutting down: the client will time out or see the peer gone
+        return True
+
+    async def _reply(self, reply: list[Buffer]) -> None:
+        if not self._reply_nowait(reply):
+            with contextlib.suppress(TransportError):
+                await self._require_socket().send_multipart(reply)
+
+    async def _next_job(self, worker: _Worker) -> bool:
+        """Wait idle until handed a request; False (at once) when enough workers idle."""
+        worker.job = None
+        if len(self._idle) >= _MAX_IDLE_WORKERS or self._nursery is None:
+            return False
+        self._idle.append(worker)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:  # shutting down
+            self._idle.remove(worker)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        return True
 
     async def _invoke(self, msg: Request, payload: list[Buffer], route: _Route) -> list[Buffer]:
         """Run the handler; its reply frames, or an `Error` frame if anything failed."""

@@ -94,6 +94,14 @@ class _EnvelopeIn(msgspec.Struct, array_like=True, frozen=True):
     msg: msgspec.Raw
 
 
+class _Envelope(msgspec.Struct, array_like=True, frozen=True):
+    """The control frame read in one pass: the fast path for well-formed frames (a frame
+    that fails it is read again in two passes, to say why)."""
+
+    v: int
+    msg: AnyMessage
+
+
 class _TagOnly(msgspec.Struct, array_like=True, frozen=True):
     """Reads only a message's tag, to tell an unknown kind from a malformed known one."""
 
@@ -146,6 +154,7 @@ class Codec:
     def __init__(self, limits: WireLimits | None = None):
         self.limits = limits if limits is not None else WireLimits()
         self._encoder = msgspec.msgpack.Encoder()
+        self._whole = msgspec.msgpack.Decoder(_Envelope)
         self._envelope = msgspec.msgpack.Decoder(_EnvelopeIn)
         self._message = msgspec.msgpack.Decoder(AnyMessage)
         self._tag = msgspec.msgpack.Decoder(_TagOnly)
@@ -205,6 +214,14 @@ class Codec:
             self._oversize += 1
             raise WireError(f"control frame of {size} bytes exceeds the "
                             f"{self.limits.max_control_bytes}-byte limit")
+        try:  # one pass; a frame that fails it is read again below, to say why
+            whole = self._whole.decode(frame)
+        except _DECODE_FAILURES:
+            pass
+        else:
+            if whole.v == PROTOCOL_VERSION:
+                self._decoded += 1
+                return whole.msg
         try:
             envelope = self._envelope.decode(frame)
         except _DECODE_FAILURES as exc:

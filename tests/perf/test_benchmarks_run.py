@@ -111,13 +111,18 @@ def test_diffusion_benchmark_quick_mode_matches_recomputation(tmp_path):
     assert claim["ideal_flop_ratio"] > 1 and isinstance(claim["pass"], bool)
 
 
-def test_transport_benchmark_quick_mode_reports_latency_and_throughput(tmp_path):
-    """perf/transport.py --quick: RPC latency and payload throughput against raw pyzmq."""
+def test_transport_benchmark_quick_mode_reports_every_claim(tmp_path):
+    """perf/transport.py --quick: RPC latency and payload throughput against raw pyzmq, and a
+    KV fetch over shared memory against the same over TCP."""
     report = run_quick("perf/transport.py", tmp_path)
-    for claim in ("latency", "throughput"):
-        assert report[claim]["measured"]["median"] > 0
-        assert report[claim]["baseline"]["median"] > 0
-        assert isinstance(report[claim]["pass"], bool)
+    claims = ("latency", "throughput", "shared_memory")
+    for name in claims:
+        claim = report[name]
+        assert {"target", "measured", "baseline", "ratio", "pass", "note"} <= claim.keys(), name
+        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0, name
+        assert isinstance(claim["pass"], bool), name
+    assert report["shared_memory"]["target"] == 20.0
+    assert report["all_pass"] == all(report[name]["pass"] for name in claims)
 
 
 def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(tmp_path):

@@ -9,6 +9,8 @@ a message is on the wire and time calls out before the server saw them).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import random
 import re
@@ -416,3 +418,73 @@ async def test_an_error_in_the_block_of_a_server_or_client_comes_out_as_is():
     with pytest.raises(KeyError):
         async with RPCClient("tcp://127.0.0.1:1"):
             raise KeyError("client")
+
+
+async def test_each_request_starts_in_a_fresh_context_on_a_reused_worker():
+    """Handlers run on reused worker tasks, yet a context variable one request sets (and
+    never resets) is not seen by the next; one set and reset across awaits works."""
+    var: contextvars.ContextVar[object] = contextvars.ContextVar("request", default=None)
+
+    async def leak(body):
+        seen = var.get()
+        var.set(body)  # never reset
+        await trio.sleep(0)
+        token = var.set("inner")
+        await trio.sleep(0)
+        var.reset(token)
+        return [seen, var.get()]
+
+    server = RPCServer()
+    server.register("leak", leak)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint) as client:
+            for i in range(3):
+                assert await client.call("leak", i) == [None, i]
+
+
+async def test_a_short_timeout_fires_on_time_behind_longer_ones_and_bad_ones_are_refused():
+    async def forever(body):
+        await trio.sleep_forever()
+
+    server = RPCServer()
+    server.register("forever", forever)
+    with trio.fail_after(5):
+        async with server, RPCClient(server.endpoint, timeout=30) as client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(client.call, "forever", timeout=20))
+                await wait_until(lambda: server.stats().in_flight == 1)
+                start = trio.current_time()
+                with pytest.raises(RPCTimeout):
+                    await client.call("forever", timeout=0.1)
+                assert 0.1 <= trio.current_time() - start < 1
+                nursery.cancel_scope.cancel()
+            for bad in (-1, float("nan")):
+                with pytest.raises(ValueError, match="timeout"):
+                    await client.call("forever", timeout=bad)
+            assert client.stats().calls == 2 and client.stats().timeouts == 1
+            await wait_until(lambda: server.stats().in_flight == 0)
+
+
+async def test_workers_survive_a_storm_of_timeouts_and_cancellations():
+    rng = random.Random(2)
+
+    async def nap(seconds: float) -> float:
+        await trio.sleep(seconds)
+        return seconds
+
+    server = RPCServer()
+    server.register("nap", nap)
+    with trio.fail_after(10):
+        async with server, RPCClient(server.endpoint) as client:
+
+            async def one(seconds: float, timeout: float) -> None:
+                with contextlib.suppress(RPCTimeout):
+                    assert await client.call("nap", seconds, timeout=timeout) == seconds
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(100):
+                    nursery.start_soon(one, rng.random() * 0.05, rng.random() * 0.05)
+            await wait_until(lambda: server.stats().in_flight == 0)
+            s = server.stats()
+            assert s.completed + s.cancelled == 100 and client.stats().in_flight == 0
+            assert await client.call("nap", 0.0) == 0.0

@@ -216,3 +216,51 @@ async def test_a_bulk_consumer_drains_the_inbox_without_awaiting_each_message(ct
             assert [m[1] for m in got] == [b"%d" % i for i in range(10)]
             with pytest.raises(trio.WouldBlock):
                 router.recv_multipart_nowait()
+
+
+@pytest.mark.parametrize("use_epoll", WAKERS)
+async def test_a_send_with_nothing_queued_goes_straight_out_without_waking_the_owner(
+        ctx, use_epoll):
+    """Direct sends: a ping-pong wakes each owner once per message received, not also once
+    per message sent (the old two hops per send)."""
+    n = 200
+    with trio.fail_after(10):
+        async with open_socket(ctx, zmq.ROUTER, bind=LOOPBACK, use_epoll=use_epoll) as router, \
+                open_socket(ctx, zmq.DEALER, connect=router.endpoint,
+                            use_epoll=use_epoll) as dealer:
+            for i in range(n):
+                await dealer.send_multipart([b"%d" % i])
+                identity, message = await router.recv_multipart()
+                router.send_multipart_nowait([identity, message])
+                assert await dealer.recv_multipart() == [b"%d" % i]
+            for sock in (dealer, router):
+                stats = sock.stats()
+                assert stats.messages_sent == stats.messages_received == n
+                assert stats.wakeups < 1.5 * n
+
+
+@pytest.mark.parametrize("use_epoll", WAKERS)
+async def test_messages_arriving_while_tasks_send_directly_are_never_missed(ctx, use_epoll):
+    """A direct send may consume the FD signal the parked owner waits for; the sender reads
+    EVENTS after it and wakes the owner, so traffic both ways at once never stalls."""
+    n = 500
+    with trio.fail_after(20):
+        async with open_socket(ctx, zmq.PAIR, bind=LOOPBACK, use_epoll=use_epoll) as a, \
+                open_socket(ctx, zmq.PAIR, connect=a.endpoint, use_epoll=use_epoll) as b:
+            await b.send_multipart([b"hello"])  # connected both ways before the streams
+            assert await a.recv_multipart() == [b"hello"]
+
+            async def send(sock, tag: bytes) -> None:
+                for i in range(n):
+                    sock.send_multipart_nowait([tag, b"%d" % i])
+                    if i % 7 == 0:
+                        await trio.sleep(0)
+
+            async def receive(sock, tag: bytes) -> None:
+                for i in range(n):
+                    assert await sock.recv_multipart() == [tag, b"%d" % i]
+
+            async with trio.open_nursery() as nursery:
+                for sock, peer, tag in ((a, b, b"a"), (b, a, b"b")):
+                    nursery.start_soon(send, sock, tag)
+                    nursery.start_soon(receive, peer, tag)
