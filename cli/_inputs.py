@@ -38,7 +38,7 @@ def parse_value(raw: str) -> Any:
     """
     try:
         return json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply for JSON here
         return raw
 
 
@@ -79,12 +79,16 @@ def parse_inputs_json(text: str, label: str) -> list[RequestInputs]:
             raise CliError(f"{label}:{exc.lineno}: invalid JSON: {exc.msg} "
                            f"(column {exc.colno})") from exc
         return _json_lines(text, label)
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(label, exc) from None
     return [RequestInputs(_as_object(document, label), label)]
 
 
 def _json_lines(text: str, label: str) -> list[RequestInputs]:
     requests = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: JSON strings may hold U+2028, U+0085 and the like, which
+    # str.splitlines() would also split at.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{label}:{number}"
@@ -92,8 +96,16 @@ def _json_lines(text: str, label: str) -> list[RequestInputs]:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CliError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
+        except (ValueError, RecursionError) as exc:
+            raise _unreadable(where, exc) from None
         requests.append(RequestInputs(_as_object(value, where), where))
     return requests
+
+
+def _unreadable(where: str, exc: Exception) -> CliError:
+    """Valid JSON that Python's parser refuses: nested too deeply, or an integer too long."""
+    why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+    return CliError(f"{where}: cannot read this JSON: {why}")
 
 
 def _as_object(value: Any, where: str) -> dict[str, Any]:

@@ -326,6 +326,7 @@ class ResultStream:
         self._receive: trio.MemoryReceiveChannel | None = None
         self._scope = trio.CancelScope()
         self._error: BaseException | None = None
+        self._done = trio.Event()  # the request has ended: its nodes and leases are gone
 
     def _start(self) -> trio.MemoryReceiveChannel:
         send, receive = trio.open_memory_channel(0)
@@ -334,6 +335,12 @@ class ResultStream:
         return receive
 
     async def _produce(self, send: trio.MemorySendChannel) -> None:
+        try:
+            await self._produce_into(send)
+        finally:
+            self._done.set()
+
+    async def _produce_into(self, send: trio.MemorySendChannel) -> None:
         rt = self._runtime
         async with send:
             with self._scope:
@@ -364,10 +371,14 @@ class ResultStream:
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
-        """Stop the request (cancelling its nodes) if it is still running."""
+        """Stop the request (cancelling its nodes) if it is still running, and wait until it
+        has ended. Why wait: once this returns, its nodes are done and every KV lease they
+        held is released (a caller may discard or reuse those pages at once)."""
         self._scope.cancel()
         if self._receive is not None:
             await self._receive.aclose()
+            with trio.CancelScope(shield=True):  # cancelled nodes end promptly
+                await self._done.wait()
 
     async def __aenter__(self) -> ResultStream:
         return self

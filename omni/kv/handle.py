@@ -177,6 +177,9 @@ class _Pool:
     def __init__(self, arena: Arena, layout: KVLayout):
         self.arena = arena
         self.num_pages = arena.size // layout.page_bytes
+        if self.num_pages < 1:  # a forged layout: its pages would not fit (nor its strides)
+            raise KVLeaseError(f"pages of {layout.page_bytes} bytes do not fit arena "
+                               f"{arena.name} ({arena.size} bytes)")
         self._pages = arena.tensor(0, (self.num_pages, *layout.page_shape), layout.dtype)
         self._views: list[torch.Tensor | None] = [None] * self.num_pages
 

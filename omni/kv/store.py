@@ -115,7 +115,9 @@ class KVStore:
         self.store_id = secrets.token_hex(8)
         self.lease_ttl = lease_ttl
         self._lock = threading.RLock()
-        self._lease_ids = itertools.count(1)
+        # Lease ids start at random: a descriptor retargeted at another store (its id, arena
+        # and lease table) must not find a live lease of the same number there.
+        self._lease_ids = itertools.count(secrets.randbits(48) + 1)
         self._num_leases = 0
         self._exported: dict[int, tuple[int, list[bytes]]] = {}  # record -> (lease id, keys)
         self._closed = False

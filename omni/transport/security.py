@@ -144,7 +144,13 @@ def create_token_file(path: str | os.PathLike[str]) -> ClusterToken:
     body = msgspec.json.encode(_TokenFile(TOKEN_VERSION, token.server_secret_key.decode(),
                                           token.client_secret_key.decode()))
     target = Path(path)
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    missing = [p for p in target.parents if not p.exists()]
+    for folder in reversed(missing):  # each 0700: mkdir(parents=True) gives parents the umask's
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(folder, 0o700)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.fchmod(fd, 0o600)  # the umask may have taken owner bits away

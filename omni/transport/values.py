@@ -9,6 +9,7 @@ value that cannot travel is found where it is sent, not garbled where it arrives
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from typing import Any
@@ -63,7 +64,9 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise WireError(f"unknown tensor dtype {dtype!r}")
-    if not raw:
+    if not raw:  # only an empty tensor comes without bytes: never uninitialised memory
+        if math.prod(shape) != 0:
+            raise WireError(f"a tensor of shape {shape} arrived without its bytes")
         return torch.empty(shape, dtype=torch_dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype).reshape(shape)
 

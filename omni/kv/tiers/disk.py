@@ -8,8 +8,8 @@ A slot is ``[header | payload | padding]``, `slot_bytes` long (header + page rou
     xxh3_128(payload)           16 bytes
 
 A write is one ``pwritev`` of header and payload; a read is one ``preadv`` straight into the
-destination tensor, then the header is checked. A torn or corrupted slot, a truncated file, or a
-header naming another key reads as a miss (False), never as wrong KV.
+destination tensor, then the header is checked. A torn or corrupted slot, a truncated file, a
+header naming another key or a failed read reads as a miss (False), never as wrong KV.
 """
 
 from __future__ import annotations
@@ -64,14 +64,27 @@ def _prepare_parent(path: Path) -> None:
         raise ValueError(f"disk tier path {path} is not a directory")
     if not path.exists():
         try:
-            os.makedirs(path, mode=0o700)
-            os.chmod(path, 0o700)  # makedirs' mode is filtered by the umask
-        except FileExistsError:
-            pass  # another store created it meanwhile
+            _make_private_directories(path)
         except OSError as exc:
             raise _os_error_to_construction(exc, "create directory", path) from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, f"disk tier directory {path} is not writable")
+
+
+def _make_private_directories(path: Path) -> None:
+    """Create `path` and its missing parents, each 0700. Why not `os.makedirs`: it gives the
+    parents the umask's mode (0777 under umask 000)."""
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            continue  # another store created it meanwhile
+        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask
 
 
 def _prepare_store_directory(path: Path) -> None:
@@ -211,8 +224,13 @@ class DiskTier:
             return True
         header = bytearray(HEADER.size)
         payload = _bytes_of(out)
-        got = os.preadv(fd, [header, payload], offset)
-        problem = self._verify(got, header, payload, key)
+        try:
+            got = os.preadv(fd, [header, payload], offset)
+        except OSError as exc:  # EIO from a failing disk: a miss too, not a failed request
+            got, problem = 0, f"read error: {exc}"
+        else:
+            problem = None
+        problem = problem or self._verify(got, header, payload, key)
         if problem is not None:
             log.warning("disk tier slot %d of %s failed verification (%s): treated as a miss",
                         slot, self._path, problem)

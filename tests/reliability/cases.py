@@ -1,0 +1,85 @@
+"""Every fault and hostile input the reliability suite tries, by key.
+
+Why a registry: each test records its case by key (`record("disk.flipped_bits", ...)`), the
+README's reliability table is rendered in this order, and a cheap test checks the README
+against this list and the tests' source without running anything, so neither can drift.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["CASES", "ELSEWHERE", "Case"]
+
+
+class Case(NamedTuple):
+    area: str
+    case: str
+
+
+CASES: dict[str, Case] = {
+    # Control flow: nodes that fail, hang or are cancelled
+    "graph.node_raises": Case("Graph", "a node raising, among concurrent requests"),
+    "graph.node_timeout": Case("Graph", "a node hanging past its timeout"),
+    "graph.cancel_mid_stream": Case(
+        "Graph", "a streaming node cancelled mid-stream while it holds KV leases"),
+    # The KV store and its tiers
+    "kv.all_pinned": Case("KV store", "memory pressure with every page pinned"),
+    "disk.flipped_bits": Case("KV disk tier", "a page with flipped bits"),
+    "disk.truncated": Case("KV disk tier", "the page file truncated"),
+    "disk.full": Case("KV disk tier", "disk full: writes fail (ENOSPC) or come up short"),
+    "disk.read_error": Case("KV disk tier", "reads fail with an I/O error (EIO)"),
+    "disk.dir_deleted": Case("KV disk tier", "the KV directory deleted under a running store"),
+    "shm.deleted": Case("KV host tier", "its shared-memory files deleted under a running store"),
+    # Processes dying
+    "proc.lease_holder_killed": Case(
+        "Processes", "a worker SIGKILLed while it holds shared-memory leases"),
+    "proc.holder_killed_mid_transfer": Case(
+        "Processes", "a worker SIGKILLed mid-transfer (serving `kv.fetch`)"),
+    # Peers on the wire
+    "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
+    "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),
+    "peer.wrong_pages": Case(
+        "Wire", "a peer's reply with other keys' pages, a bad checksum or a bad header"),
+    # Hostile input
+    "input.wire_mutations": Case(
+        "Hostile input", "wire decoder: mutated valid frames and KV fetch messages (fuzz)"),
+    "input.descriptor_fuzz": Case("Hostile input", "descriptor opener: random fields (fuzz)"),
+    "input.descriptor_other_arena": Case(
+        "Hostile input", "a descriptor naming another arena or lease table"),
+    "input.descriptor_out_of_bounds": Case(
+        "Hostile input", "a descriptor with offsets out of bounds or misaligned"),
+    "input.inputs_json": Case("Hostile input", "`--inputs-json` parsing (fuzz)"),
+    "input.assignments": Case(
+        "Hostile input", "graph-file inputs: `--input KEY=VALUE` and request building (fuzz)"),
+    "input.key_traversal": Case(
+        "Hostile input", "page keys and store ids that try path traversal on the disk tier"),
+    "input.oversize": Case("Hostile input", "an oversize message"),
+    "input.unauthenticated_join": Case("Hostile input", "an unauthenticated join"),
+    # What the runtime leaves on the machine
+    "files.private": Case("Files", "files and shared memory it creates are private to its user"),
+    "files.removed": Case("Files", "files and shared memory it creates are removed on clean exit"),
+}
+
+# Faults with tests of their own elsewhere in the suite (not recorded here): listed under the
+# table as "covered by", each as (what, pytest node id).
+ELSEWHERE: tuple[tuple[str, str], ...] = (
+    ("a worker SIGKILLed mid-request: calls fail over, the worker rejoins",
+     "tests/cluster/test_cluster_faults.py::test_a_sigkilled_worker_fails_over_and_rejoins"),
+    ("the cluster head restarting",
+     "tests/cluster/test_cluster_faults.py::test_the_head_restarting_is_rejoined"),
+    ("`omni cluster join` with the wrong token",
+     "tests/cluster/test_cluster_cli.py::test_a_join_with_the_wrong_token_is_refused"),
+    ("garbage frames sent to an RPC server",
+     "tests/transport/test_rpc.py::test_garbage_frames_from_a_raw_dealer_are_counted_and_dropped"),
+    ("wire decoder fuzz: random bytes, truncated frames, wrong shapes",
+     "tests/transport/test_wire.py::test_fuzz_random_bytes_raise_only_wire_error"),
+    ("value decoder fuzz (tensors and arrays on the wire)",
+     "tests/transport/test_values.py::test_fuzz_random_bytes_raise_only_wire_error"),
+    ("CURVE clients with a wrong or missing key get nothing through",
+     "tests/transport/test_security.py::test_a_wrong_client_key_is_refused_before_any_data"),
+    ("a token file others can read is refused",
+     "tests/transport/test_security.py::test_a_token_others_can_access_is_refused_with_the_fix"),
+    ("many threads using one store",
+     "tests/kv/test_threads.py::test_many_threads_put_acquire_and_release_without_corruption"),
+)

@@ -1,0 +1,197 @@
+"""Workers SIGKILLed, as real processes: one holding shared-memory leases of this process's
+store, one serving `kv.fetch` to this process when it dies. Leases of the dead expire and
+their pages become evictable; a fetch in flight is a miss; no page stored is another key's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import trio
+
+from omni.kv import KVLeaseError, open_descriptor
+from omni.kv.arena import shm_directory
+from omni.transport import RPCClient, RPCServer
+from omni.transport.kv_peers import FetchReply, FetchRequest, PeerFetcher, serve_kv
+from omni.transport.movers import host_id, unpack
+from tests.reliability._support import (
+    LAYOUT,
+    check_pages,
+    keys_for,
+    make_store,
+    pages_of,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+TTL = 2.0  # seconds a descriptor handed to the child lives
+
+HOLDER = textwrap.dedent("""
+    import sys, time, msgspec, torch
+    from omni.kv import PageDescriptor, open_descriptor
+    from tests.reliability._support import check_pages, keys_for
+    print("ready", flush=True)
+    held = []
+    for line in sys.stdin:
+        start, wire = line.split()
+        desc = msgspec.msgpack.decode(bytes.fromhex(wire), type=PageDescriptor)
+        pages = open_descriptor(desc)
+        check_pages(keys_for(2, start=int(start), extra="killed"), torch.stack(list(pages)))
+        held.append(pages)
+        print("holding", len(held), flush=True)
+""")
+
+
+def child(script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+
+
+def test_a_worker_killed_while_holding_leases(record):
+    with make_store(device=8, host=8) as store:
+        proc = child(HOLDER)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            descriptors, held = [], []
+            for i in range(3):
+                keys = keys_for(2, start=2 * i, extra="killed")
+                store.put(keys, pages_of(keys))
+                with store.acquire(keys) as lease:
+                    descriptors.append(lease.descriptor(ttl=TTL))
+                held += keys
+                proc.stdin.write(f"{2 * i} {msgspec.msgpack.encode(descriptors[-1]).hex()}\n")
+                proc.stdin.flush()
+                assert proc.stdout.readline().strip() == f"holding {i + 1}"
+            assert store.stats()["leases"]["pinned_pages"] == 6
+            proc.kill()  # SIGKILL: no chance to give anything back
+            assert proc.wait(10) == -9
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        # Until the leases expire their pages stay pinned; the store serves everything else.
+        others = keys_for(2, start=100, extra="killed")
+        store.put(others, pages_of(others))
+        with store.acquire(others) as lease:
+            check_pages(others, lease.pages())
+        time.sleep(max(0.0, (max(d.expiry_ns for d in descriptors) - time.monotonic_ns()) / 1e9))
+        assert store.stats()["leases"] == {"open": 0, "exported": 0, "pinned_pages": 0}
+        # Now evictable: new pages push every one of them out.
+        fresh = keys_for(16, start=200, extra="killed")
+        store.put(fresh, pages_of(fresh))
+        assert not any(store.match([k]) for k in held) and store.match(fresh) == 16
+        for d in descriptors:  # a late reader gets a miss, never the new pages
+            with pytest.raises(KVLeaseError):
+                open_descriptor(d)
+        with store.acquire(fresh[-2:]) as lease:  # its lease record is used again...
+            new = lease.descriptor(ttl=30)
+        [reused] = [d for d in descriptors if d.lease_slot == new.lease_slot]
+        with pytest.raises(KVLeaseError, match="unknown or was released"):
+            open_descriptor(reused)  # ... and the old descriptor still opens nothing
+        with open_descriptor(new) as pages:
+            check_pages(fresh[-2:], torch.stack(list(pages)))
+    record("proc.lease_holder_killed", tries=len(descriptors),
+           outcome=f"{len(descriptors)} leases of the killed worker expired after their ttl "
+                   f"({TTL:g} s): pages unpinned and evicted by new ones; its descriptors "
+                   "then refused, never another page")
+
+
+SERVER = textwrap.dedent("""
+    import trio
+    from omni.transport import RPCServer
+    from omni.transport.kv_peers import FetchRequest, make_fetch_handler
+    from tests.reliability._support import keys_for, make_store, pages_of
+
+    keys = keys_for(8, extra="transfer")
+    store = make_store(16, 16)
+    store.put(keys, pages_of(keys))
+    real = make_fetch_handler(store)
+
+    async def fetch(request):
+        if request.keys[0] == keys[4]:  # lease the pages, then die before replying
+            store.acquire(request.keys)
+            print("mid-transfer", flush=True)
+            await trio.sleep_forever()
+        return await real(request)
+
+    async def main():
+        server = RPCServer()
+        server.register("kv.fetch", fetch, body_type=FetchRequest)
+        async with server:
+            print(server.endpoint, store.store_id, flush=True)
+            await trio.sleep_forever()
+
+    trio.run(main)
+""")
+
+
+class OneHolder:
+    def best_source(self, keys, exclude=()):
+        return ("w", len(keys))
+
+
+async def test_a_worker_killed_mid_transfer(record):
+    keys = keys_for(8, extra="transfer")
+    proc = child(SERVER)
+    shm = shm_directory()
+    holder_id = None
+    try:
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        endpoint, holder_id = line.split()
+        with make_store(16, 16) as requester:
+            async with RPCClient(endpoint, heartbeat_interval=0.1) as client:
+                # 1. The first half travels as a descriptor of the holder's shared memory.
+                reply = await client.call_with_payload(
+                    "kv.fetch", FetchRequest(keys[:4], host_id(), os.getpid()), timeout=10,
+                    result_type=FetchReply)
+                # 2. The second half: the holder dies while serving it.
+                fetcher = PeerFetcher(OneHolder(), {"w": client}.get, "me", layout=LAYOUT,
+                                      timeout=10)
+                got = []
+                async with trio.open_nursery() as nursery:
+                    async def fetch() -> None:
+                        got.append(await fetcher.fetch(requester, keys[4:],
+                                                       recompute_page_s=None))
+
+                    nursery.start_soon(fetch)
+                    assert (await trio.to_thread.run_sync(proc.stdout.readline)).strip() == (
+                        "mid-transfer")
+                    proc.kill()
+                    killed = trio.current_time()
+                assert trio.current_time() - killed < 2  # 3 missed beats, not the timeout
+                assert got == [0] and requester.keys() == []  # a miss: nothing stored
+                assert fetcher.stats()["failures"] == 1
+                assert await fetcher.fetch(requester, keys, recompute_page_s=None) == 0
+            # 3. The descriptor handed over before the death still maps the holder's pages:
+            # its lease lives on, the memory outlives the process; they are the right pages.
+            with unpack(reply.body.header, reply.payload, LAYOUT) as received:
+                assert received.put_into(requester) == 4
+            # 4. A healthy holder serves the rest; the requester holds only its own pages.
+            with make_store(16, 16) as healthy:
+                healthy.put(keys, pages_of(keys))
+                server = RPCServer()
+                serve_kv(server, healthy, host_id="another-machine")
+                async with server, RPCClient(server.endpoint) as client:
+                    fetcher = PeerFetcher(OneHolder(), {"w": client}.get, "me", layout=LAYOUT,
+                                          host_id="another-machine")
+                    assert await fetcher.fetch(requester, keys[4:], recompute_page_s=None) == 4
+            with requester.acquire(keys[:4]) as a, requester.acquire(keys[4:]) as b:
+                check_pages(keys[:4], a.pages())
+                check_pages(keys[4:], b.pages())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        if holder_id is not None:  # a SIGKILLed owner cannot unlink its shared memory
+            for path in shm.glob(f"omni-{holder_id}-*"):
+                path.unlink()
+    record("proc.holder_killed_mid_transfer", tries=2,
+           outcome="the fetch in flight was a miss within 3 heartbeats (nothing stored, "
+                   "recomputed or fetched from a healthy worker); a descriptor handed over "
+                   "before the kill still gave its own pages")
