@@ -31,7 +31,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster
+BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster soak
 
 bench: $(STAMP)
 	@start=$$(date +%s); \

@@ -55,6 +55,7 @@ store's counters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -238,11 +239,16 @@ class Dialogue:
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
         reply: list[int] = []
         stream = self.engine.stream(prompt, params)
-        async for token_id in stream:
-            if not reply:  # the prefill is done: how much of the prompt came from the store
-                yield Started(turn.session, number, len(tokens), stream.cached_tokens, trimmed)
-            reply.append(token_id)
-            yield Token(token_id)
+        # Closed even when the turn is cancelled while this generator waits at a `yield`:
+        # otherwise the engine would go on decoding the abandoned reply (a batch row, compute
+        # and pages) until the garbage collector finalized the stream.
+        async with contextlib.aclosing(stream):
+            async for token_id in stream:
+                if not reply:  # the prefill is done: how much of the prompt came from the store
+                    yield Started(turn.session, number, len(tokens), stream.cached_tokens,
+                                  trimmed)
+                reply.append(token_id)
+                yield Token(token_id)
         if not reply:
             yield Started(turn.session, number, len(tokens), stream.result.cached_tokens,
                           trimmed)

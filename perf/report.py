@@ -38,7 +38,7 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("scheduler", "kv", "prefix_reuse", "decode", "diffusion_reuse", "transport",
-              "cluster")  # the order of `make bench`; other results/*.json follow, by name
+              "cluster", "soak")  # the order of `make bench`; other results/*.json follow, by name
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 PASS, SHORT = "pass", "**falls short**"

@@ -1,6 +1,8 @@
 """examples/omni_dialogue.py through `omni run`: sessions reuse their KV across turns (and
 across tiers), cached replies equal recomputed ones, audio and images go in, WAVs come out."""
 
+import functools
+import gc
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ import trio
 from PIL import Image as PILImage
 from typer.testing import CliRunner
 
+import omni
 from cli._load import load_module
 from cli.main import app
 from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
@@ -226,3 +229,24 @@ def test_hf_format_weights_from_omni_model_are_served_and_reused(monkeypatch, tm
     fresh = trio.run(engine.generate, prompt, params)
     assert fresh.prompt_tokens == second["prompt_tokens"]
     assert fresh.token_ids == second["token_ids"]
+
+
+async def test_a_turn_cancelled_mid_reply_leaves_the_engine_at_once(example, tmp_path):
+    """Cancelling a turn while its reply streams takes its request out of the engine then, not
+    when the garbage collector finalizes the abandoned token stream (until then the engine
+    went on decoding the reply nobody reads: a batch row, compute and pages)."""
+    gc.disable()  # the bug hid behind a collection; none may run during the test
+    try:
+        async with omni.Runtime(kv=example.KV_LAYOUT, graphs=[example.dialogue]) as rt:
+            engine = rt.pool_for(example.Dialogue()).replicas[0].instance.engine
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(functools.partial(
+                        rt.run, example.dialogue, session="s", text="Hello!",
+                        out=str(tmp_path / "s.wav"), max_tokens=4000))
+                    while not any(r.output for r in engine._running):
+                        await trio.sleep(0.001)
+                    scope.cancel()
+            assert engine._running == [] and engine._waiting == []
+    finally:
+        gc.enable()
