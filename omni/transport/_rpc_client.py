@@ -190,6 +190,9 @@ class RPCClient(_Service):
     # -- in the socket's owner task ----------------------------------------------------------
 
     def _on_message(self, frames: list[Buffer]) -> None:
+        if len(frames) - 1 > self._codec.limits.max_payload_frames:
+            self._dropped += 1  # a reply no honest server sends: its call times out
+            return
         try:
             msg = self._codec.decode(frames[0])
         except WireError:

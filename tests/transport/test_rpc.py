@@ -229,6 +229,40 @@ async def test_oversize_messages_are_refused_on_both_sides():
             assert await client.call("echo", b"x" * 1000) == b"x" * 1000
 
 
+async def test_a_reply_with_too_many_payload_frames_is_dropped_by_the_client():
+    """A hostile server cannot make a client hold any number of frames: the reply is dropped
+    and its call times out; a later honest reply gets through."""
+    limits = WireLimits(max_payload_frames=4)
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with trio.fail_after(10):
+            async with RPCClient(f"tcp://127.0.0.1:{port}", limits=limits,
+                                 heartbeat_interval=None) as client:
+                async def serve(frames_after: int) -> None:
+                    request = None
+                    while type(request) is not wire.Request:  # skip the last call's Cancel
+                        while not router.poll(0):
+                            await trio.sleep(0.01)
+                        identity, control = router.recv_multipart()[:2]
+                        request = wire.decode(control)
+                    reply = [identity, wire.encode(wire.Response(request.id))]
+                    router.send_multipart(reply + [b"x"] * frames_after)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(serve, 5)
+                    with pytest.raises(RPCTimeout):
+                        await client.call("echo", "hi", timeout=0.5)
+                assert client.stats().dropped == 1
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(serve, 4)
+                    reply = await client.call_with_payload("echo", "hi", timeout=5)
+                assert len(reply.payload) == 4
+    finally:
+        router.close()
+
+
 async def test_payload_frames_round_trip_byte_identical_including_zero_copy_ones():
     rng = random.Random(1)
     big = rng.randbytes(3 << 20)  # > 64 KiB: sent and received without a copy
