@@ -40,15 +40,10 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import os
-import queue
 import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
@@ -73,6 +68,7 @@ from perf._common import (
     profile_report,
     write_json,
 )
+from perf._procs import CliProcess
 
 __all__ = ["Params", "lru_model", "main", "measure"]
 
@@ -81,7 +77,6 @@ HIT_RATE_TARGET = 2.0  # kv_aware hit rate / round_robin hit rate, at least
 THROUGHPUT_TARGET = 1.0  # kv_aware requests/s / round_robin requests/s, at least
 POLICIES = ("kv_aware", "round_robin")
 WORKERS = ("w1", "w2")
-START_S = 60.0  # seconds a subprocess may take to print its ready line (it imports torch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,55 +117,8 @@ class Params:
 # The cluster: a head and two workers as subprocesses
 
 
-class _Proc:
-    """A CLI subprocess whose output lines a thread collects (so its pipes never fill)."""
-
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str]):
-        self.args = args
-        self.popen = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True)
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.popen.stdout, self.out), (self.popen.stderr, self.err)):
-            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
-
-    def _pump(self, stream: Any, sink: list[str]) -> None:
-        for line in stream:
-            sink.append(line)
-            if sink is self.out:
-                self.lines.put(line)
-
-    def wait_line(self, pattern: str, timeout: float = START_S) -> re.Match[str]:
-        """The first stdout line matching `pattern` (RuntimeError if none comes in time)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.popen.poll() is not None and self.lines.empty():
-                    break
-                continue
-            match = re.search(pattern, line)
-            if match:
-                return match
-        raise RuntimeError(f"'{' '.join(self.args[:2])}' printed no {pattern!r}; stdout: "
-                           f"{''.join(self.out)!r}; stderr: {''.join(self.err)[-2000:]!r}")
-
-    def stop(self) -> None:
-        """SIGTERM, then kill if it has not exited within 10 s."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-
-
 @contextlib.contextmanager
-def cluster(params: Params, folder: Path) -> Iterator[tuple[str, list[_Proc]]]:
+def cluster(params: Params, folder: Path) -> Iterator[tuple[str, list[CliProcess]]]:
     """A head and workers `WORKERS` started in `folder`; yields the head's address and the
     processes (head first), which are stopped on exit."""
     token = str(folder / "cluster.token")
@@ -179,14 +127,14 @@ def cluster(params: Params, folder: Path) -> Iterator[tuple[str, list[_Proc]]]:
            "MKL_NUM_THREADS": str(params.worker_threads)}
     heartbeat = str(params.heartbeat)
     capacity = params.capacity_pages * nodes.kv_layout().page_bytes
-    procs: list[_Proc] = []
+    procs: list[CliProcess] = []
     try:
-        head = _Proc(["cluster", "start", "--bind", "tcp://127.0.0.1:*", "--token-file", token,
+        head = CliProcess(["cluster", "start", "--bind", "tcp://127.0.0.1:*", "--token-file", token,
                       "--heartbeat", heartbeat], ROOT, env)
         procs.append(head)
         address = head.wait_line(r"head at (tcp://\S+)").group(1)
         for name in WORKERS:  # they import torch side by side
-            procs.append(_Proc(["cluster", "join", address, "--token-file", token, "--name",
+            procs.append(CliProcess(["cluster", "join", address, "--token-file", token, "--name",
                                 name, "--heartbeat", heartbeat, "--kv-host", str(capacity),
                                 "--no-kv-fetch"], ROOT, env))
         for proc in procs[1:]:

@@ -1,0 +1,76 @@
+"""`omni` CLI subprocesses for benchmarks and tests: a head, workers, a status query.
+
+Their output is collected line by line in threads, so their pipes never fill and a caller can
+wait for a ready line (``omni cluster head at ...``) with a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["START_S", "CliProcess"]
+
+START_S = 60.0  # seconds a subprocess may take to print its ready line (it may import torch)
+
+
+class CliProcess:
+    """``python -m cli ARGS`` in `cwd`, its stdout and stderr lines kept in `out` and `err`."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None):
+        self.args = args
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
+        self.popen = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.popen.stdout, self.out), (self.popen.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+
+    def _pump(self, stream: Any, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+            if sink is self.out:
+                self.lines.put(line)
+
+    def wait_line(self, pattern: str, timeout: float = START_S) -> re.Match[str]:
+        """The first stdout line matching `pattern` (RuntimeError if none comes in time)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.popen.poll() is not None and self.lines.empty():
+                    break
+                continue
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise RuntimeError(f"'{' '.join(self.args[:2])}' printed no {pattern!r}; stdout: "
+                           f"{''.join(self.out)!r}; stderr: {''.join(self.err)[-2000:]!r}")
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM, then kill if it has not exited within 10 s."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
