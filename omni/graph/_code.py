@@ -20,6 +20,8 @@ from typing import Any
 
 import msgspec
 
+from omni.transport.values import types
+
 __all__ = ["CodeRef", "code_ref", "resolve"]
 
 
@@ -68,6 +70,7 @@ def resolve(ref: CodeRef) -> Any:
     if _digest(ref.source) != ref.digest:
         raise ValueError(f"code for {ref.qualname} does not match its digest")
     module = _module(ref)
+    types.alias(ref.module, module)  # its dataclasses travel under the sender's module name
     obj: Any = module
     for part in ref.qualname.split("."):
         obj = getattr(obj, part, None)

@@ -3,8 +3,14 @@
 A `RemoteReplica` stands in a pool where a class node's instance would: calling it runs the
 node on its worker (``node.call``), and a streaming node's items come back in batches pulled
 by the driver (``node.next``), so a slow consumer slows the producer instead of filling
-memory. Arguments and results travel as `omni.transport.values` (msgpack, tensors as raw
-bytes), in payload frames.
+memory. An argument that is a stream is fed to the worker in batches (``node.feed``), each
+batch answered once the worker's node has room for it: backpressure both ways.
+
+Values travel as themselves (`omni.transport.values`): the body carries the structure, and
+arrays go out of band by locality (`omni.transport.payloads`): through shared memory when
+the worker is on this host, else as zero-copy frames. A message is ``[body, *frames]`` per
+value; its head (`CallHead`, `ValueHead`, `StreamBatch`, `Feed`) carries the buffer refs, and
+the shared-memory leases each side released since it last spoke, so segments are reused.
 
 When the worker stops answering heartbeats the replica is marked dead: the call fails with
 `WorkerLost` naming the worker (a node with ``retries`` is retried on another replica), and the
@@ -13,20 +19,24 @@ pool places no more calls on it until the cluster runtime replaces it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+import trio
 
+from omni.errors import OmniError
 from omni.graph._code import CodeRef
 from omni.transport.errors import PeerGone, RPCError, TransportError
+from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
-from omni.transport.values import decode_value, encode_value
+from omni.transport.values import pack_value, unpack_value
 
-__all__ = ["CallHead", "Deploy", "RemoteNodeError", "RemoteReplica", "StreamBatch",
-           "WorkerLost"]
+__all__ = ["CallHead", "Deploy", "Feed", "RemoteNodeError", "RemoteReplica", "Renew",
+           "StreamBatch", "ValueHead", "WorkerLost", "pack_for", "unpack_from"]
 
-STREAM_BATCH = 64  # items a stream pull may bring back at once
+STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 
 
 class Deploy(msgspec.Struct, frozen=True):
@@ -40,6 +50,7 @@ class Deploy(msgspec.Struct, frozen=True):
     resources: dict[str, float] = {}
     session: str = ""  # the driver's; its replicas go when it stops renewing (`node.renew`)
     kv_layout: dict[str, Any] | None = None  # a LayoutSpec's fields, when the node uses KV
+    host_id: str = ""  # the driver's host: on the same one, values move through shared memory
 
 
 class CallHead(msgspec.Struct, frozen=True):
@@ -47,14 +58,40 @@ class CallHead(msgspec.Struct, frozen=True):
     replica: int
     request_id: str
     stream: bool = False
+    refs: list[BufferRef] = []  # the arguments' out-of-band buffers
+    released: list[int] = []  # leases of the worker's segments the driver is done with
+
+
+class ValueHead(msgspec.Struct, frozen=True):
+    """A call's result: its buffer refs, and the driver's leases the worker released."""
+
+    refs: list[BufferRef] = []
+    released: list[int] = []
 
 
 class StreamBatch(msgspec.Struct, frozen=True):
     count: int
     done: bool
+    refs: list[list[BufferRef]] = []  # per item
+    released: list[int] = []
 
 
-class WorkerLost(Exception):
+class Feed(msgspec.Struct, frozen=True):
+    """Items of a stream argument, driver to worker; `error` ends the stream with a failure."""
+
+    session: str
+    feed: int
+    refs: list[list[BufferRef]] = []  # per item
+    done: bool = False
+    error: str = ""
+
+
+class Renew(msgspec.Struct, frozen=True):
+    session: str
+    released: list[int] = []
+
+
+class WorkerLost(OmniError):
     """The worker hosting a replica stopped answering while a call was on it."""
 
     def __init__(self, member: str, detail: str):
@@ -62,7 +99,7 @@ class WorkerLost(Exception):
         super().__init__(f"worker '{member}' stopped answering ({detail})")
 
 
-class RemoteNodeError(Exception):
+class RemoteNodeError(OmniError):
     """A node raised on its worker; `remote_type` is its exception's type name."""
 
     def __init__(self, member: str, remote_type: str, message: str):
@@ -71,18 +108,60 @@ class RemoteNodeError(Exception):
         super().__init__(f"{remote_type}: {message} (on worker '{member}')")
 
 
+def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool,
+             streams: Callable[[Any], int] | None = None) -> tuple[list[BufferRef], list[Any]]:
+    """`value`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`."""
+    packed = pack_value(value, streams=streams)
+    refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
+    return refs, [packed.body, *frames]
+
+
+def unpack_from(mover: PayloadMover, refs: list[BufferRef], frames: Any, *, peer: str,
+                streams: Callable[[int], Any] | None = None) -> Any:
+    """The value `pack_for` sent from `peer` (frames: ``[body, *buffers]``)."""
+    if not frames:
+        from omni.transport.errors import WireError
+
+        raise WireError("a value arrived without its body")
+    buffers = mover.unpack(refs, frames[1:], peer=peer)
+    return unpack_value(frames[0], buffers, streams=streams)
+
+
+def split_items(refs: list[list[BufferRef]], frames: Any) -> list[tuple[list[BufferRef], Any]]:
+    """Per item, its refs and its frames, from a batch's concatenated frames."""
+    items, position = [], 0
+    for item_refs in refs:
+        count = 1 + sum(r.frames for r in item_refs)
+        items.append((item_refs, frames[position:position + count]))
+        position += count
+    return items
+
+
 class RemoteReplica:
-    """A replica of `node` hosted by worker `member`, reached through `client`."""
+    """A replica of `node` hosted by worker `member`, reached through `client`.
+
+    Args:
+        mover: the process's payload mover.
+        same_host: the worker shares this host's shared memory.
+        session: the driver's session id (names this driver to the worker).
+        nursery: where stream arguments' feeders run (the cluster link's).
+    """
 
     omni_remote = True
+    _feeds = itertools.count(1)
 
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
-                 streaming: bool):
+                 streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
+                 nursery: trio.Nursery):
         self.member = member
         self.client = client
         self.deployment = deployment
         self.replica = replica
         self.streaming = streaming
+        self.mover = mover
+        self.same_host = same_host
+        self.session = session
+        self.nursery = nursery
         self.lost = False
 
     @property
@@ -94,40 +173,113 @@ class RemoteReplica:
 
         value = current.get()
         request_id = value[0] if value is not None and value[0] is not None else "-"
-        frame = _encode_args(args, kwargs, self.member)
+        inputs: list[tuple[int, Any]] = []
+
+        def stream_id(stream: Any) -> int:
+            inputs.append((next(self._feeds), stream))
+            return inputs[-1][0]
+
+        try:
+            refs, frames = pack_for(self.mover, [list(args), kwargs], peer=self.member,
+                                    same_host=self.same_host, streams=stream_id)
+        except TypeError as exc:
+            raise TypeError(f"cannot send the call's arguments to worker '{self.member}': "
+                            f"{exc}") from None
+        head = CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
+                        self.mover.take_releases(self.member))
         if self.streaming:
-            return self._stream(request_id, frame)
-        return self._call(request_id, frame)
+            return self._stream(head, frames, inputs)
+        return self._call(head, frames, inputs)
 
-    async def _call(self, request_id: str, frame: bytes) -> Any:
-        head = CallHead(self.deployment, self.replica, request_id)
-        reply = await self._rpc("node.call", head, [frame])
-        return decode_value(reply.payload[0])
-
-    async def _stream(self, request_id: str, frame: bytes) -> AsyncIterator[Any]:
-        head = CallHead(self.deployment, self.replica, request_id, stream=True)
-        reply = await self._rpc("node.call", head, [frame])
-        stream_id = reply.body
-        done = False
+    async def _call(self, head: CallHead, frames: list[Any], inputs: list) -> Any:
+        feeders = self._start_feeders(inputs)
         try:
-            while not done:
-                reply = await self._rpc("node.next", [stream_id, STREAM_BATCH], [])
-                batch = msgspec.convert(reply.body, StreamBatch)
-                done = batch.done
-                for item in reply.payload:
-                    yield decode_value(item)
+            reply = await self._rpc("node.call", head, frames, result_type=ValueHead)
         finally:
-            if not done and self.alive:
-                try:
-                    await self.client.call("node.close", stream_id, timeout=2.0)
-                except TransportError:
-                    pass  # the worker drops idle streams by itself
+            for scope in feeders:
+                scope.cancel()
+        self.mover.release(self.member, reply.body.released)
+        return unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
 
-    async def _rpc(self, method: str, body: Any, payload: list[bytes]) -> Any:
+    async def _stream(self, head: CallHead, frames: list[Any], inputs: list
+                      ) -> AsyncIterator[Any]:
+        feeders = self._start_feeders(inputs)
+        done = False
+        stream_id: int | None = None
         try:
-            return await self.client.call_with_payload(method, body, payload=payload)
+            reply = await self._rpc("node.call", head, frames, result_type=int)
+            stream_id = reply.body
+            while not done:
+                reply = await self._rpc("node.next", [stream_id, STREAM_BATCH], [],
+                                        result_type=StreamBatch)
+                batch = reply.body
+                done = batch.done
+                self.mover.release(self.member, batch.released)
+                for refs, item in split_items(batch.refs, reply.payload):
+                    yield unpack_from(self.mover, refs, item, peer=self.member)
+        finally:
+            for scope in feeders:
+                scope.cancel()
+            if stream_id is not None and not done and self.alive:
+                self.nursery.start_soon(self._close_stream, stream_id)
+
+    async def _close_stream(self, stream_id: int) -> None:
+        try:
+            await self.client.call("node.close", stream_id, timeout=2.0)
+        except TransportError:
+            pass  # the worker drops idle streams by itself
+
+    # -- stream arguments --------------------------------------------------------------------
+
+    def _start_feeders(self, inputs: list[tuple[int, Any]]) -> list[trio.CancelScope]:
+        scopes = []
+        for feed_id, stream in inputs:
+            scope = trio.CancelScope()
+            self.nursery.start_soon(self._feed, feed_id, stream, scope)
+            scopes.append(scope)
+        return scopes
+
+    async def _feed(self, feed_id: int, stream: Any, scope: trio.CancelScope) -> None:
+        """Send `stream`'s items to the worker in batches, each once the last one landed."""
+        with scope:
+            send, receive = trio.open_memory_channel[Any](STREAM_BATCH)
+            failure: list[str] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_into, stream, send, failure)
+                async with receive:
+                    while True:
+                        items = await _take_batch(receive)
+                        done = len(items) < STREAM_BATCH and receive_closed(receive, send)
+                        if not await self._send_feed(feed_id, items, done or bool(failure),
+                                                     failure[0] if failure else ""):
+                            nursery.cancel_scope.cancel()  # the worker wants no more
+                            return
+                        if done or failure:
+                            return
+
+    async def _send_feed(self, feed_id: int, items: list[Any], done: bool, error: str) -> bool:
+        refs, frames = [], []
+        for item in items:
+            item_refs, item_frames = pack_for(self.mover, item, peer=self.member,
+                                              same_host=self.same_host)
+            refs.append(item_refs)
+            frames.extend(item_frames)
+        try:
+            reply = await self.client.call_with_payload(
+                "node.feed", Feed(self.session, feed_id, refs, done, error), payload=frames,
+                result_type=bool)
+        except TransportError:
+            return False  # the call itself reports a lost worker
+        return bool(reply.body)
+
+    async def _rpc(self, method: str, body: Any, payload: list[Any], *,
+                   result_type: Any = Any) -> Any:
+        try:
+            return await self.client.call_with_payload(method, body, payload=payload,
+                                                       result_type=result_type)
         except PeerGone as exc:
             self.lost = True
+            self.mover.forget(self.member)
             raise WorkerLost(self.member, f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
             raise RemoteNodeError(self.member, exc.remote_type, exc.remote_message) from None
@@ -137,8 +289,30 @@ class RemoteReplica:
         return f"<RemoteReplica {self.deployment}#{self.replica} on {self.member} {state}>"
 
 
-def _encode_args(args: tuple, kwargs: dict[str, Any], member: str) -> bytes:
+async def _read_into(stream: Any, send: trio.MemorySendChannel, failure: list[str]) -> None:
+    async with send:
+        try:
+            async for item in stream:
+                await send.send(item)
+        except Exception as exc:  # the upstream node failed: its request fails anyway
+            failure.append(f"{type(exc).__name__}: {exc}")
+
+
+async def _take_batch(receive: trio.MemoryReceiveChannel) -> list[Any]:
+    """One item or more, up to `STREAM_BATCH` (what is there once the first arrives)."""
     try:
-        return encode_value([list(args), kwargs])
-    except TypeError as exc:
-        raise TypeError(f"cannot send the call's arguments to worker '{member}': {exc}") from None
+        items = [await receive.receive()]
+    except trio.EndOfChannel:
+        return []
+    while len(items) < STREAM_BATCH:
+        try:
+            items.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return items
+
+
+def receive_closed(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> bool:
+    """Whether the reader finished and everything it read has been taken."""
+    stats = receive.statistics()
+    return stats.open_send_channels == 0 and stats.current_buffer_used == 0

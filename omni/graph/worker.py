@@ -28,7 +28,18 @@ import trio
 
 from omni.graph._code import resolve
 from omni.graph.context import current
-from omni.graph.remote import STREAM_BATCH, CallHead, Deploy, StreamBatch
+from omni.graph.remote import (
+    STREAM_BATCH,
+    CallHead,
+    Deploy,
+    Feed,
+    Renew,
+    StreamBatch,
+    ValueHead,
+    pack_for,
+    split_items,
+    unpack_from,
+)
 from omni.transport.cluster import (
     HEARTBEAT_S,
     ClientSet,
@@ -38,8 +49,10 @@ from omni.transport.cluster import (
     Roster,
 )
 from omni.transport.credentials import Credentials
+from omni.transport._host import host_id
+from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
-from omni.transport.values import decode_value, encode_value
+from omni.transport.values import decode_value
 
 __all__ = ["KVTiers", "Worker"]
 
@@ -73,15 +86,42 @@ class _Hosted:
     is_async: bool
     resources: dict[str, float]
     session: str
+    same_host: bool
     stop: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass
 class _Stream:
+    """A streaming call's items, encoded, waiting for the driver to pull them."""
+
     receive: trio.MemoryReceiveChannel
     scope: trio.CancelScope
+    session: str
     error: list[BaseException] = field(default_factory=list)
     last_pull: float = 0.0
+
+
+class _Inbox:
+    """A stream argument as the node sees it: an async iterator over what the driver feeds
+    (`Worker._feed`), with room for `STREAM_BATCH` items before a feed waits."""
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[Any](STREAM_BATCH)
+        self.error = ""
+        self.last_fed = trio.current_time()
+        self.claimed = False  # a call's arguments hold it (else a feed came first, or late)
+
+    def __aiter__(self) -> _Inbox:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            if self.error:
+                raise RuntimeError(f"the stream argument failed upstream: {self.error}") \
+                    from None
+            raise StopAsyncIteration from None
 
 
 class Worker:
@@ -113,6 +153,8 @@ class Worker:
         self.link: HeadLink | None = None
         self._hosted: dict[tuple[str, int], _Hosted] = {}
         self._streams: dict[int, _Stream] = {}
+        self._inboxes: dict[tuple[str, int], _Inbox] = {}
+        self.mover = payload_mover()
         self._stream_ids = itertools.count(1)
         self._requests = self._failed = 0
         self._sessions: dict[str, float] = {}  # driver session -> when it last renewed
@@ -143,7 +185,8 @@ class Worker:
         server.register("node.call", self._call, body_type=CallHead, with_payload=True)
         server.register("node.next", self._next, body_type=tuple[int, int])
         server.register("node.close", self._close_stream, body_type=int)
-        server.register("node.renew", self._renew, body_type=str)
+        server.register("node.feed", self._feed, body_type=Feed, with_payload=True)
+        server.register("node.renew", self._renew, body_type=Renew)
         server.register("worker.load", self._load_rpc, body_type=Any)
         try:
             async with server, trio.open_nursery() as nursery:
@@ -166,8 +209,6 @@ class Worker:
                 self.kv.close()
 
     def info(self) -> MemberInfo:
-        from omni.transport._host import host_id
-
         return MemberInfo(self.name, self.endpoint or "", host_id(), os.getpid(),
                           self.resources, self.kv_tiers.capacity(), self._kv_events)
 
@@ -209,7 +250,7 @@ class Worker:
         finally:
             current.reset(token)
         hosted = _Hosted(body.node, instance, node.streaming, node.is_async,
-                         dict(body.resources), body.session)
+                         dict(body.resources), body.session, body.host_id == host_id())
         self._hosted[key] = hosted
         try:
             if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
@@ -228,11 +269,12 @@ class Worker:
             hosted.stop.set()
         return hosted is not None
 
-    async def _renew(self, session: str) -> bool:
-        """A driver says it is still there; False if this worker hosts nothing of it."""
-        known = session in self._sessions
-        self._sessions[session] = trio.current_time()
-        return known
+    async def _renew(self, body: Renew) -> list[int]:
+        """A driver says it is still there (and which of our leases it released); the leases
+        of its segments released here since."""
+        self._sessions[body.session] = trio.current_time()
+        self.mover.release(body.session, body.released)
+        return self.mover.take_releases(body.session)
 
     async def _reap_sessions(self) -> None:
         """Drop the replicas of drivers that are gone (killed before they could undeploy)."""
@@ -241,6 +283,7 @@ class Worker:
             cutoff = trio.current_time() - SESSION_LEASE_S
             for session in [s for s, at in self._sessions.items() if at < cutoff]:
                 del self._sessions[session]
+                self.mover.forget(session)
                 for hosted in self._hosted.values():
                     if hosted.session == session:
                         log.info("dropping %s: its driver stopped renewing", hosted.node)
@@ -253,47 +296,64 @@ class Worker:
         if hosted is None:
             raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
                               f"{head.deployment}")
-        args, kwargs = decode_value(payload[0])
-        self._requests += 1
-        if head.stream:
-            return self._open_stream(hosted, head, args, kwargs)
+        session = hosted.session
+        self.mover.release(session, head.released)
+        feeds: list[int] = []
+        try:
+            args, kwargs = unpack_from(self.mover, head.refs, payload, peer=session,
+                                       streams=lambda i: self._inbox(session, i, feeds))
+            del payload  # the arguments' leases end with the arguments
+            self._requests += 1
+            if head.stream:
+                return self._open_stream(hosted, head, args, kwargs, feeds)
+            result = await self._run(hosted, head, args, kwargs)
+            del args, kwargs
+        finally:
+            if not head.stream:
+                self._drop_inboxes(session, feeds)
+        try:
+            refs, frames = pack_for(self.mover, result, peer=session,
+                                    same_host=hosted.same_host)
+        except TypeError as exc:
+            raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
+                from None
+        return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
+
+    async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set((head.request_id, hosted.node, head.replica, self))
         try:
             if hosted.is_async:
-                result = await hosted.instance(*args, **kwargs)
-            else:
-                result = await trio.to_thread.run_sync(
-                    functools.partial(hosted.instance, *args, **kwargs))
+                return await hosted.instance(*args, **kwargs)
+            return await trio.to_thread.run_sync(
+                functools.partial(hosted.instance, *args, **kwargs))
         except BaseException:
             self._failed += 1
             raise
         finally:
             current.reset(token)
-        try:
-            return Reply(None, [encode_value(result)])
-        except TypeError as exc:
-            raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
-                from None
 
-    def _open_stream(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> int:
+    def _open_stream(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict,
+                     feeds: list[int]) -> int:
         stream_id = next(self._stream_ids)
         send, receive = trio.open_memory_channel(STREAM_BATCH)
-        stream = self._streams[stream_id] = _Stream(receive, trio.CancelScope(),
+        stream = self._streams[stream_id] = _Stream(receive, trio.CancelScope(), hosted.session,
                                                     last_pull=trio.current_time())
         assert self._nursery is not None
-        self._nursery.start_soon(self._produce, stream, hosted, head, args, kwargs, send)
+        self._nursery.start_soon(self._produce, stream, hosted, head, args, kwargs, send, feeds)
         return stream_id
 
     async def _produce(self, stream: _Stream, hosted: _Hosted, head: CallHead, args: list,
-                       kwargs: dict, send: trio.MemorySendChannel) -> None:
+                       kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set((head.request_id, hosted.node, head.replica, self))
         try:
             async with send:
                 with stream.scope:
                     agen = hosted.instance(*args, **kwargs)
+                    del args, kwargs
                     try:
                         async for item in agen:
-                            await send.send(encode_value(item))
+                            await send.send(pack_for(self.mover, item, peer=hosted.session,
+                                                     same_host=hosted.same_host))
                     finally:
                         await agen.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -303,6 +363,7 @@ class Worker:
             stream.error.append(exc)
         finally:
             current.reset(token)
+            self._drop_inboxes(hosted.session, feeds)
 
     async def _next(self, body: tuple[int, int]) -> Reply:
         stream_id, most = body
@@ -310,7 +371,7 @@ class Worker:
         if stream is None:
             raise LookupError(f"no stream {stream_id} on worker '{self.name}'")
         stream.last_pull = trio.current_time()
-        items: list[bytes] = []
+        items: list[tuple[list, list]] = []
         done = False
         try:
             items.append(await stream.receive.receive())
@@ -323,7 +384,45 @@ class Worker:
             del self._streams[stream_id]
         if done and stream.error:
             raise stream.error[0]
-        return Reply(StreamBatch(len(items), done), items)
+        frames = [frame for _, item_frames in items for frame in item_frames]
+        batch = StreamBatch(len(items), done, [refs for refs, _ in items],
+                            self.mover.take_releases(stream.session))
+        return Reply(batch, frames)
+
+    # -- stream arguments --------------------------------------------------------------------
+
+    def _inbox(self, session: str, feed_id: int, feeds: list[int] | None = None) -> _Inbox:
+        """The inbox of a stream argument (made by whichever comes first: call or feed)."""
+        inbox = self._inboxes.get((session, feed_id))
+        if inbox is None:
+            inbox = self._inboxes[(session, feed_id)] = _Inbox()
+        if feeds is not None:
+            inbox.claimed = True
+            feeds.append(feed_id)
+        return inbox
+
+    def _drop_inboxes(self, session: str, feeds: list[int]) -> None:
+        for feed_id in feeds:
+            inbox = self._inboxes.pop((session, feed_id), None)
+            if inbox is not None:
+                inbox.receive.close()
+
+    async def _feed(self, body: Feed, payload: list[Any]) -> bool:
+        """Items for a stream argument; answered once the node has room for them. False: the
+        call is over, send no more."""
+        if body.session not in self._sessions:
+            return False
+        inbox = self._inbox(body.session, body.feed)
+        inbox.last_fed = trio.current_time()
+        try:
+            for refs, frames in split_items(body.refs, payload):
+                await inbox.send.send(unpack_from(self.mover, refs, frames, peer=body.session))
+            if body.done or body.error:
+                inbox.error = body.error
+                inbox.send.close()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     async def _close_stream(self, stream_id: int) -> bool:
         stream = self._streams.pop(stream_id, None)
@@ -340,6 +439,9 @@ class Worker:
                 log.warning("dropping stream %d: not pulled for %.0f s", stream_id,
                             STREAM_IDLE_S)
                 await self._close_stream(stream_id)
+            for key in [k for k, i in self._inboxes.items()
+                        if not i.claimed and i.last_fed < cutoff]:
+                self._inboxes.pop(key).receive.close()  # fed for a call that never came
 
     # -- KV ----------------------------------------------------------------------------------
 

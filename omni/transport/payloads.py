@@ -1,0 +1,381 @@
+"""Moving the out-of-band buffers of values (`omni.transport.values`) between processes.
+
+Handles travel, bytes move once, by locality:
+
+- **same host**: the producer copies a buffer into a shared-memory segment of its own and sends
+  a `BufferRef` naming it; the consumer maps the segment and the value's array views it (no
+  msgpack copy, no encryption pass: the memory never leaves the machine). The consumer's array
+  holds a *lease*: when the array (and every view or tensor made from it) is gone, the lease
+  ends and the producer may reuse the segment. Leases go back in batches (`take_releases` on
+  the consumer, `release` on the producer), riding on the calls and replies the two already
+  exchange; all leases of a peer that is gone are ended with `forget`.
+- **another host** (or ``OMNI_PAYLOAD_SHM=0``): the buffer goes as ZeroMQ payload frames after
+  the body, zero-copy on both ends, split into chunks of at most `CHUNK` bytes so that no
+  frame limit caps a value; the consumer's array views the frame when one chunk carries it.
+
+Why a pool: a fresh segment costs a page fault and a page clear per 4 KiB on first write (here
+~10x a memcpy), so segments up to `POOL_MAX` bytes are kept mapped and reused, and consumers
+keep their mappings of a producer's segments. Larger buffers get a segment of their own,
+written with pwrite (the producer never maps it, so its memory does not grow) and unlinked
+when the lease ends.
+
+Settings (environment): ``OMNI_PAYLOAD_SHM`` (``0`` turns the shared-memory path off),
+``OMNI_PAYLOAD_MAX`` (the largest value's out-of-band bytes, default ``64GiB``: larger values
+are refused with `PayloadTooLarge`), ``OMNI_PAYLOAD_POOL`` (segment bytes kept for reuse,
+default ``1GiB``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from omni._shm import shm_directory
+from omni._units import parse_size
+from omni.transport.errors import TransportError, WireError
+
+__all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadTooLarge", "payload_mover"]
+
+SHM_MIN = 256 << 10  # buffers this large go through shared memory on one host
+CHUNK = 32 << 20  # the largest payload frame a buffer is split into
+POOL_MAX = 256 << 20  # larger buffers get a segment of their own, never kept
+_PAGE = mmap.PAGESIZE
+
+
+class PayloadTooLarge(TransportError):
+    """A value's out-of-band bytes exceed the ``OMNI_PAYLOAD_MAX`` setting."""
+
+
+class BufferRef(msgspec.Struct, array_like=True, frozen=True):
+    """Where one out-of-band buffer is: `frames` payload frames, or a shared-memory segment
+    (`segment`, `lease`) when `frames` is 0."""
+
+    nbytes: int
+    frames: int = 0
+    segment: str = ""
+    lease: int = 0
+
+
+@dataclass
+class _Segment:
+    name: str
+    size: int
+    mapping: mmap.mmap | None  # pooled segments stay mapped; None for a one-off large one
+    lease: int = 0  # 0 while free
+    peer: str = ""  # who holds the lease
+
+
+class PayloadMover:
+    """A process's payload movement, both as producer and as consumer (see the module doc).
+
+    Thread-safe: leases end from whichever thread drops the last array.
+    """
+
+    def __init__(self, *, shm: bool | None = None, max_bytes: int | None = None,
+                 pool_bytes: int | None = None):
+        self.shm = _env_flag("OMNI_PAYLOAD_SHM", True) if shm is None else shm
+        self.max_bytes = max_bytes if max_bytes is not None else _env_size(
+            "OMNI_PAYLOAD_MAX", "64GiB")
+        self.pool_bytes = pool_bytes if pool_bytes is not None else _env_size(
+            "OMNI_PAYLOAD_POOL", "1GiB")
+        self._prefix = f"omni-pay-{os.getpid()}-{secrets.token_hex(4)}"
+        self._names = itertools.count(1)
+        self._leases = itertools.count(1)
+        self._lock = threading.Lock()
+        self._segments: dict[str, _Segment] = {}  # ours, by name
+        self._leased: dict[int, _Segment] = {}  # ours, by lease id
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # theirs, most recent last
+        self._mapped_bytes = 0
+        self._released: dict[str, list[int]] = {}  # producer peer -> leases we ended
+        self._counts = dict.fromkeys(("shm_out", "frames_out", "shm_in", "frames_in",
+                                      "bytes_out", "bytes_in", "segments_created"), 0)
+
+    # -- producing ---------------------------------------------------------------------------
+
+    def pack(self, buffers: Sequence[memoryview], *, peer: str, same_host: bool
+             ) -> tuple[list[BufferRef], list[Any]]:
+        """The refs (for the message body) and the frames (after it) that carry `buffers` to
+        `peer`. Shared-memory leases are held for `peer` until it releases them.
+
+        Raises:
+            PayloadTooLarge: the buffers add up to more than `max_bytes`.
+        """
+        total = sum(b.nbytes for b in buffers)
+        if total > self.max_bytes:
+            raise PayloadTooLarge(f"a value of {total:,} bytes exceeds the {self.max_bytes:,}-"
+                                  "byte limit on values between processes (OMNI_PAYLOAD_MAX)")
+        refs: list[BufferRef] = []
+        frames: list[Any] = []
+        for buffer in buffers:
+            if self.shm and same_host and buffer.nbytes >= SHM_MIN:
+                refs.append(self._to_segment(buffer, peer))
+                continue
+            chunks = [buffer[i:i + CHUNK] for i in range(0, buffer.nbytes, CHUNK)] or [buffer]
+            refs.append(BufferRef(buffer.nbytes, frames=len(chunks)))
+            frames.extend(chunks)
+            self._count(frames_out=1, bytes_out=buffer.nbytes)
+        return refs, frames
+
+    def _to_segment(self, buffer: memoryview, peer: str) -> BufferRef:
+        nbytes = buffer.nbytes
+        with self._lock:
+            segment = self._free_segment(nbytes) if nbytes <= POOL_MAX else None
+            if segment is None:
+                segment = self._new_segment(nbytes)
+            lease = next(self._leases)
+            segment.lease, segment.peer = lease, peer
+            self._leased[lease] = segment
+        try:
+            if segment.mapping is not None:
+                with memoryview(segment.mapping) as view:
+                    view[:nbytes] = buffer
+            else:
+                _pwrite_all(segment.name, buffer)
+        except BaseException:
+            self.release(peer, [lease])
+            raise
+        self._count(shm_out=1, bytes_out=nbytes)
+        return BufferRef(nbytes, segment=segment.name, lease=lease)
+
+    def _free_segment(self, nbytes: int) -> _Segment | None:
+        fits = [s for s in self._segments.values()
+                if not s.lease and s.mapping is not None and nbytes <= s.size <= 2 * nbytes + _PAGE]
+        return min(fits, key=lambda s: s.size) if fits else None
+
+    def _new_segment(self, nbytes: int) -> _Segment:
+        pooled = nbytes <= POOL_MAX
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        name = f"{self._prefix}-{next(self._names)}"
+        path = shm_directory() / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if pooled else None
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        segment = self._segments[name] = _Segment(name, size, mapping)
+        self._counts["segments_created"] += 1
+        return segment
+
+    def release(self, peer: str, leases: Sequence[int]) -> None:
+        """`peer` is done with these leases: their segments may be reused (or are unlinked)."""
+        with self._lock:
+            for lease in leases:
+                segment = self._leased.get(lease)
+                if segment is None or segment.peer != peer:
+                    continue  # unknown, or not that peer's: ignore
+                del self._leased[lease]
+                segment.lease, segment.peer = 0, ""
+            self._trim()
+
+    def forget(self, peer: str) -> None:
+        """`peer` is gone: end every lease it held, and drop our mappings of its segments."""
+        with self._lock:
+            for lease in [k for k, s in self._leased.items() if s.peer == peer]:
+                segment = self._leased.pop(lease)
+                segment.lease, segment.peer = 0, ""
+            self._released.pop(peer, None)
+            self._trim()
+
+    def _trim(self) -> None:
+        """Unlink free segments beyond the pool budget (one-off large ones always)."""
+        kept = 0
+        for segment in sorted(self._segments.values(), key=lambda s: s.size):
+            if segment.lease:
+                continue
+            if segment.mapping is not None and kept + segment.size <= self.pool_bytes:
+                kept += segment.size
+                continue
+            self._unlink(segment)
+
+    def _unlink(self, segment: _Segment) -> None:
+        del self._segments[segment.name]
+        if segment.mapping is not None:
+            segment.mapping.close()
+        try:
+            os.unlink(shm_directory() / segment.name)
+        except FileNotFoundError:
+            pass
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    def unpack(self, refs: Sequence[BufferRef], frames: Sequence[Any], *, peer: str
+               ) -> list[Any]:
+        """The buffers `refs` describe (from `peer`), for `omni.transport.values.unpack_value`.
+
+        Raises:
+            WireError: the refs and the frames do not add up, or a segment cannot be mapped.
+        """
+        buffers: list[Any] = []
+        position = 0
+        for ref in refs:
+            if ref.frames:
+                chunks = frames[position:position + ref.frames]
+                position += ref.frames
+                buffers.append(_join(chunks, ref.nbytes))
+                self._count(frames_in=1, bytes_in=ref.nbytes)
+            else:
+                buffers.append(self._unpack_shm(ref, peer))
+                self._count(shm_in=1, bytes_in=ref.nbytes)
+        if position != len(frames):
+            raise WireError(f"{len(frames)} payload frames arrived for {position}")
+        return buffers
+
+    def _unpack_shm(self, ref: BufferRef, peer: str) -> Any:
+        import numpy
+
+        if not self.shm:
+            raise WireError("a value arrived in shared memory, which this process does not use "
+                            "(OMNI_PAYLOAD_SHM=0)")
+        mapping = self._map(ref)
+        # The holder exports the mapped bytes: every array, view or tensor made from them keeps
+        # it alive (NumPy collapses a view's base to the first non-array object), so the lease
+        # ends exactly when the last of them goes.
+        holder = (ctypes.c_ubyte * ref.nbytes).from_buffer(mapping)
+        weakref.finalize(holder, self._ended, peer, ref.lease)
+        return numpy.frombuffer(holder, numpy.uint8)
+
+    def _map(self, ref: BufferRef) -> mmap.mmap:
+        if not ref.segment.startswith("omni-pay-") or "/" in ref.segment:
+            raise WireError(f"not a payload segment: {ref.segment!r}")
+        with self._lock:
+            mapping = self._maps.get(ref.segment)
+            if mapping is not None and len(mapping) >= ref.nbytes:
+                self._maps.move_to_end(ref.segment)
+                return mapping
+        try:
+            fd = os.open(shm_directory() / ref.segment, os.O_RDWR)
+        except OSError as exc:
+            raise WireError(f"payload segment {ref.segment} cannot be opened: "
+                            f"{exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < ref.nbytes:
+                raise WireError(f"payload segment {ref.segment} holds {size} bytes, not "
+                                f"{ref.nbytes}")
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        finally:
+            os.close(fd)
+        if size <= POOL_MAX:
+            with self._lock:
+                self._maps[ref.segment] = mapping
+                self._mapped_bytes += size
+                while self._mapped_bytes > self.pool_bytes and len(self._maps) > 1:
+                    _, old = self._maps.popitem(last=False)  # unmapped once its arrays go
+                    self._mapped_bytes -= len(old)
+        return mapping
+
+    def _ended(self, peer: str, lease: int) -> None:
+        with self._lock:
+            self._released.setdefault(peer, []).append(lease)
+
+    def take_releases(self, peer: str) -> list[int]:
+        """The leases of `peer`'s segments that ended here since the last call."""
+        with self._lock:
+            return self._released.pop(peer, [])
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def stats(self) -> dict[str, int]:
+        """Counters, plus the segments this process owns, how many are leased, and their bytes."""
+        with self._lock:
+            return {**self._counts, "segments": len(self._segments),
+                    "leased": len(self._leased),
+                    "segment_bytes": sum(s.size for s in self._segments.values()),
+                    "mapped_bytes": self._mapped_bytes}
+
+    def close(self) -> None:
+        """Unlink every segment this process owns (arrays already mapped elsewhere stay valid)."""
+        with self._lock:
+            for segment in list(self._segments.values()):
+                self._unlink(segment)
+            self._leased.clear()
+            self._maps.clear()
+            self._mapped_bytes = 0
+
+    def __repr__(self) -> str:
+        stats = self.stats()
+        return (f"<PayloadMover shm={'on' if self.shm else 'off'} segments={stats['segments']} "
+                f"leased={stats['leased']}>")
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _join(chunks: Sequence[Any], nbytes: int) -> Any:
+    if len(chunks) == 1:
+        view = memoryview(chunks[0]).cast("B")
+        if view.nbytes != nbytes:
+            raise WireError(f"a payload frame of {view.nbytes} bytes arrived for {nbytes}")
+        return view
+    joined = bytearray(nbytes)
+    offset = 0
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if offset + view.nbytes > nbytes:
+            raise WireError(f"payload frames add up to more than {nbytes} bytes")
+        joined[offset:offset + view.nbytes] = view
+        offset += view.nbytes
+    if offset != nbytes:
+        raise WireError(f"payload frames add up to {offset} bytes, not {nbytes}")
+    return joined
+
+
+def _pwrite_all(name: str, buffer: memoryview) -> None:
+    fd = os.open(shm_directory() / name, os.O_WRONLY)
+    try:
+        offset = 0
+        while offset < buffer.nbytes:
+            offset += os.pwrite(fd, buffer[offset:offset + CHUNK], offset)
+    finally:
+        os.close(fd)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
+
+
+def _env_size(name: str, default: str) -> int:
+    value = os.environ.get(name) or default
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r}: {exc}") from None
+
+
+_mover: PayloadMover | None = None
+_mover_lock = threading.Lock()
+
+
+def payload_mover() -> PayloadMover:
+    """The process's `PayloadMover` (its segments are unlinked when the process exits)."""
+    global _mover
+    with _mover_lock:
+        if _mover is None:
+            import atexit
+
+            _mover = PayloadMover()
+            atexit.register(_mover.close)
+        return _mover

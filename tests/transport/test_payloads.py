@@ -1,0 +1,154 @@
+"""Out-of-band buffers between processes: shared memory with leases on one host, chunked
+zero-copy frames between hosts."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from omni._shm import shm_directory
+from omni.transport.errors import WireError
+from omni.transport.payloads import CHUNK, SHM_MIN, PayloadMover, PayloadTooLarge
+from omni.transport.values import pack_value, unpack_value
+
+
+@pytest.fixture
+def movers():
+    producer, consumer = PayloadMover(shm=True), PayloadMover(shm=True)
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+def send(producer: PayloadMover, consumer: PayloadMover, value, *, same_host: bool = True):
+    packed = pack_value(value)
+    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=same_host)
+    return refs, unpack_value(packed.body, consumer.unpack(refs, frames, peer="producer"))
+
+
+def segments(mover: PayloadMover) -> list[str]:
+    return [p.name for p in Path(shm_directory()).glob(f"{mover._prefix}-*")]
+
+
+def test_same_host_values_arrive_through_shared_memory_without_frames(movers) -> None:
+    producer, consumer = movers
+    array = np.random.default_rng(0).random((512, 512))
+    tensor = torch.arange(1 << 18, dtype=torch.int32)
+    refs, back = send(producer, consumer, {"a": array, "t": tensor})
+    assert [r.frames for r in refs] == [0, 0] and all(r.segment for r in refs)
+    assert (back["a"] == array).all() and torch.equal(back["t"], tensor)
+    back["a"][0, 0] = -1.0  # writable, and the producer's array is untouched
+    assert array[0, 0] != -1.0
+
+
+def test_a_lease_ends_when_the_last_view_or_tensor_goes_and_the_segment_is_reused(movers):
+    producer, consumer = movers
+    _, back = send(producer, consumer, np.ones(SHM_MIN, np.uint8))
+    view = back[10:20]
+    tensor = torch.from_numpy(back[100:])
+    del back
+    gc.collect()
+    assert consumer.take_releases("producer") == []  # a view and a tensor still hold it
+    del view
+    gc.collect()
+    assert consumer.take_releases("producer") == []
+    del tensor
+    gc.collect()
+    released = consumer.take_releases("producer")
+    assert len(released) == 1 and producer.stats()["leased"] == 1
+    producer.release("consumer", released)
+    assert producer.stats()["leased"] == 0
+    send(producer, consumer, np.zeros(SHM_MIN, np.uint8))
+    assert producer.stats()["segments_created"] == 1  # the same segment, written again
+
+
+def test_a_leased_segment_is_never_reused(movers) -> None:
+    producer, consumer = movers
+    _, first = send(producer, consumer, np.full(SHM_MIN, 1, np.uint8))
+    _, second = send(producer, consumer, np.full(SHM_MIN, 2, np.uint8))
+    assert (first == 1).all() and (second == 2).all()
+    assert producer.stats()["segments_created"] == 2
+
+
+def test_a_release_from_another_peer_or_an_unknown_lease_is_ignored(movers) -> None:
+    producer, consumer = movers
+    refs, back = send(producer, consumer, np.ones(SHM_MIN, np.uint8))
+    producer.release("someone else", [refs[0].lease])
+    producer.release("consumer", [12345])
+    assert producer.stats()["leased"] == 1
+    producer.forget("consumer")  # the consumer is gone: its leases end
+    assert producer.stats()["leased"] == 0
+    del back
+
+
+def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monkeypatch):
+    producer, consumer = movers
+    monkeypatch.setattr("omni.transport.payloads.POOL_MAX", SHM_MIN)
+    refs, back = send(producer, consumer, np.arange(SHM_MIN, dtype=np.uint16))
+    assert (back == np.arange(SHM_MIN, dtype=np.uint16)).all()
+    assert len(segments(producer)) == 1
+    del back
+    gc.collect()
+    producer.release("consumer", consumer.take_releases("producer"))
+    assert segments(producer) == []
+
+
+def test_between_hosts_buffers_go_as_chunked_frames_with_no_size_cap(movers) -> None:
+    producer, consumer = movers
+    array = np.arange(CHUNK // 8 * 2 + 5, dtype=np.float64)  # three chunks
+    packed = pack_value(array)
+    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=False)
+    assert refs[0].frames == 3 and len(frames) == 3
+    assert all(memoryview(f).nbytes <= CHUNK for f in frames)
+    back = unpack_value(packed.body, consumer.unpack(refs, frames, peer="producer"))
+    assert (back == array).all()
+    assert segments(producer) == []
+
+
+def test_with_shared_memory_off_everything_goes_as_frames() -> None:
+    producer = PayloadMover(shm=False)
+    packed = pack_value(np.ones(SHM_MIN * 2, np.uint8))
+    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=True)
+    assert refs[0].frames == 1 and producer.stats()["segments"] == 0
+
+
+def test_frames_that_do_not_add_up_are_a_wire_error(movers) -> None:
+    producer, consumer = movers
+    packed = pack_value(np.ones(SHM_MIN, np.uint8))
+    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=False)
+    with pytest.raises(WireError):
+        consumer.unpack(refs, [frames[0][:-1]], peer="producer")
+    with pytest.raises(WireError):
+        consumer.unpack(refs, [*frames, b"extra"], peer="producer")
+
+
+def test_a_segment_name_from_outside_the_pool_is_refused(movers) -> None:
+    _, consumer = movers
+    from omni.transport.payloads import BufferRef
+
+    for name in ("../etc/passwd", "omni-pay-1/../../x", "omni-123-host"):
+        with pytest.raises(WireError):
+            consumer.unpack([BufferRef(16, segment=name, lease=1)], [], peer="producer")
+
+
+def test_a_value_over_the_limit_is_refused_with_the_setting_named() -> None:
+    producer = PayloadMover(shm=True, max_bytes=1 << 20)
+    packed = pack_value(np.zeros(1 << 19))
+    with pytest.raises(PayloadTooLarge, match="OMNI_PAYLOAD_MAX"):
+        producer.pack(packed.buffers, peer="consumer", same_host=True)
+    producer.close()
+
+
+def test_close_unlinks_every_segment_and_mapped_arrays_stay_valid(movers) -> None:
+    producer, consumer = movers
+    _, back = send(producer, consumer, np.full(SHM_MIN, 7, np.uint8))
+    assert segments(producer)
+    producer.close()
+    assert segments(producer) == []
+    assert (back == 7).all()
+    assert not any(name.startswith(producer._prefix) for name in os.listdir(shm_directory()))
