@@ -17,10 +17,12 @@ run in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,7 @@ from omni.graph.remote import (
     split_items,
     unpack_from,
 )
+from omni.transport._host import host_id, ipc_directory, ipc_enabled
 from omni.transport.cluster import (
     HEARTBEAT_S,
     ClientSet,
@@ -47,9 +50,9 @@ from omni.transport.cluster import (
     MemberInfo,
     MemberLoad,
     Roster,
+    endpoint_for,
 )
 from omni.transport.credentials import Credentials
-from omni.transport._host import host_id
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
 from omni.transport.values import decode_value
@@ -161,7 +164,8 @@ class Worker:
         self._kv_events = ""
         self._kv_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
-        self._server: RPCServer | None = None
+        self._servers: list[RPCServer] = []
+        self.ipc = ""
         self.peers: Any = None  # the PeerFetcher, once the store exists
         self.directory: Any = None
         self._stopping = trio.Event()
@@ -178,20 +182,22 @@ class Worker:
         Raises:
             ClusterError: the head refused the registration.
         """
-        server = self._server = RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
-                                          options=self.creds.server_options())
-        server.register("node.deploy", self._deploy, body_type=Deploy)
-        server.register("node.undeploy", self._undeploy, body_type=tuple[str, int])
-        server.register("node.call", self._call, body_type=CallHead, with_payload=True)
-        server.register("node.next", self._next, body_type=tuple[int, int])
-        server.register("node.close", self._close_stream, body_type=int)
-        server.register("node.feed", self._feed, body_type=Feed, with_payload=True)
-        server.register("node.renew", self._renew, body_type=Renew)
-        server.register("worker.load", self._load_rpc, body_type=Any)
+        # TCP with CURVE for everyone; ipc:// in a 0700 folder for processes of this host.
+        self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
+                                   options=self.creds.server_options())]
+        if ipc_enabled():
+            path = ipc_directory() / f"w-{os.getpid()}-{secrets.token_hex(4)}.sock"
+            self._servers.append(RPCServer(f"ipc://{path}", ctx=self.creds.ctx))
+        for server in self._servers:
+            self._register(server)
         try:
-            async with server, trio.open_nursery() as nursery:
+            async with contextlib.AsyncExitStack() as stack:
+                for server in self._servers:
+                    await stack.enter_async_context(server)
+                nursery = await stack.enter_async_context(trio.open_nursery())
                 self._nursery = nursery
-                self.endpoint = server.endpoint
+                self.endpoint = self._servers[0].endpoint
+                self.ipc = self._servers[1].endpoint if len(self._servers) > 1 else ""
                 self.link = HeadLink(self.creds, self.head, self.info, self.load,
                                      heartbeat_interval=self.heartbeat_interval)
                 await nursery.start(self.link.run)
@@ -208,9 +214,19 @@ class Worker:
             if self.kv is not None:
                 self.kv.close()
 
+    def _register(self, server: RPCServer) -> None:
+        server.register("node.deploy", self._deploy, body_type=Deploy)
+        server.register("node.undeploy", self._undeploy, body_type=tuple[str, int])
+        server.register("node.call", self._call, body_type=CallHead, with_payload=True)
+        server.register("node.next", self._next, body_type=tuple[int, int])
+        server.register("node.close", self._close_stream, body_type=int)
+        server.register("node.feed", self._feed, body_type=Feed, with_payload=True)
+        server.register("node.renew", self._renew, body_type=Renew)
+        server.register("worker.load", self._load_rpc, body_type=Any)
+
     def info(self) -> MemberInfo:
         return MemberInfo(self.name, self.endpoint or "", host_id(), os.getpid(),
-                          self.resources, self.kv_tiers.capacity(), self._kv_events)
+                          self.resources, self.kv_tiers.capacity(), self._kv_events, self.ipc)
 
     def load(self) -> MemberLoad:
         deployments = {f"{d}/{r}": (h.node, h.resources) for (d, r), h in self._hosted.items()}
@@ -470,12 +486,13 @@ class Worker:
         from omni.transport.kv_directory import KVDirectory, KVPublisher, request_snapshot
         from omni.transport.kv_peers import PeerFetcher, serve_kv
 
-        assert self._server is not None and self.link is not None
+        assert self._servers and self.link is not None
         publisher = KVPublisher(self.kv, self.name, self.creds, bind=f"tcp://{self.host}:*")
         async with publisher, trio.open_nursery() as nursery:
             clients = ClientSet(self.creds, nursery, heartbeat_interval=self.heartbeat_interval)
-            publisher.register(self._server)
-            serve_kv(self._server, self.kv)
+            for server in self._servers:
+                publisher.register(server)
+                serve_kv(server, self.kv)
             self._kv_events = publisher.endpoint
 
             async def snapshot(member: str) -> Any:
@@ -500,12 +517,12 @@ class Worker:
         store; a worker that restarted (new endpoints) is connected again."""
         peers = {n: v for n, v in members.items() if n != self.name and v.info.kv_events}
         for name in clients.names():
-            if name not in peers or peers[name].info.rpc != clients.get(name).endpoint:
+            if name not in peers or endpoint_for(peers[name].info) != clients.get(name).endpoint:
                 directory.remove_member(name)
                 clients.drop(name)
         for name, view in peers.items():
             if clients.get(name) is None:
-                await clients.connect(name, view.info.rpc)
+                await clients.connect(name, endpoint_for(view.info))
                 directory.add_member(name, view.info.kv_events)
 
     def __repr__(self) -> str:

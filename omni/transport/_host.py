@@ -6,10 +6,13 @@ import functools
 import hashlib
 import os
 import socket
+import stat
+import tempfile
+from pathlib import Path
 
 from omni._shm import shm_directory
 
-__all__ = ["host_id"]
+__all__ = ["host_id", "ipc_directory", "ipc_enabled"]
 
 
 def _read_first_line(path: str) -> str:
@@ -37,3 +40,26 @@ def host_id() -> str:
     except OSError:
         parts.append("")
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def ipc_enabled() -> bool:
+    """Whether processes of one host talk over ipc:// sockets (``OMNI_IPC=0`` turns it off)."""
+    return os.environ.get("OMNI_IPC", "").strip().lower() not in ("0", "false", "no", "off")
+
+
+def ipc_directory() -> Path:
+    """The folder of this user's ipc:// sockets: private (0700), so that only this user's
+    processes can connect to them.
+
+    Raises:
+        PermissionError: the folder exists but is not a directory this user owns, or others
+            can enter it.
+    """
+    folder = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / \
+        f"omni-ipc-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be a directory of this user's that others cannot "
+                              "enter (0700)")
+    return folder

@@ -89,7 +89,7 @@ def test_a_release_from_another_peer_or_an_unknown_lease_is_ignored(movers) -> N
 def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monkeypatch):
     producer, consumer = movers
     monkeypatch.setattr("omni.transport.payloads.POOL_MAX", SHM_MIN)
-    refs, back = send(producer, consumer, np.arange(SHM_MIN, dtype=np.uint16))
+    _, back = send(producer, consumer, np.arange(SHM_MIN, dtype=np.uint16))
     assert (back == np.arange(SHM_MIN, dtype=np.uint16)).all()
     assert len(segments(producer)) == 1
     del back
@@ -113,7 +113,7 @@ def test_between_hosts_buffers_go_as_chunked_frames_with_no_size_cap(movers) -> 
 def test_with_shared_memory_off_everything_goes_as_frames() -> None:
     producer = PayloadMover(shm=False)
     packed = pack_value(np.ones(SHM_MIN * 2, np.uint8))
-    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=True)
+    refs, _ = producer.pack(packed.buffers, peer="consumer", same_host=True)
     assert refs[0].frames == 1 and producer.stats()["segments"] == 0
 
 

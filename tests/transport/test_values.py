@@ -93,8 +93,9 @@ def test_strides_dtype_and_the_read_only_flag_are_kept() -> None:
     base = np.arange(24, dtype=np.float64).reshape(2, 3, 4)
     frozen = np.arange(6, dtype=np.uint8)
     frozen.setflags(write=False)
-    values = [np.asfortranarray(base), base.transpose(2, 0, 1), torch.arange(12.0).reshape(3, 4).t(),
-              frozen, base[:, ::2], torch.arange(24).reshape(2, 3, 4).permute(1, 2, 0)]
+    values = [np.asfortranarray(base), base.transpose(2, 0, 1),
+              torch.arange(12.0).reshape(3, 4).t(), frozen, base[:, ::2],
+              torch.arange(24).reshape(2, 3, 4).permute(1, 2, 0)]
     back = decode_value(encode_value(values))
     assert back[0].flags.f_contiguous and (back[0] == base).all()
     assert back[1].strides == values[1].strides and (back[1] == values[1]).all()
