@@ -19,7 +19,8 @@ keep their mappings of a producer's segments. Larger buffers get a segment of th
 written with pwrite (the producer never maps it, so its memory does not grow) and unlinked
 when the lease ends.
 
-Settings (environment): ``OMNI_PAYLOAD_SHM`` (``0`` turns the shared-memory path off),
+Settings (environment): ``OMNI_PAYLOAD_SHM`` (``0``: this process sends every buffer as frames,
+as between hosts; it still maps what others send it through shared memory),
 ``OMNI_PAYLOAD_MAX`` (the largest value's out-of-band bytes, default ``64GiB``: larger values
 are refused with `PayloadTooLarge`), ``OMNI_PAYLOAD_POOL`` (segment bytes kept for reuse,
 default ``1GiB``).
@@ -238,9 +239,6 @@ class PayloadMover:
     def _unpack_shm(self, ref: BufferRef, peer: str) -> Any:
         import numpy
 
-        if not self.shm:
-            raise WireError("a value arrived in shared memory, which this process does not use "
-                            "(OMNI_PAYLOAD_SHM=0)")
         mapping = self._map(ref)
         # The holder exports the mapped bytes: every array, view or tensor made from them keeps
         # it alive (NumPy collapses a view's base to the first non-array object), so the lease

@@ -37,8 +37,8 @@ import msgspec
 
 from omni.transport.errors import WireError
 
-__all__ = ["OOB_MIN", "Packed", "TypeRegistry", "decode_value", "encode_value", "pack_value",
-           "types", "unpack_value"]
+__all__ = ["OOB_MIN", "Packed", "TypeRegistry", "cannot_travel", "decode_value", "encode_value",
+           "pack_value", "types", "unpack_value"]
 
 OOB_MIN = 64 << 10  # arrays this large go out of band (pyzmq copies smaller frames anyway)
 
@@ -254,6 +254,66 @@ def encode_value(value: Any) -> bytes:
     """`value` as one self-contained body (arrays inline). Raises `TypeError` like
     `pack_value`."""
     return pack_value(value, oob_min=None).body
+
+
+def cannot_travel(annotation: Any) -> str | None:
+    """Why a value annotated `annotation` cannot travel between processes, or None if it can
+    (or may: ``Any`` and unannotated values are checked when they are sent).
+
+    Plain data, containers of what can travel, dataclasses, Structs, enums, tensors, arrays and
+    async iterators of what can travel can; so can a plain class whose subclasses are
+    dataclasses or Structs (a base of the values actually sent). Callables, and classes that
+    are none of these, cannot.
+    """
+    import collections.abc as abc
+    import typing
+
+    if annotation is Any or annotation is None or annotation is type(None) \
+            or isinstance(annotation, (str, typing.TypeVar)):
+        return None
+    origin = typing.get_origin(annotation)
+    if origin is not None:
+        if origin is abc.Callable:
+            return f"{_type_name(annotation)} is a callable"
+        if origin is typing.Literal:
+            return None
+        for arg in typing.get_args(annotation):
+            if arg is not Ellipsis and (reason := cannot_travel(arg)) is not None:
+                return reason
+        return None
+    if not isinstance(annotation, type):
+        return None  # e.g. a NewType or a string left unresolved: checked when sent
+    if annotation in _SCALARS or annotation in (list, dict, tuple, set, frozenset, object):
+        return None
+    if issubclass(annotation, (abc.AsyncIterator, abc.AsyncIterable, enum.Enum, msgspec.Struct)):
+        return None
+    if dataclasses.is_dataclass(annotation):
+        if "<locals>" in annotation.__qualname__:
+            return f"{annotation.__qualname__} is defined inside a function"
+        return None
+    module = annotation.__module__.split(".")[0]
+    if module in ("torch", "numpy") and annotation.__name__ in ("Tensor", "ndarray"):
+        return None
+    if any(dataclasses.is_dataclass(c) or issubclass(c, msgspec.Struct)
+           for c in _subclasses(annotation)):
+        return None
+    return (f"{_type_name(annotation)} is not plain data, a container, a dataclass, a msgspec "
+            "Struct, an enum, a tensor or a numpy array")
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        found.append(sub)
+        todo.extend(sub.__subclasses__())
+    return found
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__qualname__
+    return str(annotation).replace("typing.", "")
 
 
 # -- decoding --------------------------------------------------------------------------------

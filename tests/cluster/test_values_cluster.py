@@ -1,0 +1,85 @@
+"""Values cross to workers as they are, and large ones move like KV pages: through shared
+memory on one host, as chunked frames between hosts, with no size cap but the setting's."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+import omni
+from omni._shm import shm_directory
+from omni.transport.payloads import payload_mover
+from tests.cluster import value_nodes as v
+from tests.cluster.conftest import Cluster
+
+
+def leased() -> int:
+    return payload_mover().stats()["leased"]
+
+
+async def test_dataclasses_tensors_and_streams_arrive_as_they_left(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    frame = v.Frame(3, np.arange(12, dtype=np.int32).reshape(3, 4), ("x", "y"))
+    latent = torch.arange(24.0).reshape(4, 6).t()  # not contiguous: strides are kept
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        out = await rt.run(v.Inspect(), frame=frame, latent=latent)
+        assert out["types"] == ("Frame", "tuple")
+        assert type(out["frame"]) is v.Frame and out["frame"].tags == ("x", "y")
+        assert (out["frame"].pixels == frame.pixels).all()
+        assert out["stride"] == latent.stride() == out["latent"].stride()
+        assert torch.equal(out["latent"], latent)
+        totals = [item async for _, item in rt.stream(v.tally, count=5)]
+        assert totals == [sum(i * 256 * 256 for i in range(k + 1)) for k in range(5)]
+
+
+async def test_values_past_the_old_frame_limit_cross_both_ways(cluster: Cluster,
+                                                            monkeypatch) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    big = np.random.default_rng(0).integers(0, 255, (64 << 20) + 4096, dtype=np.uint8)
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        back = await rt.run(v.Echo(), value=big)  # through shared memory, both ways
+        assert np.array_equal(back, big)
+        assert payload_mover().stats()["shm_in"] >= 1 and leased() >= 1
+        del back
+        gc.collect()
+        with trio.fail_after(30):  # the worker's reply or renewal brings the lease back
+            while leased():
+                await rt.run(v.Echo(), value=np.zeros(4))
+                await trio.sleep(0.1)
+        monkeypatch.setattr(payload_mover(), "shm", False)  # as between hosts: frames
+        frames_out = payload_mover().stats()["frames_out"]
+        back = await rt.run(v.Echo(), value=big)
+        assert np.array_equal(back, big)
+        assert payload_mover().stats()["frames_out"] == frames_out + 1
+
+
+async def test_a_node_whose_values_cannot_cross_is_refused_at_deploy(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        with pytest.raises(omni.NodeError) as caught:
+            await rt.deploy(v.TakesACallback())
+        message = str(caught.value)
+        assert "TakesACallback" in message and "parameter 'on_done'" in message
+        assert "callable" in message
+
+
+async def test_a_worker_stopped_by_sigterm_leaves_no_payload_segment(cluster: Cluster) -> None:
+    cluster.head()
+    worker = cluster.worker("w1")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        kept = await rt.run(v.Echo(), value=np.ones(1 << 20))  # held: its lease stays open
+        theirs = f"omni-pay-{worker.popen.pid}-"
+        assert [p for p in os.listdir(shm_directory()) if p.startswith(theirs)]
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(30) == 0
+        assert not [p for p in os.listdir(shm_directory()) if p.startswith(theirs)]
+        assert kept.sum() == 1 << 20  # what arrived stays valid after its producer left

@@ -1,0 +1,63 @@
+"""Nodes whose values test what crosses to a worker (the workers load this file's code)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import torch
+
+import omni
+from omni.transport.payloads import payload_mover
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    index: int
+    pixels: np.ndarray
+    tags: tuple[str, ...]
+
+
+@omni.node
+class Inspect:
+    """Returns what it was given, and how it arrived."""
+
+    async def __call__(self, frame: Frame, latent: torch.Tensor) -> dict:
+        return {"frame": frame, "latent": latent, "types": (type(frame).__name__,
+                                                            type(frame.tags).__name__),
+                "stride": latent.stride(), "worker_stats": payload_mover().stats()}
+
+
+@omni.node
+class Echo:
+    async def __call__(self, value: np.ndarray) -> np.ndarray:
+        return value
+
+
+@omni.node
+class Tally:
+    """Consumes a stream argument item by item and streams running totals back."""
+
+    async def __call__(self, items: AsyncIterator[Frame]) -> AsyncIterator[int]:
+        total = 0
+        async for item in items:
+            total += int(item.pixels.sum())
+            yield total
+
+
+@omni.node
+async def frames(count: int) -> AsyncIterator[Frame]:
+    for i in range(count):
+        yield Frame(i, np.full((256, 256), i, np.int64), ("a", str(i)))
+
+
+@omni.graph
+def tally(count: int):
+    return Tally()(frames(count))
+
+
+@omni.node
+class TakesACallback:
+    async def __call__(self, on_done: Callable[[int], None]) -> int:
+        return 0
