@@ -68,7 +68,7 @@ from perf._common import (
     profile_report,
     write_json,
 )
-from perf._procs import CliProcess
+from perf._procs import CliProcess, wait_members
 
 __all__ = ["Params", "lru_model", "main", "measure"]
 
@@ -77,6 +77,7 @@ HIT_RATE_TARGET = 2.0  # kv_aware hit rate / round_robin hit rate, at least
 THROUGHPUT_TARGET = 1.0  # kv_aware requests/s / round_robin requests/s, at least
 POLICIES = ("kv_aware", "round_robin")
 WORKERS = ("w1", "w2")
+SPREAD_S = 60.0  # at most this long for the driver to move replicas to a worker that rejoined
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,8 @@ def cluster(params: Params, folder: Path) -> Iterator[tuple[str, list[CliProcess
                                 "--no-kv-fetch"], ROOT, env))
         for proc in procs[1:]:
             proc.wait_line(r"joined .* as")
+        wait_members(address, token, dict(zip(WORKERS, procs[1:], strict=True)), cwd=ROOT,
+                     env=env)
         yield address, procs
     finally:
         for proc in reversed(procs):  # workers first, then the head
@@ -301,15 +304,11 @@ async def drive(params: Params, address: str, token_file: str,
     pools = {"kv_aware": nodes.ChatKVAware(seed=params.seed),
              "round_robin": nodes.ChatRoundRobin(seed=params.seed)}
     phases: list[Phase] = []
-    async with omni.Runtime(cluster=address, token_file=token_file,
-                            kv=nodes.kv_layout()) as rt:
+    async with omni.Runtime(cluster=address, token_file=token_file, kv=nodes.kv_layout(),
+                            min_workers=len(WORKERS)) as rt:
         for node in pools.values():
             await rt.deploy(node)
-        placement = {policy: [r.member for r in rt.pool_for(node).replicas]
-                     for policy, node in pools.items()}
-        for policy, members in placement.items():
-            if sorted(members) != sorted(WORKERS):
-                raise RuntimeError(f"{policy}'s replicas are on {members}, not one per worker")
+        placement = await spread_placement(rt, pools)
         for policy, node in pools.items():
             await run_phase(rt, node, policy, f"warmup-{policy}",
                             phase_requests(params, "warmup", policy, params.warmup_users),
@@ -331,6 +330,28 @@ async def drive(params: Params, address: str, token_file: str,
                 profiler.disable()
     return {"phases": phases, "placement": placement,
             "loadavg": [[round(x, 2) for x in load_before], [round(x, 2) for x in load_after]]}
+
+
+async def spread_placement(rt: omni.Runtime, pools: dict[str, Any]) -> dict[str, list[str]]:
+    """Each pool's workers, once each has one replica per worker. The head spreads a pool's
+    replicas over the members; should a worker have dropped out for a moment while they were
+    placed, the driver moves a replica to it when it is back: wait for that (`SPREAD_S`).
+
+    Raises:
+        RuntimeError: a pool is still not one replica per worker after `SPREAD_S` seconds.
+    """
+    def placement() -> dict[str, list[str]]:
+        return {policy: [r.member for r in rt.pool_for(node).replicas]
+                for policy, node in pools.items()}
+
+    with trio.move_on_after(SPREAD_S):
+        while any(sorted(m) != sorted(WORKERS) for m in placement().values()):
+            await trio.sleep(0.1)
+    for policy, members in placement().items():
+        if sorted(members) != sorted(WORKERS):
+            raise RuntimeError(f"{policy}'s replicas are on {members}, not one per worker "
+                               f"(after {SPREAD_S:g} s)")
+    return placement()
 
 
 def measure(params: Params, profiler: cProfile.Profile | None = None) -> dict[str, Any]:

@@ -6,7 +6,12 @@ straight from the driver to the worker hosting the replica; the head is never on
 
 It also keeps the replicas: a replica whose worker stops answering is marked dead at once (calls
 on it fail with `WorkerLost`, retried elsewhere for nodes with ``retries``), and a repair task
-places a replacement, on the same worker when it rejoins or on another with room. For
+places a replacement, on the same worker when it rejoins or on another with room. The head
+spreads a node's replicas over the workers; when a worker joins (or rejoins) while another
+hosts two or more replicas of a node and it hosts none, the repair task moves one there: the
+new replica takes the old one's place in the pool, and the old one is undeployed once its calls
+in flight are done (none fails for the move). ``min_workers`` makes the first placement wait
+until that many workers are members. For
 ``balance="kv_aware"`` it follows the workers' KV events in a `KVDirectory` and binds the pool's
 balancer to it, with the call's page keys from the node class's ``kv_keys`` static method.
 """
@@ -18,6 +23,8 @@ import itertools
 import logging
 import os
 import secrets
+from collections import Counter
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +32,10 @@ import msgspec
 import trio
 
 from omni.graph._code import code_ref
-from omni.graph.balance import CallInfo, Pool
+from omni.graph.balance import CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
-from omni.graph.remote import Deploy, RemoteReplica
+from omni.graph.remote import Deploy, RemoteReplica, Renew
+from omni.transport._host import host_id
 from omni.transport.cluster import (
     HEARTBEAT_S,
     ClientSet,
@@ -36,12 +44,14 @@ from omni.transport.cluster import (
     PlaceRequest,
     Roster,
     check_address,
+    endpoint_for,
     probe,
 )
 from omni.transport.credentials import Credentials
 from omni.transport.errors import RPCError, TransportError
+from omni.transport.payloads import payload_mover
 from omni.transport.rpc import RPCClient
-from omni.transport.values import encode_value
+from omni.transport.values import cannot_travel, encode_value
 
 __all__ = ["ClusterLink", "default_token_path"]
 
@@ -61,12 +71,59 @@ def default_token_path() -> Path:
 
 
 class _Placed:
-    """A pool whose replicas live on workers, with what it takes to rebuild one."""
+    """A pool whose replicas live on workers, with what it takes to rebuild one. `settled`:
+    the members (name, pid) for which the head found no room to spread it further, so that
+    the repair task asks again only once the members change."""
 
     def __init__(self, pool: Pool, node: Any, deployment: str):
         self.pool = pool
         self.node = node
         self.deployment = deployment
+        self.settled: frozenset[tuple[str, int]] | None = None
+
+
+class _Tracked(RemoteReplica):
+    """A remote replica that counts its calls in flight. Why: a replica moved to another
+    worker leaves the pool at once, but calls that already hold it run on; it may be
+    undeployed only once they are done (`wait_idle`), and the pool's counters are per slot,
+    shared by the old instance and the new one, so they cannot tell."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.num_calls = 0
+        self._idle = trio.lowlevel.ParkingLot()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = super().__call__(*args, **kwargs)
+        return self._counted_stream(call) if self.streaming else self._counted_call(call)
+
+    async def _counted_call(self, call: Any) -> Any:
+        self.num_calls += 1
+        try:
+            return await call
+        finally:
+            self._left()
+
+    async def _counted_stream(self, stream: Any) -> Any:
+        self.num_calls += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            try:
+                await stream.aclose()
+            finally:
+                self._left()
+
+    def _left(self) -> None:
+        self.num_calls -= 1
+        if self.num_calls == 0:
+            self._idle.unpark_all()
+
+    async def wait_idle(self) -> None:
+        """Return once no call is in flight on this replica."""
+        while self.num_calls:
+            await self._idle.park()
 
 
 class ClusterLink:
@@ -77,16 +134,26 @@ class ClusterLink:
         token_file: the cluster's token file (default: `default_token_path`).
         kv_layout: the `KVLayout` the workers' stores use for this driver's nodes, or None.
         wait_for_workers: seconds a deployment waits for workers to join before failing.
+        min_workers: workers that must be members before the first replica is placed (within
+            `wait_for_workers`), so that the first deployments spread over all of them.
+
+    Raises:
+        ValueError: `min_workers` is negative.
     """
 
     def __init__(self, address: str, *, token_file: str | os.PathLike[str] | None = None,
-                 kv_layout: Any = None, wait_for_workers: float = 10.0,
+                 kv_layout: Any = None, wait_for_workers: float = 10.0, min_workers: int = 0,
                  heartbeat_interval: float = HEARTBEAT_S):
+        if min_workers < 0:
+            raise ValueError(f"min_workers must be >= 0, got {min_workers!r}")
         self.address = check_address(address)
         self.token_file = Path(token_file) if token_file is not None else default_token_path()
         self.kv_layout = kv_layout
         self.wait_for_workers = wait_for_workers
+        self.min_workers = min_workers
         self.heartbeat_interval = heartbeat_interval
+        self._num_members = 0  # as last counted while waiting for `min_workers`
+        self._retiring: list[_Tracked] = []  # moved out of their pools, draining
         self.directory: Any = None
         self.session = secrets.token_hex(4)
         self._deployments = itertools.count(1)
@@ -96,6 +163,8 @@ class ClusterLink:
         self._roster: Roster | None = None
         self._creds: Credentials | None = None
         self._stopping = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.mover = payload_mover()
 
     def stop(self) -> None:
         """End `run`: it undeploys this driver's replicas (for at most 2 s), then returns."""
@@ -116,6 +185,7 @@ class ClusterLink:
             head = RPCClient(self.address, ctx=creds.ctx, options=creds.client_options(),
                              heartbeat_interval=self.heartbeat_interval, timeout=10.0)
             async with head, trio.open_nursery() as nursery:
+                self._nursery = nursery
                 self._head = head
                 self._clients = ClientSet(creds, nursery,
                                           heartbeat_interval=self.heartbeat_interval)
@@ -137,6 +207,7 @@ class ClusterLink:
 
     async def deploy(self, node: Any) -> Pool:
         """Place and build `node`'s replicas on workers; the pool that calls them."""
+        _check_travels(node)
         deployment = f"{self.session}-{next(self._deployments)}-{node.name}"
         replicas = [await self._place_one(node, deployment, i)
                     for i in range(node.options.replicas)]
@@ -150,27 +221,37 @@ class ClusterLink:
         self._placed.append(_Placed(pool, node, deployment))
         return pool
 
-    async def _place_one(self, node: Any, deployment: str, replica: int) -> RemoteReplica:
+    async def _place_one(self, node: Any, deployment: str, replica: int, *,
+                         avoid: Collection[str] = ()) -> _Tracked:
+        """Have the head place replica `replica` (on none of `avoid`) and build it there."""
         assert self._head is not None and self._clients is not None
-        request = PlaceRequest(f"{deployment}#{replica}", node.name, 1,
-                               dict(node.options.resources or {}), node.options.where)
+        avoid = set(avoid) | self._retiring_on(deployment, replica)
+        request = PlaceRequest(deployment, node.name, 1, dict(node.options.resources or {}),
+                               node.options.where, first_replica=replica,
+                               avoid=tuple(sorted(avoid)))
         member = await self._placement(node, request)
-        client = await self._clients.connect(member.name, member.rpc)
+        client = await self._clients.connect(member.name, endpoint_for(member))
         body = Deploy(deployment, replica, node.name, code_ref(node.target),
                       encode_value([list(node.init_args), node.init_kwargs]),
-                      dict(node.options.resources or {}), self.session, self._layout_spec())
+                      dict(node.options.resources or {}), self.session, self._layout_spec(),
+                      host_id())
         try:
             await client.call("node.deploy", body, timeout=120.0)
         except RPCError as exc:
             raise NodeError(node.name, "startup", ClusterError(
                 f"{exc.remote_type}: {exc.remote_message} (on worker '{member.name}')")) \
                 from None
-        return RemoteReplica(member.name, client, deployment, replica, node.streaming)
+        assert self._nursery is not None
+        return _Tracked(member.name, client, deployment, replica, node.streaming,
+                        mover=self.mover, same_host=member.host_id == host_id(),
+                        session=self.session, nursery=self._nursery)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
-        """The worker the head picks, waiting up to `wait_for_workers` for one to join."""
+        """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,
+        before the first placement, for `min_workers` to)."""
         assert self._head is not None
         with trio.move_on_after(self.wait_for_workers):
+            await self._wait_min_workers()
             while True:
                 try:
                     (member,) = await self._head.call("cluster.place", request,
@@ -181,9 +262,25 @@ class ClusterLink:
                         raise NodeError(node.name, "startup",
                                         ClusterError(exc.remote_message)) from None
                 await trio.sleep(self.heartbeat_interval)
+        if self._num_members < self.min_workers:
+            raise NodeError(node.name, "startup", ClusterError(
+                f"only {self._num_members} of the {self.min_workers} workers asked for "
+                f"(min_workers) joined the cluster at {self.address} within "
+                f"{self.wait_for_workers:g} s"))
         raise NodeError(node.name, "startup", ClusterError(
             f"no worker joined the cluster at {self.address} within "
             f"{self.wait_for_workers:g} s"))
+
+    async def _wait_min_workers(self) -> None:
+        """Until the head has `min_workers` members; from then on (repairs) it never waits."""
+        assert self._roster is not None
+        while self._num_members < self.min_workers:
+            try:
+                self._num_members = len(await self._roster.refresh())
+            except TransportError:
+                pass  # the head does not answer yet: ask again
+            if self._num_members < self.min_workers:
+                await trio.sleep(self.heartbeat_interval)
 
     def _layout_spec(self) -> dict[str, Any] | None:
         if self.kv_layout is None:
@@ -191,47 +288,102 @@ class ClusterLink:
         return msgspec.structs.asdict(self.kv_layout.to_spec())
 
     async def _undeploy_all(self) -> None:
-        for placed in self._placed:
-            for replica in placed.pool.replicas:
-                proxy = replica.instance
-                if proxy.alive:
-                    try:
-                        await proxy.client.call("node.undeploy", [proxy.deployment,
-                                                                  proxy.replica], timeout=1.0)
-                    except TransportError:
-                        pass  # the worker drops replicas of drivers that are gone anyway
+        proxies = [r.instance for p in self._placed for r in p.pool.replicas]
+        for proxy in [*proxies, *self._retiring]:
+            if proxy.alive:
+                try:
+                    await proxy.client.call("node.undeploy", [proxy.deployment,
+                                                              proxy.replica], timeout=1.0)
+                except TransportError:
+                    pass  # the worker drops replicas of drivers that are gone anyway
 
     # -- keeping replicas --------------------------------------------------------------------
 
     async def _repair(self) -> None:
-        """Replace replicas whose worker is gone, as soon as the head can place them."""
-        while True:
-            await trio.sleep(REPAIR_S)
-            for placed in self._placed:
-                for replica in placed.pool.replicas:
-                    if replica.alive:
-                        continue
-                    try:
-                        proxy = await self._place_one(placed.node, placed.deployment,
-                                                      replica.index)
-                    except (NodeError, TransportError) as exc:
-                        log.debug("cannot replace %s yet: %s", replica.instance, exc)
-                        continue
-                    log.info("replica %d of '%s' now on worker '%s'", replica.index,
-                             placed.node.name, proxy.member)
-                    placed.pool.replace(replica.index, proxy)
+        """Replace replicas whose worker is gone, as soon as the head can place them; spread
+        replicas crowded on one worker to workers that joined (`_rebalance`). Moved replicas
+        drain in this task's nursery."""
+        async with trio.open_nursery() as draining:
+            while not self._stopping.is_set():
+                await trio.sleep(REPAIR_S)
+                for placed in list(self._placed):
+                    if self._stopping.is_set():
+                        break
+                    await self._replace_dead(placed)
+                    await self._rebalance(placed, draining)
+
+    async def _replace_dead(self, placed: _Placed) -> None:
+        for replica in placed.pool.replicas:
+            if replica.alive:
+                continue
+            try:
+                proxy = await self._place_one(placed.node, placed.deployment, replica.index)
+            except (NodeError, TransportError) as exc:
+                log.debug("cannot replace %s yet: %s", replica.instance, exc)
+                continue
+            log.info("replica %d of '%s' now on worker '%s'", replica.index,
+                     placed.node.name, proxy.member)
+            placed.pool.replace(replica.index, proxy)
+
+    async def _rebalance(self, placed: _Placed, draining: trio.Nursery) -> None:
+        """Move one replica off a worker crowded with `placed`'s replicas to a member that
+        hosts none, if the head finds one with room (not for nodes pinned with ``where=``)."""
+        if placed.node.options.where is not None or self._roster is None:
+            return
+        members = self._roster.members
+        identity = frozenset((name, view.info.pid) for name, view in members.items())
+        replica = _crowded(placed.pool.replicas, members)
+        if replica is None or placed.settled == identity:
+            return
+        old = replica.instance
+        avoid = {r.member for r in placed.pool.replicas if r.member is not None}
+        try:
+            new = await self._place_one(placed.node, placed.deployment, replica.index,
+                                        avoid=avoid)
+        except (NodeError, TransportError) as exc:
+            log.info("'%s' stays as it is: %s", placed.node.name, exc)
+            placed.settled = identity  # until the members change
+            return
+        placed.pool.replace(replica.index, new)
+        log.info("replica %d of '%s' moved from worker '%s' to '%s'", replica.index,
+                 placed.node.name, old.member, new.member)
+        self._retiring.append(old)
+        draining.start_soon(self._retire, old)
+
+    async def _retire(self, proxy: _Tracked) -> None:
+        """Undeploy a replica moved out of its pool once its calls in flight are done."""
+        try:
+            await proxy.wait_idle()
+            if proxy.alive:
+                try:
+                    await proxy.client.call("node.undeploy", [proxy.deployment, proxy.replica],
+                                            timeout=5.0)
+                except TransportError:
+                    pass  # the worker drops replicas of drivers that are gone anyway
+        finally:
+            self._retiring.remove(proxy)
+
+    def _retiring_on(self, deployment: str, replica: int) -> set[str]:
+        """Workers still draining replica `replica` of `deployment`: a new one placed there
+        would share its worker-side name and be undeployed with it."""
+        return {p.member for p in self._retiring
+                if p.deployment == deployment and p.replica == replica}
 
     async def _renew(self) -> None:
         """Tell the workers hosting this driver's replicas that it is still there."""
         while True:
             await trio.sleep(RENEW_S)
-            members = {r.instance.member: r.instance.client for p in self._placed
-                       for r in p.pool.replicas if r.alive}
-            for client in members.values():
+            proxies = [r.instance for p in self._placed for r in p.pool.replicas]
+            members = {proxy.member: proxy.client for proxy in [*proxies, *self._retiring]
+                       if proxy.alive}
+            for member, client in members.items():
+                released = self.mover.take_releases(member)
                 try:
-                    await client.call("node.renew", self.session, timeout=RENEW_S)
+                    ours = await client.call("node.renew", Renew(self.session, released),
+                                             timeout=RENEW_S, result_type=list[int])
                 except TransportError:
-                    pass  # a lost worker: the repair task deals with it
+                    continue  # a lost worker: the repair task deals with it
+                self.mover.release(member, ours)
 
     async def _follow_kv(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The KV directory of the workers' stores, for KV-aware balancing."""
@@ -255,7 +407,7 @@ class ClusterLink:
                 del followed[name]
             for name, view in members.items():
                 if view.info.kv_events and name not in followed:
-                    await clients.connect(name, view.info.rpc)
+                    await clients.connect(name, endpoint_for(view.info))
                     self.directory.add_member(name, view.info.kv_events)
                     followed[name] = view.info.kv_events
 
@@ -264,6 +416,32 @@ class ClusterLink:
             await on_change(self._roster.members)
             task_status.started()
             await self._roster.run(on_change)
+
+
+def _crowded(replicas: Sequence[Replica], members: Collection[str]) -> Replica | None:
+    """The replica to move when every replica is alive, a worker hosts two or more of them
+    and a member in `members` hosts none: on the most crowded worker (the last by name among
+    equals), the least loaded (the highest index among equals). None otherwise."""
+    if not replicas or not all(r.alive for r in replicas):
+        return None
+    hosts = Counter(r.member for r in replicas)
+    if not set(members) - set(hosts):
+        return None
+    crowded, count = max(hosts.items(), key=lambda item: (item[1], item[0] or ""))
+    if count < 2:
+        return None
+    return min((r for r in replicas if r.member == crowded), key=lambda r: (r.load, -r.index))
+
+
+def _check_travels(node: Any) -> None:
+    """Refuse a node whose parameters or result are annotated with what cannot cross to a
+    worker, naming the parameter and the type (before anything is placed)."""
+    for name, annotation in node.hints.items():
+        reason = cannot_travel(annotation)
+        if reason is not None:
+            what = "its result" if name == "return" else f"parameter '{name}'"
+            raise NodeError(node.name, "startup", TypeError(
+                f"{what} cannot cross to a cluster worker: {reason}"))
 
 
 def _call_keys(kv_keys: Any, call: CallInfo) -> list[bytes]:

@@ -46,6 +46,8 @@ class Runtime:
             nodes still run here.
         token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
             ``~/.config/omni/cluster.token``).
+        min_workers: with `cluster`, wait until that many workers are members before placing
+            the first replica (at most 10 s), so that replicas spread over all of them.
         metrics_port: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics`` while
             the runtime runs (0: a free port; see `metrics_address`). See `omni.graph.metrics`.
         metrics_host: the interface to serve metrics on.
@@ -57,7 +59,8 @@ class Runtime:
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None,
                  cluster: str | None = None, token_file: str | None = None,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
+                 min_workers: int = 0, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1"):
         self.kv: Any = None
         self.metrics: Any = None
         self.metrics_address: tuple[str, int] | None = None
@@ -67,7 +70,8 @@ class Runtime:
         if cluster is not None:
             from omni.graph.cluster import ClusterLink
 
-            self.cluster = ClusterLink(cluster, token_file=token_file, kv_layout=_layout_of(kv))
+            self.cluster = ClusterLink(cluster, token_file=token_file, kv_layout=_layout_of(kv),
+                                       min_workers=min_workers)
             self._kv_spec = kv if hasattr(kv, "acquire") else None  # workers hold the pages
         self._owns_kv = False
         self._node_graphs: dict[int, Graph] = {}

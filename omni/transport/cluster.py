@@ -12,7 +12,9 @@ that restarts learns its cluster again within one beat, as members re-register o
 - The head holds an RPC client to every member, heartbeating the other way: a member silent
   for `missed` intervals is lost (logged, dropped from placement, shown as lost in status).
 - Placement (`cluster.place`) spreads a deployment's replicas over the members with the free
-  resources it asks for, or onto the member it names (``where=``).
+  resources it asks for (anti-affinity: the member hosting the fewest replicas of that
+  deployment first), or puts them on the member it names (``where=``). The choice is the
+  synchronous `place`, over member views; the handler only reserves what it chose.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ import msgspec
 import trio
 import zmq
 
+from omni.transport._host import host_id, ipc_enabled
 from omni.transport.credentials import Credentials
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError
 from omni.transport.rpc import RPCClient, RPCServer
@@ -36,7 +39,7 @@ from omni.transport.rpc import RPCClient, RPCServer
 __all__ = [
     "HEARTBEAT_S", "MISSED_BEATS", "ClientSet", "ClusterError", "Head", "HeadLink",
     "HeadUnreachable", "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Roster",
-    "TokenRefused", "check_address", "probe",
+    "TokenRefused", "check_address", "endpoint_for", "place", "probe",
 ]
 
 log = logging.getLogger("omni.cluster")
@@ -89,6 +92,16 @@ class MemberInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     resources: dict[str, float] = {}
     kv_capacity: dict[str, int] = {}
     kv_events: str = ""  # the endpoint of its KV event publisher, once it has a store
+    ipc: str = ""  # its ipc:// endpoint for processes of its host (no CURVE: see endpoint_for)
+
+
+def endpoint_for(info: MemberInfo) -> str:
+    """Where this process reaches `info`: its ipc:// endpoint when both share a host (the
+    socket lives in a 0700 folder, so the filesystem is the authentication, and nothing
+    crosses the network stack), else its TCP endpoint with CURVE."""
+    if info.ipc and info.host_id == host_id() and ipc_enabled():
+        return info.ipc
+    return info.rpc
 
 
 class MemberLoad(msgspec.Struct, frozen=True):
@@ -132,11 +145,16 @@ class MemberView(msgspec.Struct, frozen=True):
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
+    """Place `replicas` replicas of `deployment` (numbered from `first_replica`), each needing
+    `resources`: on member `where` when given, never on a member named in `avoid`."""
+
     deployment: str
     node: str
     replicas: int
     resources: dict[str, float] = {}
     where: str | None = None
+    first_replica: int = 0
+    avoid: tuple[str, ...] = ()
 
 
 # -- the head -------------------------------------------------------------------------------
@@ -144,19 +162,25 @@ class PlaceRequest(msgspec.Struct, frozen=True):
 
 @dataclass
 class _Member:
+    """A member as the head keeps it. Why `reserved`: a placement takes effect on the member
+    only once the driver has deployed there and a beat reports it; until then (at most
+    `RESERVATION_S`) the head counts it here, keyed like the beat's ``DEPLOYMENT/REPLICA``,
+    as (expiry, node, resources)."""
+
     info: MemberInfo
     load: MemberLoad
     joined: float
     done: trio.Event = field(default_factory=trio.Event)
     client: RPCClient | None = None
-    reserved: dict[str, tuple[float, dict[str, float]]] = field(default_factory=dict)
+    reserved: dict[str, tuple[float, str, dict[str, float]]] = field(default_factory=dict)
 
-    def used(self, resource: str) -> float:
-        total = sum(res.get(resource, 0.0) for _, res in self.load.deployments.values())
-        return total + sum(res.get(resource, 0.0) for _, res in self.reserved.values())
-
-    def replicas(self) -> int:
-        return len(self.load.deployments) + len(self.reserved)
+    def view(self) -> MemberView:
+        """This member as placement sees it: its reservations count as hosted replicas."""
+        deployments = dict(self.load.deployments)
+        for key, (_, node, resources) in self.reserved.items():
+            deployments.setdefault(key, (node, resources))
+        load = msgspec.structs.replace(self.load, deployments=deployments)
+        return MemberView(self.info, "up", self.joined, load)
 
 
 class Head:
@@ -252,29 +276,12 @@ class Head:
         return self.members()
 
     async def _place(self, body: PlaceRequest) -> list[MemberInfo]:
-        if not self._members:
-            raise ClusterError("the cluster has no workers (start one with "
-                               "`omni cluster join`)")
-        candidates = list(self._members.values())
-        if body.where is not None:
-            candidates = [m for m in candidates if m.info.name == body.where]
-            if not candidates:
-                raise ClusterError(f"node '{body.node}' asks for worker '{body.where}', which "
-                                   f"is not a member (members: {', '.join(self._members)})")
-        chosen: list[_Member] = []
-        now = trio.current_time()
-        for index in range(body.replicas):
-            fits = [m for m in candidates if _fits(m, body.resources)]
-            if not fits:
-                for member in chosen:  # give back what this request reserved
-                    member.reserved = {d: r for d, r in member.reserved.items()
-                                       if not d.startswith(body.deployment + "/")}
-                raise ClusterError(_no_fit(body, candidates))
-            member = min(fits, key=lambda m: (m.replicas(), m.info.name))
-            member.reserved[f"{body.deployment}/{index}"] = (now + RESERVATION_S,
-                                                             dict(body.resources))
-            chosen.append(member)
-        return [m.info for m in chosen]
+        names = place(body, [m.view() for m in self._members.values()])
+        expiry = trio.current_time() + RESERVATION_S
+        for offset, name in enumerate(names):
+            key = f"{body.deployment}/{body.first_replica + offset}"
+            self._members[name].reserved[key] = (expiry, body.node, dict(body.resources))
+        return [self._members[name].info for name in names]
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -306,20 +313,86 @@ class Head:
             self._lost[name] = MemberView(current.info, "lost", time.time(), current.load)
 
 
-def _fits(member: _Member, resources: dict[str, float]) -> bool:
-    offered = member.info.resources
-    return all(offered.get(name, 0.0) - member.used(name) >= amount - 1e-9
-               for name, amount in resources.items() if amount > 0)
+# -- placement (synchronous: no I/O) ----------------------------------------------------------
 
 
-def _no_fit(body: PlaceRequest, candidates: list[_Member]) -> str:
-    wants = ", ".join(f"{k}={v:g}" for k, v in body.resources.items())
+def place(request: PlaceRequest, members: Sequence[MemberView]) -> list[str]:
+    """The members to host `request`'s replicas: one name per replica, in order.
+
+    Each replica goes, among the members allowed (``where``, ``avoid``) with the free
+    resources it needs, to the one hosting the fewest replicas of the request's deployment,
+    then the fewest replicas overall, then the first by name; each choice counts in the next.
+    A member's hosted replicas are its ``load.deployments`` (keys ``DEPLOYMENT/REPLICA``),
+    which should include what the head reserved there. Members not "up" are skipped.
+
+    Raises:
+        ClusterError: there are no members ("the cluster has no workers"), ``where`` names
+            none of them, or no allowed member has the resources (the message says what is
+            free where).
+    """
+    up = {m.info.name: m for m in members if m.state == "up"}
+    if not up:
+        raise ClusterError("the cluster has no workers (start one with `omni cluster join`)")
+    if request.where is not None and request.where not in up:
+        raise ClusterError(f"node '{request.node}' asks for worker '{request.where}', which "
+                           f"is not a member (members: {', '.join(sorted(up))})")
+    allowed = [m for name, m in sorted(up.items())
+               if (request.where is None or name == request.where) and name not in request.avoid]
+    slots = [_Slot.of(m, request.deployment) for m in allowed]
+    chosen: list[str] = []
+    for _ in range(request.replicas):
+        fits = [s for s in slots if s.fits(request.resources)]
+        if not fits:  # say what was free before this request
+            raise ClusterError(_no_fit(request, [_Slot.of(m, request.deployment)
+                                                 for m in allowed]))
+        slot = min(fits, key=lambda s: (s.num_here, s.num_replicas, s.name))
+        slot.take(request.resources)
+        chosen.append(slot.name)
+    return chosen
+
+
+@dataclass
+class _Slot:
+    """One candidate member during a `place` call. Why: the call places replicas one after
+    another, and each must see the ones it chose before (counts and resources)."""
+
+    name: str
+    free: dict[str, float]
+    offered: dict[str, float]
+    num_here: int  # replicas of the deployment being placed
+    num_replicas: int  # replicas of any deployment
+
+    @classmethod
+    def of(cls, view: MemberView, deployment: str) -> _Slot:
+        hosted = view.load.deployments
+        offered = dict(view.info.resources)
+        free = dict(offered)
+        for _, resources in hosted.values():
+            for name, amount in resources.items():
+                free[name] = free.get(name, 0.0) - amount
+        here = sum(1 for key in hosted if key.rpartition("/")[0] == deployment)
+        return cls(view.info.name, free, offered, here, len(hosted))
+
+    def fits(self, resources: dict[str, float]) -> bool:
+        return all(self.free.get(name, 0.0) >= amount - 1e-9
+                   for name, amount in resources.items() if amount > 0)
+
+    def take(self, resources: dict[str, float]) -> None:
+        for name, amount in resources.items():
+            self.free[name] = self.free.get(name, 0.0) - amount
+        self.num_here += 1
+        self.num_replicas += 1
+
+
+def _no_fit(request: PlaceRequest, slots: list[_Slot]) -> str:
+    wants = ", ".join(f"{k}={v:g}" for k, v in request.resources.items()) or "no resources"
     have = "; ".join(
-        f"{m.info.name}: " + ", ".join(
-            f"{k} {m.info.resources.get(k, 0) - m.used(k):g}/{m.info.resources.get(k, 0):g} free"
-            for k in body.resources) for m in candidates)
-    return (f"no worker can host {body.replicas} replica(s) of '{body.node}' needing {wants} "
-            f"({have})")
+        f"{s.name}: " + ", ".join(f"{k} {s.free.get(k, 0):g}/{s.offered.get(k, 0):g} free"
+                                  for k in request.resources) for s in slots)
+    if request.avoid:
+        have = "; ".join(filter(None, [have, f"not on {', '.join(sorted(request.avoid))}"]))
+    return (f"no worker can host {request.replicas} replica(s) of '{request.node}' needing "
+            f"{wants} ({have})")
 
 
 # -- a member's side ------------------------------------------------------------------------
@@ -423,7 +496,8 @@ class ClientSet:
             if entry[0].endpoint == endpoint:
                 return entry[0]
             self.drop(name)
-        client = RPCClient(endpoint, ctx=self.creds.ctx, options=self.creds.client_options(),
+        options = {} if endpoint.startswith("ipc://") else self.creds.client_options()
+        client = RPCClient(endpoint, ctx=self.creds.ctx, options=options,
                            heartbeat_interval=self.heartbeat_interval,
                            missed_heartbeats=self.missed)
         scope = await self._nursery.start(_hold, client)

@@ -1,5 +1,6 @@
 """Real clusters for tests: a head and workers started through the CLI as subprocesses, on
-loopback ports the OS picks, stopped (or killed) when the test ends."""
+loopback ports the OS picks, stopped (or killed) when the test ends. A worker started with
+``wait=True`` is one the head lists as a member: a test deploys only on workers that are."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from perf._procs import CliProcess
+from perf._procs import CliProcess, wait_members
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = 0.2  # seconds: a lost worker is noticed within 3 of them
@@ -42,12 +43,20 @@ class Cluster:
         return proc
 
     def worker(self, name: str, *extra: str, wait: bool = True) -> CliProcess:
+        """Start worker `name`; with `wait`, return once the head lists it as a member."""
         assert self.address is not None
         proc = self.start("cluster", "join", self.address, "--token-file", str(self.token),
                           "--name", name, "--heartbeat", str(HEARTBEAT), *extra)
         if wait:
             proc.wait_line(r"joined .* as")
+            self.wait_members({name: proc})
         return proc
+
+    def wait_members(self, workers: dict[str, CliProcess], timeout: float = 60.0) -> dict:
+        """Until the head lists each of `workers` (name -> process) as an up member."""
+        assert self.address is not None
+        return wait_members(self.address, self.token, workers, cwd=self.folder,
+                            timeout=timeout)
 
     def cli(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cli", *args], cwd=self.folder,

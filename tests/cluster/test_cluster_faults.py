@@ -66,13 +66,15 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
         await wait_until(lambda: all(r.alive for r in pool.replicas), timeout=10)
         assert {r.member for r in pool.replicas} == {"w2"}
 
-        # A worker restarting with the same name rejoins and takes new replicas (it has the
-        # fewest).
-        cluster.worker("w1")
-        await trio.to_thread.run_sync(
-            lambda: cluster.wait_status(lambda m: m["w1"]["state"] == "up", timeout=10))
+        # A worker restarting with the same name rejoins: the driver moves one replica of each
+        # pool crowded on w2 back to it, and new deployments spread over both again.
+        await trio.to_thread.run_sync(cluster.worker, "w1")
+        for node in (p.SlowRetried(), p.SlowOnce()):
+            replicas = rt.pool_for(node).replicas
+            await wait_until(lambda r=replicas: sorted(x.member for x in r) == ["w1", "w2"],
+                             timeout=30)
         await rt.deploy(p.Shout())
-        assert sorted(r.member for r in rt.pool_for(p.Shout()).replicas) == ["w1", "w1"]
+        assert sorted(r.member for r in rt.pool_for(p.Shout()).replicas) == ["w1", "w2"]
 
 
 async def _append(results: list, awaitable) -> None:
