@@ -49,7 +49,7 @@ async def _until_signalled(stop: Any) -> None:
 
 
 def _token_path(token_file: str | None) -> str:
-    from omni.graph.cluster import default_token_path
+    from omni.cluster import default_token_path
 
     return str(token_file or default_token_path())
 
@@ -71,7 +71,7 @@ def _credentials(path: str, *, create: bool) -> Any:
 
 def _address(address: str, *, bind: bool = False) -> str:
     """The address as a ZeroMQ endpoint, or a `CliError` saying what is wrong with it."""
-    from omni.transport.cluster import ClusterError, check_address
+    from omni.cluster import ClusterError, check_address
 
     try:
         return check_address(address, bind=bind)
@@ -81,12 +81,13 @@ def _address(address: str, *, bind: bool = False) -> str:
 
 def _run(serve: Any) -> Any:
     """`trio.run(serve)`; a cluster error (even inside an exception group) is one line."""
+    from omni.cluster import ClusterError
     from omni.transport.errors import TransportError
 
     try:
         return trio.run(serve)
     except BaseException as exc:
-        error = first_of(exc, TransportError)
+        error = first_of(exc, (ClusterError, TransportError))
         if error is None:
             raise
         raise CliError(str(error)) from exc
@@ -109,7 +110,7 @@ def start(
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Start the cluster's head and serve until Ctrl-C or SIGTERM."""
-    from omni.transport.cluster import Head
+    from omni.cluster import Head
 
     with reporting(debug):
         bind = _address(bind, bind=True)
@@ -164,8 +165,7 @@ def join(
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Join the cluster at ADDRESS as a worker; serve until Ctrl-C or SIGTERM."""
-    from omni.graph.worker import Worker
-    from omni.transport.cluster import probe
+    from omni.cluster import Worker, probe
 
     with reporting(debug):
         address = _address(address)
@@ -191,7 +191,7 @@ def join(
 
 def _kv_tiers(device: str | None, host: str, disk: str | None) -> Any:
     from omni._units import parse_size
-    from omni.graph.worker import KVTiers
+    from omni.cluster import KVTiers
 
     size, _, folder = (disk or "").partition(":")
     tiers = KVTiers(device, host, size or None, folder or None)
@@ -245,7 +245,7 @@ def status(
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Show the cluster's members: replicas, KV usage and hit rates."""
-    from omni.transport.cluster import MemberView, probe
+    from omni.cluster import MemberView, probe
     from omni.transport.rpc import RPCClient
 
     with reporting(debug):

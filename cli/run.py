@@ -123,15 +123,16 @@ def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None
 
 def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
              printer: Printer, debug: bool, kv: Any, options: dict[str, Any]) -> Outcome:
+    from omni.cluster import ClusterError
     from omni.transport.errors import TransportError
 
     try:
         with Reporter(len(requests), debug=debug) as reporter:
             return trio.run(functools.partial(run_batch, graph, requests, concurrency, printer,
                                               reporter, kv, **options))
-    except (TransportError, OSError, BaseExceptionGroup) as exc:
-        error = first_of(exc, (TransportError, OSError))
-        if isinstance(error, TransportError):  # no head at --cluster, a refused token
+    except (ClusterError, TransportError, OSError, BaseExceptionGroup) as exc:
+        error = first_of(exc, (ClusterError, TransportError, OSError))
+        if isinstance(error, (ClusterError, TransportError)):  # no head, a refused token
             raise CliError(str(error)) from exc
         if isinstance(error, OSError):  # --metrics-port in use or not allowed
             raise CliError(f"cannot serve metrics on port {options['metrics_port']}: "

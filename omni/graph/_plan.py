@@ -11,11 +11,15 @@ import inspect
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from omni.graph.dsl import Call, GetItem, Graph, Node, Ref, SwitchSpec
+from omni.graph._calls import Call, GetItem, SwitchSpec
+from omni.graph._node import Node, Ref
 from omni.graph.errors import InputError
 from omni.graph.validate import call_dependencies, stream_arguments
+
+if TYPE_CHECKING:
+    from omni.graph.dsl import Graph
 
 __all__ = ["Plan", "Step", "compile_plan"]
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni.graph._calls import Call, GetItem, SwitchSpec
 from omni.graph._node import (
     Node,
     NodeClass,
@@ -26,7 +27,9 @@ from omni.graph._node import (
     node,
     user_location,
 )
+from omni.graph._plan import compile_plan
 from omni.graph.errors import GraphError
+from omni.graph.validate import check_call, check_switch, stream_item_type, validate_graph
 
 __all__ = ["Call", "Graph", "Node", "NodeClass", "NodeOptions", "Ref", "Trace", "graph", "node",
            "switch"]
@@ -34,35 +37,6 @@ __all__ = ["Call", "Graph", "Node", "NodeClass", "NodeOptions", "Ref", "Trace", 
 
 # ---------------------------------------------------------------------------------------------
 # Tracing
-
-
-@dataclass
-class Call:
-    """One node call recorded in a trace; `slot` is where its value lives in a request."""
-
-    slot: int
-    name: str
-    target: Any  # Node | SwitchSpec | GetItem
-    args: tuple
-    kwargs: dict[str, Any]
-    location: str
-    ref: Ref | None = None
-
-
-@dataclass(frozen=True)
-class GetItem:
-    """The pseudo-node behind ``ref[key]``."""
-
-    key: Any
-
-
-@dataclass(frozen=True)
-class SwitchSpec:
-    """The pseudo-node behind `omni.switch`: a selector and one sub-graph per value."""
-
-    branches: Mapping[Any, Graph]
-    streaming: bool
-    type: Any
 
 
 @dataclass(frozen=True)
@@ -113,7 +87,6 @@ class Trace:
     def add_call(self, target: Any, args: tuple, kwargs: dict[str, Any], location: str) -> Any:
         if isinstance(target, Graph):
             return target.inline_into(self, args, kwargs, location)
-        from omni.graph.validate import check_call  # validate imports dsl; keep the cycle lazy
 
         check_call(target, args, kwargs, location)
         return self._record(self.unique_name(target.name), target, args, kwargs, location,
@@ -132,7 +105,6 @@ class Trace:
 
 
 def _output_type(n: Node) -> Any:
-    from omni.graph.validate import stream_item_type
 
     ret = n.hints.get("return")
     return stream_item_type(ret) if n.streaming else ret
@@ -164,8 +136,6 @@ class Graph:
 
     def __init__(self, fn: Callable[..., Any] | None, name: str, trace: Trace, output: Any,
                  location: str, signature: inspect.Signature):
-        from omni.graph._plan import compile_plan
-        from omni.graph.validate import validate_graph
 
         self.fn = fn
         self.name = name
@@ -321,7 +291,6 @@ def switch(selector: Any, branches: Mapping[Any, Any], /, *args: Any, **kwargs: 
     trace = current_trace.get()
     if trace is None:
         raise GraphError("omni.switch is only for @omni.graph bodies", location=location)
-    from omni.graph.validate import check_switch
 
     if not isinstance(branches, Mapping) or not branches:
         raise GraphError("switch branches must be a non-empty dict of value -> node or graph",

@@ -58,6 +58,8 @@ class AsyncioRuntime:
     fail with `RuntimeError`.
     """
 
+    runtime_class: Any = Runtime  # what it runs: `omni.AsyncioRuntime` runs `omni.Runtime`
+
     def __init__(self, **options: Any):
         self._options = options
         self._state: State = "new"
@@ -111,7 +113,8 @@ class AsyncioRuntime:
     async def _trio_main(self, started: asyncio.Future[None]) -> None:
         self._token = trio.lowlevel.current_trio_token()
         with self._startup_scope:  # cancelled only when the asyncio side abandons the start
-            async with Runtime(**self._options) as rt, trio.open_nursery() as nursery:
+            async with self.runtime_class(**self._options) as rt, \
+                    trio.open_nursery() as nursery:
                 self._runtime = rt
                 self._nursery = nursery
                 started.set_result(None)

@@ -20,9 +20,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from omni.graph.balance import CallInfo, LeastLoaded, Replica
+from omni.graph._balancers import CallInfo, LeastLoaded
+
+if TYPE_CHECKING:
+    from omni.graph.balance import Replica
 
 __all__ = ["KVAware", "PrefixIndex"]
 

@@ -40,14 +40,11 @@ class Runtime:
         kv: the process's KV store, reachable from nodes as ``omni.context().kv``: a
             `omni.kv.KVStore` (yours to close), or an `omni.kv.KVConfig` or `KVLayout` from
             which the runtime builds one when it starts and closes it when it stops. With a
-            cluster, workers build their own stores of that layout instead.
-        cluster: the address of a cluster head (``omni cluster start``): class nodes'
-            replicas are then placed on its workers (see `omni.graph.cluster`); function
-            nodes still run here.
-        token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
-            ``~/.config/omni/cluster.token``).
-        min_workers: with `cluster`, wait until that many workers are members before placing
-            the first replica (at most 10 s), so that replicas spread over all of them.
+            placement, only a store is used here: a config or layout is the placement's.
+        placement: where class nodes' replicas live when not in this process: an object
+            with ``async run(task_status=...)`` (started with the runtime), ``stop()`` and
+            ``async deploy(node) -> Pool``. ``omni.Runtime(cluster=...)`` passes the cluster's
+            (`omni.cluster.ClusterLink`); function nodes still run here.
         metrics_port: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics`` while
             the runtime runs (0: a free port; see `metrics_address`). See `omni.graph.metrics`.
         metrics_host: the interface to serve metrics on.
@@ -58,20 +55,15 @@ class Runtime:
     """
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None,
-                 cluster: str | None = None, token_file: str | None = None,
-                 min_workers: int = 0, metrics_port: int | None = None,
+                 placement: Any = None, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1"):
         self.kv: Any = None
         self.metrics: Any = None
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_at = (metrics_host, metrics_port)
         self._kv_spec = kv
-        self.cluster: Any = None
-        if cluster is not None:
-            from omni.graph.cluster import ClusterLink
-
-            self.cluster = ClusterLink(cluster, token_file=token_file, kv_layout=_layout_of(kv),
-                                       min_workers=min_workers)
+        self.cluster = placement  # named for what it is today: the cluster's placement
+        if placement is not None:
             self._kv_spec = kv if hasattr(kv, "acquire") else None  # workers hold the pages
         self._owns_kv = False
         self._node_graphs: dict[int, Graph] = {}
@@ -295,13 +287,6 @@ def _kv_samples(store: Any) -> list[tuple[str, str, str, dict, float]]:
                         "KV bytes fetched from peers, by mover locality.",
                         {"locality": locality}, counts.get("bytes", 0)))
     return out
-
-
-def _layout_of(spec: Any) -> Any:
-    """The page layout of a `kv=` argument (None without one)."""
-    if spec is None:
-        return None
-    return getattr(spec, "layout", spec)
 
 
 def _open_kv(spec: Any) -> tuple[Any, bool]:

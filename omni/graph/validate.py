@@ -13,10 +13,14 @@ import inspect
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omni.graph.dsl import Call, Graph, Node, Ref
+from omni.graph._calls import Call
+from omni.graph._node import Node, Ref
 from omni.graph.errors import GraphError
+
+if TYPE_CHECKING:
+    from omni.graph.dsl import Graph
 
 __all__ = ["bind_call", "check_call", "check_switch", "compatible", "is_stream_param",
            "stream_item_type", "validate_graph"]

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from omni.cluster import ClusterError, Head, MemberInfo, MemberLoad, MemberView, PlaceRequest
+from omni.cluster.driver import _crowded
+from omni.cluster.head import _Member, place
+from omni.cluster.protocol import Beat
 from omni.graph.balance import Replica
-from omni.graph.cluster import _crowded
-from omni.transport.cluster import (
-    Beat,
-    ClusterError,
-    Head,
-    MemberInfo,
-    MemberLoad,
-    MemberView,
-    PlaceRequest,
-    _Member,
-    place,
-)
 
 
 def member(name: str, hosted: dict[str, str] | None = None, *, gpus: float = 0.0,

@@ -11,16 +11,9 @@ import pytest
 import trio
 import zmq
 
+from omni.cluster import Head, HeadLink, MemberInfo, MemberLoad, TokenRefused, probe
+from omni.cluster.protocol import Register
 from omni.transport import RPCClient, RPCServer, RPCTimeout
-from omni.transport.cluster import (
-    Head,
-    HeadLink,
-    MemberInfo,
-    MemberLoad,
-    Register,
-    TokenRefused,
-    probe,
-)
 from omni.transport.credentials import Credentials
 from omni.transport.security import ClientSecurity, ClusterToken
 from tests.reliability._support import Tally

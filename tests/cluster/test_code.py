@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from omni.graph._code import CodeRef, code_ref, resolve
+from omni.cluster._code import CodeRef, code_ref, resolve
 
 SOURCE = '''
 import omni

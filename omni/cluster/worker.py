@@ -1,9 +1,9 @@
 """A cluster worker (``omni cluster join``): hosts replicas of class nodes for drivers.
 
 The worker serves RPC on its own port: ``node.deploy`` builds a replica (the class's code comes
-with the request, see `omni.graph._code`), ``node.call`` runs one call, ``node.next`` pulls a
+with the request, see `omni.cluster._code`), ``node.call`` runs one call, ``node.next`` pulls a
 streaming call's items, ``node.undeploy`` drops a replica. It registers with the head and beats
-with what it hosts (`omni.transport.cluster.HeadLink`), so the head can place replicas and show
+with what it hosts (`omni.cluster.membership.HeadLink`), so the head can place replicas and show
 status, and it re-registers by itself when the head restarts.
 
 Its KV store is made when the first deployment that uses KV arrives (the layout comes from the
@@ -28,9 +28,10 @@ from typing import Any
 
 import trio
 
-from omni.graph._code import resolve
-from omni.graph.context import current
-from omni.graph.remote import (
+from omni.cluster._code import resolve
+from omni.cluster.membership import ClientSet, HeadLink, Roster
+from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad, endpoint_for
+from omni.cluster.remote import (
     STREAM_BATCH,
     CallHead,
     Deploy,
@@ -42,16 +43,8 @@ from omni.graph.remote import (
     split_items,
     unpack_from,
 )
+from omni.graph.context import current
 from omni.transport._host import host_id, ipc_directory, ipc_enabled
-from omni.transport.cluster import (
-    HEARTBEAT_S,
-    ClientSet,
-    HeadLink,
-    MemberInfo,
-    MemberLoad,
-    Roster,
-    endpoint_for,
-)
 from omni.transport.credentials import Credentials
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer

@@ -26,15 +26,15 @@ from typing import Any
 import msgspec
 import trio
 
-from omni.errors import OmniError
-from omni.graph._code import CodeRef
+from omni.cluster._code import CodeRef
+from omni.cluster.errors import RemoteNodeError, WorkerLost
 from omni.transport.errors import PeerGone, RPCError, TransportError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import pack_value, unpack_value
 
-__all__ = ["CallHead", "Deploy", "Feed", "RemoteNodeError", "RemoteReplica", "Renew",
-           "StreamBatch", "ValueHead", "WorkerLost", "pack_for", "unpack_from"]
+__all__ = ["CallHead", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch", "ValueHead",
+           "pack_for", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 
@@ -89,23 +89,6 @@ class Feed(msgspec.Struct, frozen=True):
 class Renew(msgspec.Struct, frozen=True):
     session: str
     released: list[int] = []
-
-
-class WorkerLost(OmniError):
-    """The worker hosting a replica stopped answering while a call was on it."""
-
-    def __init__(self, member: str, detail: str):
-        self.member = member
-        super().__init__(f"worker '{member}' stopped answering ({detail})")
-
-
-class RemoteNodeError(OmniError):
-    """A node raised on its worker; `remote_type` is its exception's type name."""
-
-    def __init__(self, member: str, remote_type: str, message: str):
-        self.member = member
-        self.remote_type = remote_type
-        super().__init__(f"{remote_type}: {message} (on worker '{member}')")
 
 
 def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool,

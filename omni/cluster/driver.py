@@ -31,22 +31,20 @@ from typing import Any
 import msgspec
 import trio
 
-from omni.graph._code import code_ref
-from omni.graph.balance import CallInfo, Pool, Replica
-from omni.graph.errors import NodeError
-from omni.graph.remote import Deploy, RemoteReplica, Renew
-from omni.transport._host import host_id
-from omni.transport.cluster import (
+from omni.cluster._code import code_ref
+from omni.cluster.errors import ClusterError
+from omni.cluster.membership import ClientSet, Roster, probe
+from omni.cluster.protocol import (
     HEARTBEAT_S,
-    ClientSet,
-    ClusterError,
     MemberInfo,
     PlaceRequest,
-    Roster,
     check_address,
     endpoint_for,
-    probe,
 )
+from omni.cluster.remote import Deploy, RemoteReplica, Renew
+from omni.graph.balance import CallInfo, Pool, Replica
+from omni.graph.errors import NodeError
+from omni.transport._host import host_id
 from omni.transport.credentials import Credentials
 from omni.transport.errors import RPCError, TransportError
 from omni.transport.payloads import payload_mover

@@ -1,0 +1,36 @@
+"""The cluster layer's errors, under `omni.OmniError` like every family."""
+
+from __future__ import annotations
+
+from omni.errors import OmniError
+
+__all__ = ["ClusterError", "HeadUnreachable", "RemoteNodeError", "TokenRefused", "WorkerLost"]
+
+
+class ClusterError(OmniError):
+    """A cluster operation cannot be done as asked (the message says why)."""
+
+
+class HeadUnreachable(ClusterError):
+    """Nothing answers at the head's address."""
+
+
+class TokenRefused(ClusterError):
+    """The head answered but refused this token's credentials."""
+
+
+class WorkerLost(ClusterError):
+    """The worker hosting a replica stopped answering while a call was on it."""
+
+    def __init__(self, member: str, detail: str):
+        self.member = member
+        super().__init__(f"worker '{member}' stopped answering ({detail})")
+
+
+class RemoteNodeError(ClusterError):
+    """A node raised on its worker; `remote_type` is its exception's type name."""
+
+    def __init__(self, member: str, remote_type: str, message: str):
+        self.member = member
+        self.remote_type = remote_type
+        super().__init__(f"{remote_type}: {message} (on worker '{member}')")

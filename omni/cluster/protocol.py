@@ -1,0 +1,117 @@
+"""What travels between the head, workers and drivers: membership messages, addresses, and
+the timings everyone shares. Placement and hosting build on these; nothing here does I/O."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from omni.cluster.errors import ClusterError
+from omni.transport._host import host_id, ipc_enabled
+
+__all__ = [
+    "HEARTBEAT_S", "LOST_KEPT_S", "MISSED_BEATS", "RESERVATION_S", "Beat", "BeatReply",
+    "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Register", "Welcome",
+    "check_address", "endpoint_for",
+]
+
+HEARTBEAT_S = 0.5  # seconds between heartbeats, both ways
+MISSED_BEATS = 3  # silent intervals before a peer is declared gone
+RESERVATION_S = 10.0  # how long a placement holds resources before a beat must confirm it
+LOST_KEPT_S = 300.0  # lost members stay in the status this long
+_ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)$")
+
+
+def check_address(address: str, *, bind: bool = False) -> str:
+    """`address` as a ZeroMQ TCP endpoint (``host:port`` gains ``tcp://``).
+
+    Raises:
+        ClusterError: not ``tcp://HOST:PORT`` (``*`` as the port only when binding).
+    """
+    full = address if "://" in address else f"tcp://{address}"
+    match = _ADDRESS.match(full)
+    if match is None or (match.group(2) == "*" and not bind):
+        raise ClusterError(f"not a cluster address: {address!r} (expected tcp://HOST:PORT)")
+    if match.group(2) != "*" and not 0 < int(match.group(2)) < 65536:
+        raise ClusterError(f"port out of range in {address!r}")
+    return full
+
+
+# -- what travels ---------------------------------------------------------------------------
+
+
+class MemberInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Who a member is and what it offers. `resources` holds ``cpu``, ``gpu`` and
+    ``memory`` (bytes); `kv_capacity` the bytes of each KV tier it offers."""
+
+    name: str
+    rpc: str
+    host_id: str
+    pid: int
+    resources: dict[str, float] = {}
+    kv_capacity: dict[str, int] = {}
+    kv_events: str = ""  # the endpoint of its KV event publisher, once it has a store
+    ipc: str = ""  # its ipc:// endpoint for processes of its host (no CURVE: see endpoint_for)
+
+
+def endpoint_for(info: MemberInfo) -> str:
+    """Where this process reaches `info`: its ipc:// endpoint when both share a host (the
+    socket lives in a 0700 folder, so the filesystem is the authentication, and nothing
+    crosses the network stack), else its TCP endpoint with CURVE."""
+    if info.ipc and info.host_id == host_id() and ipc_enabled():
+        return info.ipc
+    return info.rpc
+
+
+class MemberLoad(msgspec.Struct, frozen=True):
+    """What a member hosts now: deployment id -> (node name, resources per replica), its KV
+    store's counters per tier, and the requests it served."""
+
+    deployments: dict[str, tuple[str, dict[str, float]]] = {}
+    kv: dict[str, dict[str, int]] = {}
+    requests: int = 0
+    failed: int = 0
+
+
+class Register(msgspec.Struct, frozen=True):
+    info: MemberInfo
+    load: MemberLoad
+
+
+class Welcome(msgspec.Struct, frozen=True):
+    head_epoch: str
+    heartbeat_interval: float
+
+
+class Beat(msgspec.Struct, frozen=True):
+    info: MemberInfo  # it may change (a KV event endpoint appears with the first store)
+    load: MemberLoad
+
+
+class BeatReply(msgspec.Struct, frozen=True):
+    known: bool
+    head_epoch: str
+
+
+class MemberView(msgspec.Struct, frozen=True):
+    """A member as the head sees it: ``state`` is "up" or "lost"; `since` (wall-clock seconds)
+    when it joined or was lost."""
+
+    info: MemberInfo
+    state: str
+    since: float
+    load: MemberLoad
+
+
+class PlaceRequest(msgspec.Struct, frozen=True):
+    """Place `replicas` replicas of `deployment` (numbered from `first_replica`), each needing
+    `resources`: on member `where` when given, never on a member named in `avoid`."""
+
+    deployment: str
+    node: str
+    replicas: int
+    resources: dict[str, float] = {}
+    where: str | None = None
+    first_replica: int = 0
+    avoid: tuple[str, ...] = ()

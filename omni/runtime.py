@@ -1,0 +1,50 @@
+"""`omni.Runtime`: the graph runtime, with its class nodes placed on a cluster when asked.
+
+Why a layer of its own: the graph runtime (`omni.graph.runtime`) knows nothing of clusters; it
+takes a *placement* for class nodes' replicas. This module is the one place that plugs the
+cluster's (`omni.cluster.ClusterLink`) into it, so `graph` never imports `cluster`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni.graph import embed
+from omni.graph import runtime as graph_runtime
+
+__all__ = ["AsyncioRuntime", "Runtime"]
+
+
+class Runtime(graph_runtime.Runtime):
+    """Runs graphs. ``async with omni.Runtime() as rt: await rt.run(graph, **inputs)``.
+
+    Takes every argument of `omni.graph.runtime.Runtime` (`graphs`, `kv`, `metrics_port`,
+    `metrics_host`), and:
+
+    Args:
+        cluster: the address of a cluster head (``omni cluster start``): class nodes'
+            replicas are then placed on its workers (see `omni.cluster`), which build their
+            own KV stores of `kv`'s layout; function nodes still run here.
+        token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
+            ``~/.config/omni/cluster.token``).
+        min_workers: with `cluster`, wait until that many workers are members before placing
+            the first replica (at most 10 s), so that replicas spread over all of them.
+    """
+
+    def __init__(self, *, cluster: str | None = None, token_file: str | None = None,
+                 min_workers: int = 0, kv: Any = None, **options: Any):
+        placement = None
+        if cluster is not None:
+            from omni.cluster.driver import ClusterLink
+
+            placement = ClusterLink(cluster, token_file=token_file,
+                                    kv_layout=getattr(kv, "layout", kv),
+                                    min_workers=min_workers)
+        super().__init__(kv=kv, placement=placement, **options)
+
+
+class AsyncioRuntime(embed.AsyncioRuntime):
+    """`Runtime`'s interface for asyncio applications (see `omni.graph.embed`), with the same
+    options as `Runtime`, `cluster` included."""
+
+    runtime_class = Runtime
