@@ -385,35 +385,13 @@ class ClusterLink:
 
     async def _follow_kv(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """The KV directory of the workers' stores, for KV-aware balancing."""
-        from omni.transport.kv_directory import KVDirectory, KVSnapshot, request_snapshot
+        from omni.cluster.kv_follow import follow_members, kv_directory
 
         assert self._clients is not None and self._roster is not None and self._creds
-        clients = self._clients
-
-        async def snapshot(member: str) -> KVSnapshot:
-            client = clients.get(member)
-            if client is None:
-                raise LookupError(f"no worker '{member}'")
-            return await request_snapshot(client, timeout=5.0)
-
-        followed: dict[str, str] = {}
-
-        async def on_change(members: dict[str, Any]) -> None:
-            for name in [n for n in followed if n not in members
-                         or members[n].info.kv_events != followed[n]]:
-                self.directory.remove_member(name)
-                del followed[name]
-            for name, view in members.items():
-                if view.info.kv_events and name not in followed:
-                    await clients.connect(name, endpoint_for(view.info))
-                    self.directory.add_member(name, view.info.kv_events)
-                    followed[name] = view.info.kv_events
-
-        async with KVDirectory(self._creds, snapshot) as directory:
+        async with kv_directory(self._creds, self._clients) as directory:
             self.directory = directory
-            await on_change(self._roster.members)
-            task_status.started()
-            await self._roster.run(on_change)
+            await follow_members(self._roster, self._clients, directory,
+                                 task_status=task_status)
 
 
 def _crowded(replicas: Sequence[Replica], members: Collection[str]) -> Replica | None:

@@ -30,7 +30,7 @@ import trio
 
 from omni.cluster._code import resolve
 from omni.cluster.membership import ClientSet, HeadLink, Roster
-from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad, endpoint_for
+from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     STREAM_BATCH,
     CallHead,
@@ -43,6 +43,7 @@ from omni.cluster.remote import (
     split_items,
     unpack_from,
 )
+from omni.graph._hosting import host_replica
 from omni.graph.context import current
 from omni.transport._host import host_id, ipc_directory, ipc_enabled
 from omni.transport.credentials import Credentials
@@ -250,27 +251,20 @@ class Worker:
 
     async def _host(self, key: tuple[str, int], body: Deploy, cls: type, args: list,
                     kwargs: dict, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold one replica (see `host_replica`) while it is listed in `_hosted`."""
         from omni.graph._node import Node, NodeOptions
 
         node = Node(cls, NodeOptions(), body.node, kind="class")
-        token = current.set((None, body.node, body.replica, self))
-        try:
-            instance = await trio.to_thread.run_sync(functools.partial(cls, *args, **kwargs))
-        finally:
-            current.reset(token)
-        hosted = _Hosted(body.node, instance, node.streaming, node.is_async,
-                         dict(body.resources), body.session, body.host_id == host_id())
-        self._hosted[key] = hosted
-        try:
-            if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
-                async with instance:
-                    task_status.started()
-                    await hosted.stop.wait()
-            else:
-                task_status.started()
-                await hosted.stop.wait()
-        finally:
-            self._hosted.pop(key, None)
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            instance = await nursery.start(functools.partial(
+                host_replica, functools.partial(cls, *args, **kwargs),
+                (None, body.node, body.replica, self), stop, in_thread=True))
+            self._hosted[key] = _Hosted(body.node, instance, node.streaming, node.is_async,
+                                        dict(body.resources), body.session,
+                                        body.host_id == host_id(), stop)
+            task_status.started()
+        self._hosted.pop(key, None)
 
     async def _undeploy(self, body: tuple[str, int]) -> bool:
         hosted = self._hosted.get(tuple(body))
@@ -476,7 +470,8 @@ class Worker:
 
     async def _serve_kv(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Publish the store's events, serve its pages, and fetch pages from peers."""
-        from omni.transport.kv_directory import KVDirectory, KVPublisher, request_snapshot
+        from omni.cluster.kv_follow import follow_members, kv_directory
+        from omni.transport.kv_directory import KVPublisher
         from omni.transport.kv_peers import PeerFetcher, serve_kv
 
         assert self._servers and self.link is not None
@@ -487,36 +482,15 @@ class Worker:
                 publisher.register(server)
                 serve_kv(server, self.kv)
             self._kv_events = publisher.endpoint
-
-            async def snapshot(member: str) -> Any:
-                client = clients.get(member)
-                if client is None:
-                    raise LookupError(f"no worker '{member}'")
-                return await request_snapshot(client, timeout=5.0)
-
-            async with KVDirectory(self.creds, snapshot) as directory:
+            async with kv_directory(self.creds, clients) as directory:
                 self.directory = directory
                 self.peers = PeerFetcher(directory, clients.get, self.name,
                                          layout=self.kv.layout)
                 if self.kv_fetch:
                     self.kv.peers = self.peers
-                task_status.started()
                 roster = Roster(self.link.client, interval=self.heartbeat_interval * 2)
-                await roster.run(functools.partial(self._peers_changed, clients, directory))
-
-    async def _peers_changed(self, clients: ClientSet, directory: Any,
-                             members: dict[str, Any]) -> None:
-        """Follow the roster: a KV directory entry and a client for every other worker with a
-        store; a worker that restarted (new endpoints) is connected again."""
-        peers = {n: v for n, v in members.items() if n != self.name and v.info.kv_events}
-        for name in clients.names():
-            if name not in peers or endpoint_for(peers[name].info) != clients.get(name).endpoint:
-                directory.remove_member(name)
-                clients.drop(name)
-        for name, view in peers.items():
-            if clients.get(name) is None:
-                await clients.connect(name, endpoint_for(view.info))
-                directory.add_member(name, view.info.kv_events)
+                await follow_members(roster, clients, directory, skip=self.name,
+                                     drop_gone=True, task_status=task_status)
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} at {self.endpoint} hosting {len(self._hosted)}>"

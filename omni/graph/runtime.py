@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,9 +11,9 @@ from typing import Any
 
 import trio
 
+from omni.graph._hosting import host_replica
 from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
-from omni.graph.context import current
 from omni.graph.dsl import Graph, Node, NodeClass
 from omni.graph.errors import NodeError
 from omni.graph.scheduler import run_plan
@@ -184,19 +185,10 @@ class Runtime:
         if node.kind != "class":
             task_status.started(node.target)
             return
-        token = current.set((None, node.name, index, self))
-        try:
-            instance = node.target(*node.init_args, **node.init_kwargs)
-        except Exception as exc:
-            raise NodeError(node.name, "startup", exc) from exc
-        finally:
-            current.reset(token)
-        if hasattr(instance, "__aenter__") and hasattr(instance, "__aexit__"):
-            async with instance:
-                task_status.started(instance)
-                await self._closing.wait()
-        else:
-            task_status.started(instance)
+        build = functools.partial(node.target, *node.init_args, **node.init_kwargs)
+        await host_replica(build, (None, node.name, index, self), self._closing,
+                           wrap_error=functools.partial(NodeError, node.name, "startup"),
+                           task_status=task_status)
 
     def pool_for(self, node: Node) -> Pool:
         return self._pools[node.deployment_key]

@@ -46,7 +46,8 @@ from omni._shm import shm_directory
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
-__all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadTooLarge", "payload_mover"]
+__all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadTooLarge", "payload_mover",
+           "reclaim_dead_segments"]
 
 SHM_MIN = 256 << 10  # buffers this large go through shared memory on one host
 CHUNK = 32 << 20  # the largest payload frame a buffer is split into
@@ -363,17 +364,46 @@ def _env_size(name: str, default: str) -> int:
         raise ValueError(f"{name}={value!r}: {exc}") from None
 
 
+def reclaim_dead_segments() -> int:
+    """Unlink the payload segments of processes that are gone (killed before they could);
+    how many. A segment names its owner's pid; one whose owner is alive, or whose pid this
+    process cannot see, is left alone."""
+    removed = 0
+    for path in shm_directory().glob("omni-pay-*"):
+        pid = path.name.split("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's: alive
+    return True
+
+
 _mover: PayloadMover | None = None
 _mover_lock = threading.Lock()
 
 
 def payload_mover() -> PayloadMover:
-    """The process's `PayloadMover` (its segments are unlinked when the process exits)."""
+    """The process's `PayloadMover` (its segments are unlinked when the process exits; those
+    of processes killed before they could are unlinked when the next one starts)."""
     global _mover
     with _mover_lock:
         if _mover is None:
             import atexit
 
+            reclaim_dead_segments()
             _mover = PayloadMover()
             atexit.register(_mover.close)
         return _mover

@@ -384,6 +384,35 @@ async def test_a_constructor_that_raises_fails_startup_with_the_node_named():
     assert "weights for 'tiny' not found" in str(info.value)
 
 
+async def test_aenter_sees_its_replica_context_and_its_failure_fails_startup_by_name():
+    entered: list[tuple] = []
+
+    @omni.node(replicas=2)
+    class Engine:
+        async def __aenter__(self):
+            ctx = omni.context()
+            entered.append((ctx.node, ctx.replica, ctx.request_id))
+            if ctx.replica == 1:
+                raise RuntimeError("no device for replica 1")
+            return self
+
+        async def __aexit__(self, *exc_info):
+            return None
+
+        async def __call__(self, x: int) -> int:
+            return x
+
+    @omni.graph
+    def g(x: int):
+        return Engine()(x)
+
+    with pytest.raises(omni.NodeError) as info:
+        async with omni.Runtime(graphs=[g]):
+            pytest.fail("the runtime must not start")
+    assert entered == [("Engine", 0, None), ("Engine", 1, None)]
+    assert info.value.node == "Engine" and "no device for replica 1" in str(info.value)
+
+
 async def test_a_constructor_that_raises_on_lazy_deployment_fails_that_request():
     @omni.node
     class Llm:

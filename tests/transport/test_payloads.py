@@ -152,3 +152,23 @@ def test_close_unlinks_every_segment_and_mapped_arrays_stay_valid(movers) -> Non
     assert segments(producer) == []
     assert (back == 7).all()
     assert not any(name.startswith(producer._prefix) for name in os.listdir(shm_directory()))
+
+
+def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept() -> None:
+    import subprocess
+    import sys
+
+    from omni.transport.payloads import reclaim_dead_segments
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = Path(shm_directory()) / f"omni-pay-{gone.stdout.strip()}-deadbeef-1"
+    live = Path(shm_directory()) / f"omni-pay-{os.getpid()}-cafecafe-1"
+    for path in (dead, live):
+        path.write_bytes(b"x")
+    try:
+        assert reclaim_dead_segments() >= 1
+        assert not dead.exists() and live.exists()
+    finally:
+        live.unlink()
+        dead.unlink(missing_ok=True)
