@@ -6,6 +6,7 @@ BIN    := $(VENV)/bin
 # and pip does not pull a multi-GB CUDA build. Override on a GPU machine: make TORCH=torch
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: demo test bench lint clean
@@ -31,9 +32,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster soak
+BENCHMARKS := scheduler kv prefix_reuse decode diffusion_reuse transport cluster payloads soak
 
-bench: $(STAMP)
+# The benchmarks' own extra (Ray, perf/payloads.py's baseline), on top of the dev install.
+$(BENCH_STAMP): $(STAMP)
+	@$(PIP) install -e ".[dev,bench]" 2>&1 | grep -v "^WARNING: Location" || true
+	@$(BIN)/python -c "import ray" || { echo "install failed: see the pip output above"; exit 1; }
+	@touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	@start=$$(date +%s); \
 	for b in $(BENCHMARKS); do \
 		echo "== perf/$$b.py"; \

@@ -38,7 +38,7 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("scheduler", "kv", "prefix_reuse", "decode", "diffusion_reuse", "transport",
-              "cluster", "soak")  # the order of `make bench`; other results/*.json follow, by name
+              "cluster", "payloads", "soak")  # `make bench`'s order; other results/*.json follow
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 PASS, SHORT = "pass", "**falls short**"
@@ -131,6 +131,68 @@ def _block_keys(c: dict[str, Any], side: str) -> str:
     return ", ".join(f"{si(v[side]['median'])} tokens/s from {'a list' if k == 'list' else k}"
                      + (f" ({x(v['ratio'])})" if side == "measured" else "")
                      for k, v in c["inputs"].items())
+
+
+def _short(error: str | None, limit: int = 140) -> str:
+    """An error's first line, cut to `limit` characters."""
+    lines = (error or "—").strip().splitlines() or ["—"]
+    return lines[0] if len(lines[0]) <= limit else lines[0][: limit - 1].rstrip() + "…"
+
+
+def _size(label: str) -> str:
+    """perf/payloads.py's size labels for people: 64MiB-4KiB -> 64 MiB − 4 KiB."""
+    return re.sub(r"(\d)([KMG]iB)", r"\1 \2", label).replace("-", " − ")
+
+
+def _vs(c: dict[str, Any], unit: str) -> str:
+    """A payloads claim's measured cell: its ratio and Omni's figure, or why there is none."""
+    if c.get("measured") is None:
+        return f"fails: {_short(c.get('error'))}"
+    figure = f"{fig(med(c['measured']))} {unit}"
+    if c.get("ratio") is None:
+        return f"{figure}; no baseline: {_short(c.get('error'))}"
+    return f"{x(c['ratio'])} ({figure})" + (f"; {_short(c['error'])}" if c.get("error") else "")
+
+
+def _payload(c: dict[str, Any], unit: str, key: str) -> str:
+    """`_vs`, then the other sizes measured (64 MiB − 4 KiB)."""
+    text = _vs(c, unit)
+    for label, s in list(c.get("sizes", {}).items())[1:]:
+        if s.get(key) is None:
+            text += f"; {_size(label)}: fails ({_short(s.get('omni_error'), 80)})"
+            continue
+        ratio = "" if s.get("ratio") is None else f"{x(s['ratio'])}, "
+        text += f"; {_size(label)}: {ratio}{fig(med(s[key]))} {unit}"
+    return text
+
+
+def _ray(k: Ctx, what: str, unit: str) -> str:
+    """Ray's cell: `what`, Ray's version and figure, or why Ray has none."""
+    ray = k.d.get("ray") or {}
+    if k.c.get("baseline") is None:
+        return f"Ray: {_short(ray.get('error') or k.c.get('error'), 80)}"
+    return f"Ray {ray.get('version')} {what}: {fig(med(k.c['baseline']))} {unit}"
+
+
+def _big(c: dict[str, Any]) -> str:
+    parts = []
+    for name in ("argument", "result"):
+        part = c.get(name)
+        if not part:
+            continue
+        if part["error"] and not part["ok_calls"]:
+            parts.append(f"{name} fails: {_short(part['error'], 110)}")
+            continue
+        above = part["above_idle_mib"]
+        parts.append(f"{name}: driver +{fig(med(above['driver']))} MiB, worker "
+                     f"+{fig(med(above['worker']))} MiB ({fig(med(part['seconds']))} s)")
+    return "; ".join(parts) or f"fails: {_short(c.get('error'))}"
+
+
+def _pipeline_baseline(k: Ctx) -> str:
+    kind = k.c.get("baseline_kind")
+    return ("Compiled Graph of 3 actors" if kind == "ray_compiled_graph" else
+            "actor calls chained, 3 actors (the compiled graph did not compile)")
 
 
 KNOWN: tuple[Known, ...] = (
@@ -269,6 +331,60 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} vs "
                      f"{fig(med(k.c['baseline']))} requests/s)"),
           lambda k: f"round robin: {fig(med(k.c['baseline']))} requests/s"),
+    Known("payloads", "numpy_64mib",
+          lambda k: (f"a {mib(k.c['payload_bytes'])} numpy array as a class node's argument, "
+                     "to a worker on the same host (result: its size)"),
+          lambda k: f"≤ {k.c['target']:g}× Ray's time",
+          lambda k: _payload(k.c, "ms", "omni_ms"),
+          lambda k: (_ray(k, "actor call", "ms")
+                     + (f"; one in-process copy: {fig(med(k.c['copy']))} ms"
+                        if k.c.get("copy") else ""))),
+    Known("payloads", "torch_64mib",
+          lambda k: (f"the same with a {mib(k.c['payload_bytes'])} torch tensor (Ray pickles "
+                     "it)"),
+          lambda k: f"≤ {k.c['target']:g}× Ray's time",
+          lambda k: _payload(k.c, "ms", "omni_ms"),
+          lambda k: (_ray(k, "actor call", "ms")
+                     + (f"; one in-process clone: {fig(med(k.c['copy']))} ms"
+                        if k.c.get("copy") else ""))),
+    Known("payloads", "round_trip_64mib",
+          lambda k: (f"a {mib(k.c['payload_bytes'])} numpy array there and back: the node "
+                     "returns its argument"),
+          lambda k: f"≤ {k.c['target']:g}× Ray's time",
+          lambda k: _payload(k.c, "ms", "omni_ms"),
+          lambda k: _ray(k, "actor call", "ms")),
+    Known("payloads", "one_gib",
+          lambda k: (f"a {mib(k.c['payload_bytes'])} argument, and separately a "
+                     f"{mib(k.c['payload_bytes'])} result, of a class node on the same host: "
+                     "peak RSS above idle"),
+          lambda k: f"both work; each process ≤ {fig(k.c['target'])} MiB above idle",
+          lambda k: _big(k.c),
+          "—"),
+    Known("payloads", "tcp_64mib",
+          lambda k: (f"a {mib(k.c['payload_bytes'])} argument over the TCP path, as between "
+                     "hosts (driver and worker on one host with `OMNI_PAYLOAD_SHM=0` and "
+                     "`OMNI_IPC=0`)"),
+          lambda k: f"≥ {k.c['target']:g}× the baseline's GiB/s",
+          lambda k: _payload(k.c, "GiB/s", "omni_gib_s"),
+          lambda k: ("raw pyzmq, one zero-copy frame of the same size over TCP loopback "
+                     "(unencrypted; Omni's TCP sockets are CURVE-encrypted): "
+                     + (f"{fig(med(k.c['baseline']))} GiB/s" if k.c.get("baseline") else
+                        f"none ({_short(k.c.get('error'), 80)})"))),
+    Known("payloads", "call_latency",
+          "a trivial remote call (an int each way) to a class node on the same host",
+          lambda k: f"≤ {k.c['target']:g}× Ray's time",
+          lambda k: _vs(k.c, "µs"),
+          lambda k: _ray(k, "actor call", "µs")),
+    Known("payloads", "hop_latency",
+          "a 3-stage pipeline, one class node per worker: one request's latency / 3",
+          lambda k: f"≤ {k.c['target']:g}× the baseline's",
+          lambda k: _vs(k.c, "µs per hop"),
+          lambda k: _ray(k, _pipeline_baseline(k), "µs per hop")),
+    Known("payloads", "pipeline_throughput",
+          lambda k: f"the same pipeline, {k.c['in_flight']} requests in flight: throughput",
+          lambda k: f"≥ {k.c['target']:g}× the baseline's",
+          lambda k: _vs(k.c, "requests/s"),
+          lambda k: _ray(k, _pipeline_baseline(k), "requests/s")),
 )
 
 PLOTS = {  # what each benchmark's --plot draws
@@ -281,6 +397,8 @@ PLOTS = {  # what each benchmark's --plot draws
                        "vs separate",
     "transport": "round trip, payload throughput (and KV fetch) vs raw pyzmq",
     "cluster": "hit rate and throughput, KV-aware vs round-robin routing",
+    "payloads": "payload calls, TCP path, call and pipeline latency, throughput: Omni vs Ray "
+                "(and vs one copy, raw pyzmq); peak RSS with 1 GiB payloads",
 }
 
 
@@ -486,8 +604,9 @@ def _date(doc: dict[str, Any]) -> str:
 def _env_line(r: Result) -> str:
     doc = r.doc or {}
     env = _dict(doc.get("env"))
-    others = ", ".join(f"{k} {env[k]}" for k in ("transformers", "pyzmq", "libzmq", "numpy",
-                                                 "torch_threads", "bench_dir_fs") if k in env)
+    others = ", ".join(f"{k} {env[k]}" for k in ("transformers", "ray", "pyzmq", "libzmq",
+                                                 "numpy", "torch_threads", "bench_dir_fs")
+                       if env.get(k) is not None)
     try:
         load = f"{env['loadavg_before'][0]:g} → {env['loadavg_after'][0]:g}"
     except (KeyError, IndexError, TypeError, ValueError):

@@ -1,0 +1,129 @@
+"""The TCP-path driver of `perf/payloads.py`, a child process started with
+``OMNI_PAYLOAD_SHM=0 OMNI_IPC=0`` (`TCP_SETTINGS`, as is the worker it calls, ``wtcp``): no
+shared memory, no ipc:// socket, so payloads take the path they take between hosts even though
+both processes share this machine.
+
+It times, alternating round by round (one untimed warm-up round first), a call of the
+``SizeTcp`` node with a float32 array of each size (GiB/s = bytes / seconds of the call), and
+the raw pyzmq baseline of `perf/transport.py`: a blocking DEALER receiving one frame of the same
+size, zero-copy on both ends, from that benchmark's blocking ROUTER child over TCP loopback.
+It prints one JSON object on stdout: per size, the runs of each side or the error that stopped
+it.
+
+Usage: ``python perf/_payload_tcp.py ADDRESS TOKEN_FILE SIZE [SIZE ...] --repeats N
+[--seed S]`` (sizes in bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+import zmq
+
+if __package__ in (None, ""):  # run as a script: make `perf` and `omni` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import omni
+from perf import _payload_nodes as nodes
+from perf._payload_measures import error_text
+from perf._payload_support import BlockingThread
+
+ROOT = Path(__file__).resolve().parent.parent
+# What keeps a payload off the same-host paths: shared memory, and ipc:// sockets.
+TCP_SETTINGS = {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"}
+GIB = 1 << 30
+CALL_TIMEOUT_S = 120.0
+
+
+def _label(size: int) -> str:
+    return str(size)
+
+
+def _pyzmq(sock: zmq.Socket[Any], size: int) -> float:
+    """GiB/s of one frame of `size` bytes from the blocking ROUTER (perf/transport.py)."""
+    from perf.transport import Params, blocking_throughput
+
+    return blocking_throughput(sock, Params(frame_bytes=size, total_bytes=size, transfers=1))
+
+
+async def measure(address: str, token: str, sizes: list[int], repeats: int,
+                  seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    values = {size: rng.standard_normal(size // 4, dtype=np.float32) for size in sizes}
+    server = subprocess.Popen([sys.executable, str(ROOT / "perf" / "transport.py"), "--serve",
+                               "blocking"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    thread = BlockingThread("pyzmq")
+    runs: dict[str, dict[str, list[float]]] = {"omni": {}, "pyzmq": {}}
+    errors: dict[str, dict[str, str]] = {"omni": {}, "pyzmq": {}}
+    try:
+        assert server.stdout is not None
+        sock.connect(server.stdout.readline().strip())
+        async with omni.Runtime(cluster=address, token_file=token) as rt:
+            await rt.deploy(nodes.SizeTcp)
+
+            async def omni_gib_s(size: int) -> float:
+                start = time.perf_counter()
+                with trio.fail_after(CALL_TIMEOUT_S):
+                    out = await rt.run(nodes.SizeTcp, value=values[size])
+                elapsed = time.perf_counter() - start
+                if out != size:
+                    raise RuntimeError(f"the node saw {out} bytes, not {size}")
+                return size / elapsed / GIB
+
+            async def pyzmq_gib_s(size: int) -> float:
+                return await thread.run(lambda: _pyzmq(sock, size))
+
+            sides = {"omni": omni_gib_s, "pyzmq": pyzmq_gib_s}
+            order = [(side, size) for size in sizes for side in sides]
+            for r in range(-1, repeats):  # -1: the warm-up round
+                for side, size in order if r % 2 == 0 else reversed(order):
+                    if _label(size) in errors[side]:
+                        continue
+                    try:
+                        value = await sides[side](size)
+                    except Exception as exc:  # recorded; this side of this size stops
+                        errors[side][_label(size)] = error_text(exc)
+                        continue
+                    if r >= 0:
+                        runs[side].setdefault(_label(size), []).append(value)
+    finally:
+        thread.close()
+        sock.close()
+        ctx.term()
+        server.kill()
+        server.wait()
+    return {"runs": runs, "errors": errors,
+            "env": {name: os.environ.get(name) for name in TCP_SETTINGS}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("address")
+    parser.add_argument("token")
+    parser.add_argument("sizes", nargs="+", type=int)
+    parser.add_argument("--repeats", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        result = trio.run(measure, args.address, args.token, args.sizes, args.repeats,
+                          args.seed)
+    except Exception as exc:  # reported to the parent, which records it in the claim
+        result = {"error": error_text(exc)}
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
