@@ -50,7 +50,7 @@ __all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadTooLarge", "
            "reclaim_dead_segments"]
 
 SHM_MIN = 256 << 10  # buffers this large go through shared memory on one host
-CHUNK = 32 << 20  # the largest payload frame a buffer is split into
+CHUNK = 64 << 20  # the largest payload frame a buffer is split into (the wire's frame limit)
 POOL_MAX = 256 << 20  # larger buffers get a segment of their own, never kept
 _PAGE = mmap.PAGESIZE
 

@@ -13,7 +13,7 @@ import torch
 
 from omni._shm import shm_directory
 from omni.transport.errors import WireError
-from omni.transport.payloads import CHUNK, SHM_MIN, PayloadMover, PayloadTooLarge
+from omni.transport.payloads import SHM_MIN, PayloadMover, PayloadTooLarge
 from omni.transport.values import pack_value, unpack_value
 
 
@@ -98,13 +98,14 @@ def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monk
     assert segments(producer) == []
 
 
-def test_between_hosts_buffers_go_as_chunked_frames_with_no_size_cap(movers) -> None:
+def test_between_hosts_buffers_go_as_chunked_frames_with_no_size_cap(movers, monkeypatch):
     producer, consumer = movers
-    array = np.arange(CHUNK // 8 * 2 + 5, dtype=np.float64)  # three chunks
+    monkeypatch.setattr("omni.transport.payloads.CHUNK", 1 << 20)  # as if values were huge
+    array = np.arange((1 << 20) // 8 * 2 + 5, dtype=np.float64)  # three chunks
     packed = pack_value(array)
     refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=False)
     assert refs[0].frames == 3 and len(frames) == 3
-    assert all(memoryview(f).nbytes <= CHUNK for f in frames)
+    assert all(memoryview(f).nbytes <= 1 << 20 for f in frames)
     back = unpack_value(packed.body, consumer.unpack(refs, frames, peer="producer"))
     assert (back == array).all()
     assert segments(producer) == []
