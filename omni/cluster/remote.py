@@ -223,7 +223,11 @@ class RemoteReplica:
         return scopes
 
     async def _feed(self, feed_id: int, stream: Any, scope: trio.CancelScope) -> None:
-        """Send `stream`'s items to the worker in batches, each once the last one landed."""
+        """Send `stream`'s items to the worker in batches, each once the last one landed.
+
+        It runs in the cluster link's nursery, so it never raises: whatever goes wrong (the
+        upstream node fails, an item cannot travel) ends the stream on the worker with an
+        error, which fails the call there and so the request here."""
         with scope:
             send, receive = trio.open_memory_channel[Any](STREAM_BATCH)
             failure: list[str] = []
@@ -232,28 +236,31 @@ class RemoteReplica:
                 async with receive:
                     while True:
                         items = await _take_batch(receive)
-                        done = len(items) < STREAM_BATCH and receive_closed(receive, send)
-                        if not await self._send_feed(feed_id, items, done or bool(failure),
-                                                     failure[0] if failure else ""):
-                            nursery.cancel_scope.cancel()  # the worker wants no more
-                            return
-                        if done or failure:
+                        done = len(items) < STREAM_BATCH and _drained(receive)
+                        error = failure[0] if failure else ""
+                        if not await self._send_feed(feed_id, items, done, error) \
+                                or done or error:
+                            nursery.cancel_scope.cancel()  # finished, or the worker wants no more
                             return
 
     async def _send_feed(self, feed_id: int, items: list[Any], done: bool, error: str) -> bool:
+        """One batch (False: the worker wants no more, or cannot be reached)."""
         refs, frames = [], []
-        for item in items:
-            item_refs, item_frames = pack_for(self.mover, item, peer=self.member,
-                                              same_host=self.same_host)
-            refs.append(item_refs)
-            frames.extend(item_frames)
+        try:
+            for item in items:
+                item_refs, item_frames = pack_for(self.mover, item, peer=self.member,
+                                                  same_host=self.same_host)
+                refs.append(item_refs)
+                frames.extend(item_frames)
+        except (TypeError, TransportError) as exc:
+            refs, frames, error = [], [], f"an item cannot travel to the worker: {exc}"
         try:
             reply = await self.client.call_with_payload(
                 "node.feed", Feed(self.session, feed_id, refs, done, error), payload=frames,
                 result_type=bool)
         except TransportError:
             return False  # the call itself reports a lost worker
-        return bool(reply.body)
+        return bool(reply.body) and not error
 
     async def _rpc(self, method: str, body: Any, payload: list[Any], *,
                    result_type: Any = Any) -> Any:
@@ -295,7 +302,7 @@ async def _take_batch(receive: trio.MemoryReceiveChannel) -> list[Any]:
     return items
 
 
-def receive_closed(receive: trio.MemoryReceiveChannel, send: trio.MemorySendChannel) -> bool:
+def _drained(receive: trio.MemoryReceiveChannel) -> bool:
     """Whether the reader finished and everything it read has been taken."""
     stats = receive.statistics()
     return stats.open_send_channels == 0 and stats.current_buffer_used == 0

@@ -39,6 +39,16 @@ async def test_dataclasses_tensors_and_streams_arrive_as_they_left(cluster: Clus
         assert totals == [sum(i * 256 * 256 for i in range(k + 1)) for k in range(5)]
 
 
+async def test_a_stream_item_that_cannot_travel_fails_its_request_only(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        with trio.fail_after(60):
+            with pytest.raises(omni.NodeError, match="cannot travel"):
+                await rt.run(v.count, bad=True)
+            assert await rt.run(v.count, bad=False) == 2  # the runtime and worker go on
+
+
 async def test_values_past_the_old_frame_limit_cross_both_ways(cluster: Cluster,
                                                             monkeypatch) -> None:
     cluster.head()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,3 +62,20 @@ def tally(count: int):
 class TakesACallback:
     async def __call__(self, on_done: Callable[[int], None]) -> int:
         return 0
+
+
+@omni.node
+class Count:
+    async def __call__(self, items: AsyncIterator[Any]) -> int:
+        return len([item async for item in items])
+
+
+@omni.node
+async def some_items(bad: bool) -> AsyncIterator[Any]:
+    yield 1
+    yield object() if bad else 2
+
+
+@omni.graph
+def count(bad: bool):
+    return Count()(some_items(bad))
