@@ -175,10 +175,10 @@ def join(
         resources = {"cpu": float(os.cpu_count() or 1), "memory": float(_memory_bytes()),
                      "gpu": float(gpus if gpus is not None else _gpu_count())}
         with _credentials(_token_path(token_file), create=False) as creds:
-            worker = Worker(worker_name, address, creds, host=host, resources=resources,
-                            kv=tiers, heartbeat_interval=heartbeat, kv_fetch=kv_fetch)
 
             async def serve() -> None:
+                worker = Worker(worker_name, address, creds, host=host, resources=resources,
+                                kv=tiers, heartbeat_interval=heartbeat, kv_fetch=kv_fetch)
                 await probe(creds, address, timeout=timeout)
                 async with trio.open_nursery() as nursery:
                     endpoint = await nursery.start(worker.run)

@@ -46,8 +46,8 @@ from omni._shm import shm_directory
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
-__all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadTooLarge", "payload_mover",
-           "reclaim_dead_segments"]
+__all__ = ["CHUNK", "SHM_MIN", "BufferRef", "PayloadMover", "PayloadSettingError",
+           "PayloadTooLarge", "payload_mover", "reclaim_dead_segments"]
 
 SHM_MIN = 256 << 10  # buffers this large go through shared memory on one host
 CHUNK = 64 << 20  # the largest payload frame a buffer is split into (the wire's frame limit)
@@ -57,6 +57,10 @@ _PAGE = mmap.PAGESIZE
 
 class PayloadTooLarge(TransportError):
     """A value's out-of-band bytes exceed the ``OMNI_PAYLOAD_MAX`` setting."""
+
+
+class PayloadSettingError(TransportError):
+    """An ``OMNI_PAYLOAD_*`` environment setting is not a size."""
 
 
 class BufferRef(msgspec.Struct, array_like=True, frozen=True):
@@ -361,7 +365,7 @@ def _env_size(name: str, default: str) -> int:
     try:
         return parse_size(value)
     except ValueError as exc:
-        raise ValueError(f"{name}={value!r}: {exc}") from None
+        raise PayloadSettingError(f"{name}={value!r}: {exc}") from None
 
 
 def reclaim_dead_segments() -> int:

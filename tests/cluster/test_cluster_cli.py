@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.cluster.conftest import ROOT, Cluster
@@ -103,3 +106,16 @@ def test_bad_addresses_and_missing_tokens_are_one_line(cluster: Cluster) -> None
     done = cluster.cli("cluster", "status", "tcp://127.0.0.1:9", "--token-file",
                        str(cluster.token))
     assert done.returncode == 2 and "no token file at" in done.stderr
+
+
+def test_a_payload_setting_that_is_not_a_size_is_one_line(cluster: Cluster) -> None:
+    cluster.head()
+    env = {**os.environ, "OMNI_PAYLOAD_MAX": "lots"}
+    for args in (["cluster", "join", cluster.address, "--token-file", str(cluster.token)],
+                 ["run", PIPELINES, "shout", "--input", "text=hi", "--cluster",
+                  cluster.address, "--token-file", str(cluster.token)]):
+        done = subprocess.run([sys.executable, "-m", "cli", *args], cwd=cluster.folder, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            "error: OMNI_PAYLOAD_MAX='lots': not a size: 'lots' (try e.g. 512MiB, 8GiB, 4096)"]
