@@ -26,6 +26,9 @@ log = logging.getLogger("omni.transport.rpc")
 
 Handler = Callable[..., Awaitable[Any]]
 _MAX_ERROR_CHARS = 16_384  # a remote error's message is truncated to this
+# ZeroMQ applies its message size limit to what arrives on the wire: a CURVE-encrypted frame is
+# a few dozen bytes longer than its payload. The limits themselves are enforced by the codec.
+_FRAMING_MARGIN = 4096
 _GRACE = 0.005  # seconds to read replies already received before declaring a peer gone
 
 
@@ -96,7 +99,8 @@ class _Service(abc.ABC):
             limits = self._codec.limits
             self._sock = await stack.enter_async_context(open_socket(
                 self._ctx, socket_type, on_message=self._guarded_on_message,
-                max_msg_size=max(limits.max_payload_bytes, limits.max_control_bytes),
+                max_msg_size=max(limits.max_payload_bytes, limits.max_control_bytes)
+                + _FRAMING_MARGIN,
                 **socket_args))
             self._nursery = await stack.enter_async_context(background_nursery())
         except BaseException:

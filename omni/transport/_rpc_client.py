@@ -190,7 +190,7 @@ class RPCClient(_Service):
     # -- in the socket's owner task ----------------------------------------------------------
 
     def _on_message(self, frames: list[Buffer]) -> None:
-        if len(frames) - 1 > self._codec.limits.max_payload_frames:
+        if not self._codec.payload_fits(frames[1:]):
             self._dropped += 1  # a reply no honest server sends: its call times out
             return
         try:

@@ -177,7 +177,7 @@ class RPCServer(_Service):
     # -- dispatch, in the socket's owner task ------------------------------------------------
 
     def _on_message(self, frames: list[Buffer]) -> None:
-        if len(frames) < 2 or len(frames) - 2 > self._codec.limits.max_payload_frames:
+        if len(frames) < 2 or not self._codec.payload_fits(frames[2:]):
             self._dropped += 1
             return
         identity = bytes(frames[0])

@@ -190,6 +190,13 @@ class Codec:
                             "send bulk bytes as payload frames")
         return msgspec.Raw(raw)
 
+    def payload_fits(self, frames: Any) -> bool:
+        """Whether received payload frames keep to the limits (ZeroMQ's own message size
+        limit has a margin for encryption, so a frame a little over it arrives)."""
+        limits = self.limits
+        return len(frames) <= limits.max_payload_frames and all(
+            _nbytes(frame) <= limits.max_payload_bytes for frame in frames)
+
     def check_payload(self, frames: Any) -> None:
         """Raise `WireError` if `frames` (a list of payload buffers) breaks the limits."""
         limits = self.limits

@@ -173,3 +173,26 @@ def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept() -> None:
     finally:
         live.unlink()
         dead.unlink(missing_ok=True)
+
+
+async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
+    import trio
+
+    from omni.transport.credentials import Credentials
+    from omni.transport.rpc import Reply, RPCClient, RPCServer
+    from omni.transport.security import ClusterToken
+    from omni.transport.wire import MAX_PAYLOAD_BYTES
+
+    async def size(_: object, payload: list) -> Reply:
+        return Reply(sum(memoryview(f).nbytes for f in payload), [])
+
+    frame = bytearray(MAX_PAYLOAD_BYTES)  # what a CHUNK-sized buffer travels as
+    with Credentials(ClusterToken.generate()) as creds:
+        server = RPCServer("tcp://127.0.0.1:*", ctx=creds.ctx, options=creds.server_options())
+        server.register("size", size, body_type=object, with_payload=True)
+        async with server:
+            client = RPCClient(server.endpoint, ctx=creds.ctx, options=creds.client_options(),
+                               timeout=60)
+            async with client:
+                with trio.fail_after(60):
+                    assert await client.call("size", None, payload=[frame]) == len(frame)
