@@ -361,25 +361,31 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
         data = {"error": f"the TCP driver printed no result (exit {done.returncode}); "
                          f"stderr: {done.stderr.decode(errors='replace')[-1500:]!r}"}
     runs, errors = data.get("runs", {}), data.get("errors", {})
+    sides = ("omni", "pyzmq", "pyzmq_curve")
     samples = {side: {size_label(int(k)): Samples(tuple(v)) for k, v in runs.get(side, {}).items()}
-               for side in ("omni", "pyzmq")}
+               for side in sides}
     per_size = {}
     for size in sizes:
         label = size_label(size)
         entry: dict[str, Any] = {"bytes": size}
-        for side in ("omni", "pyzmq"):
+        for side in sides:
             s = samples[side].get(label)
             entry[f"{side}_gib_s"] = None if s is None else s.to_json(3)
             entry[f"{side}_error"] = errors.get(side, {}).get(str(size))
-        o, z = samples["omni"].get(label), samples["pyzmq"].get(label)
+        o, z, zc = (samples[side].get(label) for side in sides)
         entry["ratio"] = round(o.median / z.median, 3) if o and z else None
+        entry["ratio_vs_curve"] = round(o.median / zc.median, 3) if o and zc else None
         per_size[label] = entry
     label = size_label(sizes[0])
     exact = per_size[label]
+    curve = samples["pyzmq_curve"].get(label)
     return claim(
         unit="GiB/s", target=TCP_TARGET, better="higher", measured=samples["omni"].get(label),
         baseline=samples["pyzmq"].get(label), digits=3,
         error=data.get("error") or exact["omni_error"] or exact["pyzmq_error"],
+        pyzmq_curve_gib_s=None if curve is None else curve.to_json(3),
+        ratio_vs_curve=exact["ratio_vs_curve"],
+        pyzmq_curve_error=data.get("error") or exact["pyzmq_curve_error"],
         payload_bytes=sizes[0], sizes=per_size, setting=data.get("env"),
         note=(f"GiB/s of a call whose argument is a {label} float32 numpy array (result: its "
               "size) from a driver child process to worker wtcp, both started with "
@@ -387,9 +393,12 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
               "TCP path, as between hosts; `setting`: what the child saw); also at "
               f"{size_label(sizes[1])}; baseline: raw pyzmq, one frame of the same size, "
               "copy=False both ends, blocking DEALER/ROUTER over TCP loopback "
-              "(perf/transport.py's pair, unencrypted; Omni's sockets are CURVE-encrypted); "
-              f"median of {p.repeats} alternating rounds after a warm-up; ratio = Omni / "
-              f"pyzmq, target >= {TCP_TARGET:g}"))
+              "(perf/transport.py's pair, unencrypted); pyzmq_curve_gib_s: the same pair with "
+              "CURVE encryption (zmq.curve_keypair for each end, curve_server on the ROUTER), "
+              "as Omni's TCP sockets are, measured in the same alternating rounds; median of "
+              f"{p.repeats} alternating rounds after a warm-up; ratio = Omni / plain pyzmq, "
+              f"target >= {TCP_TARGET:g}; ratio_vs_curve = Omni / pyzmq with CURVE "
+              "(recorded, not the target)"))
 
 
 async def _run_child(cmd: list[str], env: dict[str, str], janitor: ShmJanitor) -> Any:

@@ -25,7 +25,10 @@ warm-up round, and reports medians of `repeats` rounds. Claims:
    and worker ``wtcp``, both started with ``OMNI_PAYLOAD_SHM=0`` and ``OMNI_IPC=0`` (no shared
    memory, no ipc:// socket; `perf/_payload_tcp.py`).
    Baseline: raw pyzmq zero-copy frames of the same size over TCP loopback (the blocking
-   pyzmq pair of `perf/transport.py`). GiB/s; target >= 0.8x raw pyzmq.
+   pyzmq pair of `perf/transport.py`, unencrypted). GiB/s; target >= 0.8x raw pyzmq. Also
+   measured in the same alternating rounds, and recorded (``pyzmq_curve_gib_s``,
+   ``ratio_vs_curve``) but not the target: the same pair with CURVE encryption, as Omni's
+   TCP sockets have.
 6. ``call_latency``: a trivial call (an int each way) on ``w1``; median µs of sequential
    calls. Target: Omni <= 0.5x Ray's actor call.
 7. ``hop_latency`` and ``pipeline_throughput``: three class nodes, one per worker
@@ -34,6 +37,11 @@ warm-up round, and reports medians of `repeats` rounds. Claims:
    a Ray Compiled Graph of three actors (``ray.dag.InputNode``, ``experimental_compile``),
    or plain chained actor calls where it does not compile (then labelled ``ray_actors``, with
    the reason). Targets: hop latency <= the baseline's, throughput >= the baseline's.
+   Then, once, where Omni's time goes: the same requests plain (CPU time per request of the
+   driver, the head and the workers, and of the whole machine, against wall time) and under
+   cProfile in the driver (the top functions by own time), then plain again once Ray's graph
+   is torn down; each claim's ``explain``, and ``why``, one line of it
+   (`perf/_payload_latency.py`).
 
 ``--no-ray`` skips Ray (the claims with a Ray baseline then record none and do not pass): the
 test suite runs that way, without Ray installed. ``--quick`` shrinks the payloads to 16 MiB
@@ -208,6 +216,9 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
             await rt.deploy(node)
         janitor.watch(procs.pids())
         w1 = procs.workers["w1"].popen.pid
+        pipeline_pids = {name: procs.workers[name].popen.pid for name in ("w1", "w2", "w3")}
+        if procs.head is not None:
+            pipeline_pids["head"] = procs.head.popen.pid
         sections = [
             (("numpy_64mib",), lambda: m.payload_section(rt, p, ray, thread, "numpy")),
             (("torch_64mib",), lambda: m.payload_section(rt, p, ray, thread, "torch")),
@@ -217,7 +228,7 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
             (("tcp_64mib",), lambda: m.tcp_section(p, procs.address, procs.token, janitor)),
             (("call_latency",), lambda: lat.call_latency_section(rt, p, ray, thread)),
             (("hop_latency", "pipeline_throughput"),
-             lambda: lat.pipeline_section(rt, p, ray, thread)),
+             lambda: lat.pipeline_section(rt, p, ray, thread, pipeline_pids)),
         ]
         for names, section in sections:
             began = time.perf_counter()
@@ -354,6 +365,8 @@ def _plot(result: dict[str, Any], path: str) -> None:
         c = result[name]
         other = "pyzmq" if name == "tcp_64mib" else "Ray"
         bars = {"Omni": _samples(c.get("measured")), other: _samples(c.get("baseline"))}
+        if c.get("pyzmq_curve_gib_s"):
+            bars["pyzmq CURVE"] = _samples(c["pyzmq_curve_gib_s"])
         if c.get("copy"):
             bars["copy"] = _samples(c["copy"])
         panels.append((title, unit, {k: v for k, v in bars.items() if v is not None}))
