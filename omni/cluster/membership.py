@@ -133,7 +133,7 @@ class ClientSet:
             if entry[0].endpoint == endpoint:
                 return entry[0]
             self.drop(name)
-        options = {} if endpoint.startswith("ipc://") else self.creds.client_options()
+        options = {} if endpoint.startswith("unix://") else self.creds.client_options()
         client = RPCClient(endpoint, ctx=self.creds.ctx, options=options,
                            heartbeat_interval=self.heartbeat_interval,
                            missed_heartbeats=self.missed)

@@ -52,11 +52,11 @@ class MemberInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     resources: dict[str, float] = {}
     kv_capacity: dict[str, int] = {}
     kv_events: str = ""  # the endpoint of its KV event publisher, once it has a store
-    ipc: str = ""  # its ipc:// endpoint for processes of its host (no CURVE: see endpoint_for)
+    ipc: str = ""  # its unix:// endpoint for processes of its host (no CURVE: see endpoint_for)
 
 
 def endpoint_for(info: MemberInfo) -> str:
-    """Where this process reaches `info`: its ipc:// endpoint when both share a host (the
+    """Where this process reaches `info`: its unix:// endpoint when both share a host (the
     socket lives in a 0700 folder, so the filesystem is the authentication, and nothing
     crosses the network stack), else its TCP endpoint with CURVE."""
     if info.ipc and info.host_id == host_id() and ipc_enabled():

@@ -176,12 +176,13 @@ class Worker:
         Raises:
             ClusterError: the head refused the registration.
         """
-        # TCP with CURVE for everyone; ipc:// in a 0700 folder for processes of this host.
+        # TCP with CURVE for everyone; a Unix socket in a 0700 folder for processes of this
+        # host (no ZeroMQ I/O thread, no encryption: see omni.transport._unix).
         self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
                                    options=self.creds.server_options())]
         if ipc_enabled():
             path = ipc_directory() / f"w-{os.getpid()}-{secrets.token_hex(4)}.sock"
-            self._servers.append(RPCServer(f"ipc://{path}", ctx=self.creds.ctx))
+            self._servers.append(RPCServer(f"unix://{path}"))
         for server in self._servers:
             self._register(server)
         try:

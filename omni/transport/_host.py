@@ -43,12 +43,12 @@ def host_id() -> str:
 
 
 def ipc_enabled() -> bool:
-    """Whether processes of one host talk over ipc:// sockets (``OMNI_IPC=0`` turns it off)."""
+    """Whether processes of one host talk over Unix sockets (``OMNI_IPC=0`` turns it off)."""
     return os.environ.get("OMNI_IPC", "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def ipc_directory() -> Path:
-    """The folder of this user's ipc:// sockets: private (0700), so that only this user's
+    """The folder of this user's Unix sockets: private (0700), so that only this user's
     processes can connect to them.
 
     Raises:

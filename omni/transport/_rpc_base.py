@@ -12,6 +12,7 @@ from typing import Any
 import trio
 import zmq
 
+from omni.transport._unix import UnixSocket, is_unix, open_unix_socket
 from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import Buffer, Socket, background_nursery, open_socket
 from omni.transport.wire import (
@@ -85,7 +86,7 @@ class _Service(abc.ABC):
     def __init__(self, limits: WireLimits | None, ctx: zmq.Context[Any] | None):
         self._codec = Codec(limits)
         self._ctx = ctx
-        self._sock: Socket | None = None
+        self._sock: Socket | UnixSocket | None = None
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._dropped = 0
@@ -97,11 +98,17 @@ class _Service(abc.ABC):
         await stack.__aenter__()
         try:
             limits = self._codec.limits
-            self._sock = await stack.enter_async_context(open_socket(
-                self._ctx, socket_type, on_message=self._guarded_on_message,
-                max_msg_size=max(limits.max_payload_bytes, limits.max_control_bytes)
-                + _FRAMING_MARGIN,
-                **socket_args))
+            largest = max(limits.max_payload_bytes, limits.max_control_bytes)
+            address = socket_args.get("bind") or socket_args.get("connect")
+            if is_unix(address):  # processes of one host: no ZeroMQ I/O thread in the way
+                opened = open_unix_socket(on_message=self._guarded_on_message,
+                                          max_frames=limits.max_payload_frames + 2,
+                                          max_frame_bytes=largest, **socket_args)
+            else:
+                opened = open_socket(self._ctx, socket_type,
+                                     on_message=self._guarded_on_message,
+                                     max_msg_size=largest + _FRAMING_MARGIN, **socket_args)
+            self._sock = await stack.enter_async_context(opened)
             self._nursery = await stack.enter_async_context(background_nursery())
         except BaseException:
             await stack.aclose()
@@ -134,7 +141,7 @@ class _Service(abc.ABC):
             return False
         return True
 
-    def _require_socket(self) -> Socket:
+    def _require_socket(self) -> Socket | UnixSocket:
         if self._sock is None or self._stack is None:
             raise TransportError(f"{self!r} is not running (use `async with`)")
         return self._sock
