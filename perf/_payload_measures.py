@@ -389,7 +389,7 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
         payload_bytes=sizes[0], sizes=per_size, setting=data.get("env"),
         note=(f"GiB/s of a call whose argument is a {label} float32 numpy array (result: its "
               "size) from a driver child process to worker wtcp, both started with "
-              "OMNI_PAYLOAD_SHM=0 and OMNI_IPC=0 (no shared memory, no ipc:// socket: the "
+              "OMNI_PAYLOAD_SHM=0 and OMNI_IPC=0 (no shared memory, no Unix socket: the "
               "TCP path, as between hosts; `setting`: what the child saw); also at "
               f"{size_label(sizes[1])}; baseline: raw pyzmq, one frame of the same size, "
               "copy=False both ends, blocking DEALER/ROUTER over TCP loopback "

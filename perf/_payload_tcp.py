@@ -1,6 +1,6 @@
 """The TCP-path driver of `perf/payloads.py`, a child process started with
 ``OMNI_PAYLOAD_SHM=0 OMNI_IPC=0`` (`TCP_SETTINGS`, as is the worker it calls, ``wtcp``): no
-shared memory, no ipc:// socket, so payloads take the path they take between hosts even though
+shared memory, no Unix socket, so payloads take the path they take between hosts even though
 both processes share this machine.
 
 It times, alternating round by round (one untimed warm-up round first), a call of the
@@ -42,7 +42,7 @@ from perf._payload_measures import error_text
 from perf._payload_support import BlockingThread
 
 ROOT = Path(__file__).resolve().parent.parent
-# What keeps a payload off the same-host paths: shared memory, and ipc:// sockets.
+# What keeps a payload off the same-host paths: shared memory, and Unix sockets.
 TCP_SETTINGS = {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"}
 GIB = 1 << 30
 CALL_TIMEOUT_S = 120.0

@@ -23,7 +23,7 @@ warm-up round, and reports medians of `repeats` rounds. Claims:
    is not run (recorded), rather than risk the OOM killer.
 5. ``tcp_64mib``: 64 MiB forced across the TCP path as between hosts: a driver child process
    and worker ``wtcp``, both started with ``OMNI_PAYLOAD_SHM=0`` and ``OMNI_IPC=0`` (no shared
-   memory, no ipc:// socket; `perf/_payload_tcp.py`).
+   memory, no Unix socket; `perf/_payload_tcp.py`).
    Baseline: raw pyzmq zero-copy frames of the same size over TCP loopback (the blocking
    pyzmq pair of `perf/transport.py`, unencrypted). GiB/s; target >= 0.8x raw pyzmq. Also
    measured in the same alternating rounds, and recorded (``pyzmq_curve_gib_s``,

@@ -46,6 +46,7 @@ from omni.cluster.remote import (
 from omni.graph._hosting import host_replica
 from omni.graph.context import current
 from omni.transport._host import host_id, ipc_directory, ipc_enabled
+from omni.transport._unix import remove_stale
 from omni.transport.credentials import Credentials
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
@@ -181,7 +182,9 @@ class Worker:
         self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
                                    options=self.creds.server_options())]
         if ipc_enabled():
-            path = ipc_directory() / f"w-{os.getpid()}-{secrets.token_hex(4)}.sock"
+            folder = ipc_directory()
+            remove_stale(folder, "w-*.sock")  # workers that were killed leave theirs
+            path = folder / f"w-{os.getpid()}-{secrets.token_hex(4)}.sock"
             self._servers.append(RPCServer(f"unix://{path}"))
         for server in self._servers:
             self._register(server)

@@ -42,7 +42,7 @@ import trio
 from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import background_nursery
 
-__all__ = ["SCHEME", "UnixSocket", "is_unix", "open_unix_socket"]
+__all__ = ["SCHEME", "UnixSocket", "is_unix", "open_unix_socket", "remove_stale"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def encode(frames: Sequence[Buffer]) -> list[Buffer]:
         return [header + b"".join(views)]
     out: list[Buffer] = []
     small = [header]
-    for view, length in zip(views, lengths):
+    for view, length in zip(views, lengths, strict=True):
         if length < _LARGE:
             small.append(view)
             continue
@@ -372,8 +372,8 @@ class UnixSocket:
     def __repr__(self) -> str:
         kind = "listening" if self.listening else "connecting"
         state = " closed" if self._closed else ""
-        return (f"<UnixSocket {kind}{state} {self.endpoint} "
-                f"connections={len(self._connections) if self.listening else int(bool(self._peer))}>")
+        count = len(self._connections) if self.listening else int(bool(self._peer))
+        return f"<UnixSocket {kind}{state} {self.endpoint} connections={count}>"
 
     # -- the tasks ---------------------------------------------------------------------------
 
@@ -453,6 +453,20 @@ class UnixSocket:
                 await self._run_connection(self._peer)
             finally:
                 self._connected = trio.Event()
+
+
+def remove_stale(folder: str | os.PathLike[str], pattern: str = "*.sock") -> int:
+    """Remove the socket files in `folder` nobody listens on (left by killed processes);
+    how many."""
+    from pathlib import Path
+
+    removed = 0
+    for path in Path(folder).glob(pattern):
+        if _stale(str(path)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
 
 
 def _stale(path: str) -> bool:

@@ -192,3 +192,15 @@ async def test_a_server_in_another_process(folder):
         proc.wait()
     assert (folder / "s.sock").exists()  # a killed server leaves its file: the next replaces it
     os.unlink(folder / "s.sock")
+
+
+async def test_remove_stale_takes_the_files_nobody_listens_on_and_leaves_live_ones(folder):
+    from omni.transport._unix import remove_stale
+
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(folder / "w-1-dead.sock"))
+    dead.close()
+    (folder / "w-2-other.txt").write_text("not a socket")
+    async with make_server(f"unix://{folder}/w-3-live.sock"):
+        assert remove_stale(folder, "w-*.sock") == 1
+        assert sorted(p.name for p in folder.iterdir()) == ["w-2-other.txt", "w-3-live.sock"]
