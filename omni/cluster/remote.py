@@ -28,6 +28,7 @@ import trio
 
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import RemoteNodeError, WorkerLost
+from omni.transport._cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
@@ -94,7 +95,7 @@ class Renew(msgspec.Struct, frozen=True):
 def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool,
              streams: Callable[[Any], int] | None = None) -> tuple[list[BufferRef], list[Any]]:
     """`value`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`."""
-    packed = pack_value(value, streams=streams)
+    packed = pack_value(value, streams=streams, cuda_ipc=same_host and cuda_ipc_enabled())
     refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
     return refs, [packed.body, *frames]
 

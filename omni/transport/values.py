@@ -10,7 +10,10 @@ msgpack through msgspec, never pickle. A value arrives as the type it left as:
   without calling ``__init__``, as it was, frozen or not;
 - torch tensors and numpy arrays with their dtype, shape and strides (C order, Fortran order
   or any permutation of axes; a view with gaps or negative strides arrives compact in the same
-  axis order) and their read-only flag;
+  axis order) and their read-only flag; a CUDA tensor arrives on the same device: with
+  ``cuda_ipc`` (the receiver shares the host) by CUDA IPC handle, mapping the sender's memory
+  (`omni.transport._cuda`), else through host memory, moved back to the device where the
+  receiver has it (a receiver without CUDA gets it in host memory);
 - async iterators (streams) as a stream id the caller maps (`pack_value`'s ``streams``).
 
 Arrays of `oob_min` bytes or more travel *out of band*: the body holds a reference, and the
@@ -42,7 +45,8 @@ __all__ = ["OOB_MIN", "Packed", "TypeRegistry", "cannot_travel", "decode_value",
 
 OOB_MIN = 64 << 10  # arrays this large go out of band (pyzmq copies smaller frames anyway)
 
-_TENSOR, _NDARRAY, _TUPLE, _OBJECT, _STREAM, _SET, _FROZENSET, _NPSCALAR, _PAIRS = range(1, 10)
+_TENSOR, _NDARRAY, _TUPLE, _OBJECT, _STREAM, _SET, _FROZENSET, _NPSCALAR, _PAIRS, _CUDA = \
+    range(1, 11)
 _DATACLASS, _STRUCT, _ENUM = 0, 1, 2
 _SCALARS = frozenset((str, int, float, bool, type(None), bytes))
 
@@ -64,6 +68,7 @@ class _Array(msgspec.Struct, array_like=True, frozen=True):
     readonly: bool
     buffer: int  # index into the out-of-band buffers, or -1: the bytes follow inline
     data: bytes = b""
+    device: str = ""  # a tensor's device when not the CPU ("cuda:1")
 
 
 _array_decoder = msgspec.msgpack.Decoder(_Array)
@@ -121,9 +126,11 @@ types = TypeRegistry()
 class _Lowering:
     """One encode: turns a value into msgpack-native data, collecting out-of-band buffers."""
 
-    def __init__(self, oob_min: int | None, streams: Callable[[Any], int] | None):
+    def __init__(self, oob_min: int | None, streams: Callable[[Any], int] | None,
+                 cuda_ipc: bool):
         self.oob_min = oob_min
         self.streams = streams
+        self.cuda_ipc = cuda_ipc
         self.buffers: list[memoryview] = []
 
     def lower(self, value: Any, where: str) -> Any:
@@ -191,7 +198,12 @@ class _Lowering:
         import torch
 
         t = tensor.detach()
-        if t.device.type != "cpu":
+        device = "" if t.device.type == "cpu" else str(t.device)
+        if device.startswith("cuda") and self.cuda_ipc:
+            from omni.transport._cuda import share
+
+            return msgspec.msgpack.Ext(_CUDA, _plain.encode(share(t)))
+        if device:
             t = t.cpu()
         dtype = str(t.dtype).removeprefix("torch.")
         order = list(range(t.dim())) if t.is_contiguous() else _order(list(t.stride()),
@@ -200,7 +212,7 @@ class _Lowering:
         if not dense.is_contiguous():
             dense = dense.contiguous()
         raw = dense.reshape(-1).view(torch.uint8).numpy() if dense.numel() else None
-        return self._pack_array(_TENSOR, dtype, list(dense.shape), order, False, raw)
+        return self._pack_array(_TENSOR, dtype, list(dense.shape), order, False, raw, device)
 
     def _array(self, code: int, array: Any, dtype: str, readonly: bool) -> msgspec.msgpack.Ext:
         import numpy
@@ -214,14 +226,14 @@ class _Lowering:
         return self._pack_array(code, dtype, list(dense.shape), order, readonly, raw)
 
     def _pack_array(self, code: int, dtype: str, shape: list[int], order: list[int],
-                    readonly: bool, raw: Any) -> msgspec.msgpack.Ext:
+                    readonly: bool, raw: Any, device: str = "") -> msgspec.msgpack.Ext:
         nbytes = 0 if raw is None else raw.nbytes
         if raw is not None and self.oob_min is not None and nbytes >= self.oob_min:
             self.buffers.append(memoryview(raw).cast("B"))
-            header = _Array(dtype, shape, order, readonly, len(self.buffers) - 1)
+            header = _Array(dtype, shape, order, readonly, len(self.buffers) - 1, b"", device)
         else:
             data = b"" if raw is None else raw.tobytes()
-            header = _Array(dtype, shape, order, readonly, -1, data)
+            header = _Array(dtype, shape, order, readonly, -1, data, device)
         return msgspec.msgpack.Ext(code, _plain.encode(header))
 
 
@@ -235,17 +247,18 @@ _plain = msgspec.msgpack.Encoder()
 
 
 def pack_value(value: Any, *, oob_min: int | None = OOB_MIN,
-               streams: Callable[[Any], int] | None = None) -> Packed:
+               streams: Callable[[Any], int] | None = None, cuda_ipc: bool = False) -> Packed:
     """`value` as a body and out-of-band buffers.
 
     Args:
         oob_min: arrays of this many bytes or more go out of band (None: all inline).
         streams: gives the id of each async iterator found in the value (None: refused).
+        cuda_ipc: CUDA tensors go by CUDA IPC handle (only for a receiver on this host).
 
     Raises:
         TypeError: the value (or something inside it) cannot travel; the message names it.
     """
-    lowering = _Lowering(oob_min, streams)
+    lowering = _Lowering(oob_min, streams, cuda_ipc)
     body = _plain.encode(lowering.lower(value, "value"))
     return Packed(body, lowering.buffers)
 
@@ -342,6 +355,10 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         return dict(_decoder.decode(data))
     if code in (_TENSOR, _NDARRAY, _NPSCALAR):
         return _raise_array(code, _array_decoder.decode(data))
+    if code == _CUDA:
+        from omni.transport._cuda import CudaHandle, open_handle
+
+        return open_handle(msgspec.msgpack.decode(data, type=CudaHandle))
     if code == _OBJECT:
         return _raise_object(data)
     if code == _STREAM:
@@ -409,7 +426,22 @@ def _raise_array(code: int, header: _Array) -> Any:
         tensor = torch.empty(shape, dtype=dtype)
     else:
         tensor = torch.from_numpy(raw).view(dtype).reshape(shape)
-    return tensor.permute(numpy.argsort(order).tolist())
+    tensor = tensor.permute(numpy.argsort(order).tolist())
+    return _on_device(tensor, header.device) if header.device else tensor
+
+
+def _on_device(tensor: Any, device: str) -> Any:
+    """`tensor` moved to `device` (a CUDA device this process has), else left in host memory."""
+    import torch
+
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise WireError(f"a tensor arrived for device {device!r}") from None
+    if target.type == "cuda" and torch.cuda.is_available() \
+            and (target.index or 0) < torch.cuda.device_count():
+        return tensor.to(target)
+    return tensor
 
 
 def _buffer(index: int) -> Any:

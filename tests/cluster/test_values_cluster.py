@@ -93,3 +93,16 @@ async def test_a_worker_stopped_by_sigterm_leaves_no_payload_segment(cluster: Cl
         assert worker.wait(30) == 0
         assert not [p for p in os.listdir(shm_directory()) if p.startswith(theirs)]
         assert kept.sum() == 1 << 20  # what arrived stays valid after its producer left
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_tensors_cross_to_a_worker_of_this_host_by_ipc_handle(cluster: Cluster) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    latent = torch.randn(256, 256, device="cuda")
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        frames_out = payload_mover().stats()["frames_out"]
+        out = await rt.run(v.OnDevice(), value=latent)
+        assert out["device"].startswith("cuda") and out["doubled"].is_cuda
+        assert torch.equal(out["doubled"], latent * 2)
+        assert payload_mover().stats()["frames_out"] == frames_out  # no byte went as a frame

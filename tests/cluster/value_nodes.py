@@ -79,3 +79,11 @@ async def some_items(bad: bool) -> AsyncIterator[Any]:
 @omni.graph
 def count(bad: bool):
     return Count()(some_items(bad))
+
+
+@omni.node
+class OnDevice:
+    """Doubles a tensor where it is, reporting the device it arrived on (CUDA tests)."""
+
+    async def __call__(self, value: torch.Tensor) -> dict:
+        return {"device": str(value.device), "doubled": value * 2}
