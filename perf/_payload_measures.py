@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from omni.transport.payloads import payload_mover
 from perf import _payload_nodes as nodes
 from perf._common import Samples
 from perf._payload_support import BlockingThread, PeakRss, ShmJanitor
@@ -235,8 +236,10 @@ async def payload_section(rt: Any, p: Params, ray: RayState, thread: BlockingThr
               f"{RAY_TARGET:g}; error: why the claim's size has no figure"))
 
 
-async def one_gib_section(rt: Any, p: Params, worker_pid: int) -> dict[str, Any]:
-    """A 1 GiB argument, then a 1 GiB result: must work; peak RSS above idle of both ends."""
+async def one_gib_section(rt: Any, p: Params, worker_pid: int, tcp_pid: int
+                          ) -> dict[str, Any]:
+    """A 1 GiB argument, then a 1 GiB result: must work; peak RSS above idle of both ends;
+    through shared memory (worker w1), then over TCP (worker wtcp, as between hosts)."""
     pids = {"driver": os.getpid(), "worker": worker_pid}
     available = _mem_available()
     if available is not None and available < 4 * p.big_bytes:
@@ -262,6 +265,24 @@ async def one_gib_section(rt: Any, p: Params, worker_pid: int) -> dict[str, Any]
 
     parts["result"] = await _big_calls(p, pids, lambda: rt.run(nodes.Make, nbytes=p.big_bytes),
                                        result_ok, probe=lambda: rt.run(nodes.Make, nbytes=4096))
+    gc.collect()
+    # The TCP path: wtcp sends no shared memory and serves no Unix socket, and this process
+    # stops sending through shared memory meanwhile, so values over a chunk go as transfers.
+    mover, tcp_pids = payload_mover(), {"driver": os.getpid(), "worker": tcp_pid}
+    mover.shm = False
+    try:
+        argument["value"] = await trio.to_thread.run_sync(make_value, "numpy", p.big_bytes,
+                                                          p.seed)
+        parts["tcp_argument"] = await _big_calls(
+            p, tcp_pids, lambda: rt.run(nodes.SizeTcp, value=argument["value"]),
+            _checker(None, p.big_bytes), probe=lambda: rt.run(nodes.SizeTcp, value=small))
+        argument.clear()
+        gc.collect()
+        parts["tcp_result"] = await _big_calls(
+            p, tcp_pids, lambda: rt.run(nodes.MakeTcp, nbytes=p.big_bytes), result_ok,
+            probe=lambda: rt.run(nodes.MakeTcp, nbytes=4096))
+    finally:
+        mover.shm = True
     worst = [max(v) for v in zip(*(part["above_idle_runs"][end] for part in parts.values()
                                    for end in pids), strict=False)]
     errors = [f"{name}: {part['error']}" for name, part in parts.items() if part["error"]]
@@ -273,12 +294,14 @@ async def one_gib_section(rt: Any, p: Params, worker_pid: int) -> dict[str, Any]
             "ratio": None, "pass": bool(passed), "error": "; ".join(errors) or None,
             "payload_bytes": p.big_bytes, **parts,
             "note": (f"a {label} float32 numpy array as a class node's argument on worker w1 "
-                     f"(result: its size), then a {label} array made on w1 as the result; "
+                     f"(result: its size), then a {label} array made on w1 as the result, "
+                     "both through shared memory; then the same with worker wtcp over TCP, as "
+                     "between hosts (tcp_argument, tcp_result: transfers of 64 MiB chunks); "
                      "each must work; per call, the peak RSS above idle of the driver (this "
                      "process) and of the worker: VmHWM reset before the call (clear_refs) "
                      "and VmRSS sampled every 2 ms, the larger; idle = RSS just before the "
                      "call, the argument already allocated; RSS counts shared memory touched; "
-                     "measured: the largest of the four per round, target <= "
+                     "measured: the largest of the eight per round, target <= "
                      f"{RSS_TARGET_MIB:g} MiB; error: what a call raised")}
 
 

@@ -55,14 +55,23 @@ class Tiny(_Pass):
     pass
 
 
-@omni.node(where="w1")
-class Make:
+class _Make:
     """Returns a new float32 array of `nbytes` bytes, every element 1.5 (all pages touched).
     Synchronous, so it runs in a worker thread: filling a gigabyte on the event loop would
     stall the worker's heartbeats."""
 
     def __call__(self, nbytes: int) -> Any:
         return np.full(nbytes // 4, 1.5, dtype=np.float32)
+
+
+@omni.node(where="w1")
+class Make(_Make):
+    pass
+
+
+@omni.node(where="wtcp")
+class MakeTcp(_Make):
+    pass
 
 
 @omni.node(where="w1")

@@ -17,7 +17,10 @@ warm-up round, and reports medians of `repeats` rounds. Claims:
 4. ``one_gib``: a 1 GiB argument, and separately a 1 GiB result (made on the worker), each
    must work; peak RSS above idle of this process (the driver) and of the worker, from VmHWM
    reset before the call (``clear_refs``) and VmRSS sampled every 2 ms. Idle: RSS just before
-   the call (the argument already allocated). Target: each <= 1.5 GiB above idle. A call that
+   the call (the argument already allocated). Then the same over TCP, as between hosts (worker
+   ``wtcp``; this process stops using shared memory meanwhile): values of more than one 64 MiB
+   frame go as transfers of chunks, so each end should hold the value and one chunk. Target:
+   each <= 1.5 GiB above idle. A call that
    fails is recorded with its error (the claim fails; the benchmark goes on); each case starts
    once a small call of its node works; with less than 4 GiB of memory available the section
    is not run (recorded), rather than risk the OOM killer.
@@ -212,7 +215,8 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
     runs past `p.section_timeout_s` records its error in its claims, and the next one runs."""
     claims: dict[str, Any] = {}
     async with omni.Runtime(cluster=procs.address, token_file=procs.token) as rt:
-        for node in (nodes.Size, nodes.Echo, nodes.Tiny, nodes.Make, nodes.chain):
+        for node in (nodes.Size, nodes.Echo, nodes.Tiny, nodes.Make, nodes.SizeTcp,
+                     nodes.MakeTcp, nodes.chain):
             await rt.deploy(node)
         janitor.watch(procs.pids())
         w1 = procs.workers["w1"].popen.pid
@@ -224,7 +228,8 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
             (("torch_64mib",), lambda: m.payload_section(rt, p, ray, thread, "torch")),
             (("round_trip_64mib",),
              lambda: m.payload_section(rt, p, ray, thread, "round_trip")),
-            (("one_gib",), lambda: m.one_gib_section(rt, p, w1)),
+            (("one_gib",), lambda: m.one_gib_section(rt, p, w1,
+                                                     procs.workers["wtcp"].popen.pid)),
             (("tcp_64mib",), lambda: m.tcp_section(p, procs.address, procs.token, janitor)),
             (("call_latency",), lambda: lat.call_latency_section(rt, p, ray, thread)),
             (("hop_latency", "pipeline_throughput"),

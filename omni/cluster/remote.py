@@ -29,13 +29,13 @@ import trio
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import RemoteNodeError, WorkerLost
 from omni.transport._cuda import cuda_ipc_enabled
-from omni.transport.errors import PeerGone, RPCError, TransportError
+from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import pack_value, unpack_value
 
-__all__ = ["CallHead", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch", "ValueHead",
-           "pack_for", "split_items", "unpack_from"]
+__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch",
+           "ValueHead", "pack_for", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 
@@ -92,6 +92,16 @@ class Renew(msgspec.Struct, frozen=True):
     released: list[int] = []
 
 
+class Chunk(msgspec.Struct, frozen=True):
+    """A chunk of a payload transfer (`omni.transport.payloads`): pushed by the driver with
+    the chunk as its frame (``payload.push``), or asked of the worker (``payload.pull``)."""
+
+    session: str
+    transfer: int
+    offset: int
+    nbytes: int = 0  # the transfer's, on a push
+
+
 def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool,
              streams: Callable[[Any], int] | None = None) -> tuple[list[BufferRef], list[Any]]:
     """`value`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`."""
@@ -104,8 +114,6 @@ def unpack_from(mover: PayloadMover, refs: list[BufferRef], frames: Any, *, peer
                 streams: Callable[[int], Any] | None = None) -> Any:
     """The value `pack_for` sent from `peer` (frames: ``[body, *buffers]``)."""
     if not frames:
-        from omni.transport.errors import WireError
-
         raise WireError("a value arrived without its body")
     buffers = mover.unpack(refs, frames[1:], peer=peer)
     return unpack_value(frames[0], buffers, streams=streams)
@@ -176,6 +184,7 @@ class RemoteReplica:
         return self._call(head, frames, inputs)
 
     async def _call(self, head: CallHead, frames: list[Any], inputs: list) -> Any:
+        await self._push(head.refs)
         feeders = self._start_feeders(inputs)
         try:
             reply = await self._rpc("node.call", head, frames, result_type=ValueHead)
@@ -183,10 +192,46 @@ class RemoteReplica:
             for scope in feeders:
                 scope.cancel()
         self.mover.release(self.member, reply.body.released)
+        await self._pull(reply.body.refs)
         return unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
+
+    # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
+    # chunk at a time, so neither side holds more than the value and one chunk --------------
+
+    async def _push(self, refs: list[BufferRef]) -> None:
+        transfers = [ref for ref in refs if ref.transfer]
+        try:
+            for ref in transfers:
+                offset = 0
+                while offset < ref.nbytes:
+                    chunk = self.mover.chunk_of(self.member, ref.transfer, offset)
+                    await self._rpc("payload.push", Chunk(self.session, ref.transfer, offset,
+                                                          ref.nbytes), [chunk])
+                    offset += chunk.nbytes
+        except BaseException:
+            self.mover.drop_transfers(self.member, [ref.transfer for ref in transfers])
+            raise
+
+    async def _pull(self, refs: list[BufferRef]) -> None:
+        transfers = [ref for ref in refs if ref.transfer]
+        try:
+            for ref in transfers:
+                offset = 0
+                while offset < ref.nbytes:
+                    reply = await self._rpc("payload.pull",
+                                            Chunk(self.session, ref.transfer, offset), [])
+                    if len(reply.payload) != 1:
+                        raise WireError(f"a chunk arrived in {len(reply.payload)} frames")
+                    self.mover.accept(self.member, ref.transfer, ref.nbytes, offset,
+                                      reply.payload[0])
+                    offset += memoryview(reply.payload[0]).nbytes
+        except BaseException:
+            self.mover.drop_transfers(self.member, [ref.transfer for ref in transfers])
+            raise
 
     async def _stream(self, head: CallHead, frames: list[Any], inputs: list
                       ) -> AsyncIterator[Any]:
+        await self._push(head.refs)
         feeders = self._start_feeders(inputs)
         done = False
         stream_id: int | None = None
@@ -200,6 +245,7 @@ class RemoteReplica:
                 done = batch.done
                 self.mover.release(self.member, batch.released)
                 for refs, item in split_items(batch.refs, reply.payload):
+                    await self._pull(refs)
                     yield unpack_from(self.mover, refs, item, peer=self.member)
         finally:
             for scope in feeders:
@@ -256,10 +302,12 @@ class RemoteReplica:
         except (TypeError, TransportError) as exc:
             refs, frames, error = [], [], f"an item cannot travel to the worker: {exc}"
         try:
+            for item_refs in refs:
+                await self._push(item_refs)
             reply = await self.client.call_with_payload(
                 "node.feed", Feed(self.session, feed_id, refs, done, error), payload=frames,
                 result_type=bool)
-        except TransportError:
+        except (TransportError, WorkerLost, RemoteNodeError):
             return False  # the call itself reports a lost worker
         return bool(reply.body) and not error
 

@@ -34,6 +34,7 @@ from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     STREAM_BATCH,
     CallHead,
+    Chunk,
     Deploy,
     Feed,
     Renew,
@@ -220,6 +221,8 @@ class Worker:
         server.register("node.close", self._close_stream, body_type=int)
         server.register("node.feed", self._feed, body_type=Feed, with_payload=True)
         server.register("node.renew", self._renew, body_type=Renew)
+        server.register("payload.push", self._push, body_type=Chunk, with_payload=True)
+        server.register("payload.pull", self._pull, body_type=Chunk)
         server.register("worker.load", self._load_rpc, body_type=Any)
 
     def info(self) -> MemberInfo:
@@ -395,6 +398,17 @@ class Worker:
         batch = StreamBatch(len(items), done, [refs for refs, _ in items],
                             self.mover.take_releases(stream.session))
         return Reply(batch, frames)
+
+    # -- payload transfers (see RemoteReplica._push) -----------------------------------------
+
+    async def _push(self, body: Chunk, payload: list[Any]) -> bool:
+        if body.session not in self._sessions or len(payload) != 1:
+            raise LookupError(f"no session {body.session!r} on worker '{self.name}'")
+        self.mover.accept(body.session, body.transfer, body.nbytes, body.offset, payload[0])
+        return True
+
+    async def _pull(self, body: Chunk) -> Reply:
+        return Reply(None, [self.mover.chunk_of(body.session, body.transfer, body.offset)])
 
     # -- stream arguments --------------------------------------------------------------------
 

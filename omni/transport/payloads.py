@@ -9,9 +9,13 @@ Handles travel, bytes move once, by locality:
   ends and the producer may reuse the segment. Leases go back in batches (`take_releases` on
   the consumer, `release` on the producer), riding on the calls and replies the two already
   exchange; all leases of a peer that is gone are ended with `forget`.
-- **another host** (or ``OMNI_PAYLOAD_SHM=0``): the buffer goes as ZeroMQ payload frames after
-  the body, zero-copy on both ends, split into chunks of at most `CHUNK` bytes so that no
-  frame limit caps a value; the consumer's array views the frame when one chunk carries it.
+- **another host** (or ``OMNI_PAYLOAD_SHM=0``): a buffer of up to `CHUNK` bytes goes as a
+  ZeroMQ payload frame after the body, zero-copy on both ends (the consumer's array views the
+  frame). A larger one is a *transfer*: the ref names it, and its bytes follow in chunks of
+  `CHUNK`, one message each, that the consumer takes in order (`chunk` on the producer,
+  `accept` on the consumer; the cluster pushes or pulls them one at a time). So no frame limit
+  caps a value, and neither side holds more than the value and one chunk: the consumer's
+  array is allocated once and each chunk copied into place as it lands.
 
 Why a pool: a fresh segment costs a page fault and a page clear per 4 KiB on first write (here
 ~10x a memcpy), so segments up to `POOL_MAX` bytes are kept mapped and reused, and consumers
@@ -64,13 +68,26 @@ class PayloadSettingError(TransportError):
 
 
 class BufferRef(msgspec.Struct, array_like=True, frozen=True):
-    """Where one out-of-band buffer is: `frames` payload frames, or a shared-memory segment
-    (`segment`, `lease`) when `frames` is 0."""
+    """Where one out-of-band buffer is: `frames` payload frames, a shared-memory segment
+    (`segment`, `lease`), or transfer `transfer`, whose chunks come in messages of their own."""
 
     nbytes: int
     frames: int = 0
     segment: str = ""
     lease: int = 0
+    transfer: int = 0
+
+
+class _Incoming:
+    """A transfer being received: the buffer its chunks are copied into, in order."""
+
+    __slots__ = ("buffer", "received")
+
+    def __init__(self, nbytes: int):
+        import numpy
+
+        self.buffer = numpy.empty(nbytes, numpy.uint8)  # pages are touched as chunks land
+        self.received = 0
 
 
 @dataclass
@@ -89,12 +106,13 @@ class PayloadMover:
     """
 
     def __init__(self, *, shm: bool | None = None, max_bytes: int | None = None,
-                 pool_bytes: int | None = None):
+                 pool_bytes: int | None = None, chunk: int = CHUNK):
         self.shm = _env_flag("OMNI_PAYLOAD_SHM", True) if shm is None else shm
         self.max_bytes = max_bytes if max_bytes is not None else _env_size(
             "OMNI_PAYLOAD_MAX", "64GiB")
         self.pool_bytes = pool_bytes if pool_bytes is not None else _env_size(
             "OMNI_PAYLOAD_POOL", "1GiB")
+        self.chunk = chunk
         self._prefix = f"omni-pay-{os.getpid()}-{secrets.token_hex(4)}"
         self._names = itertools.count(1)
         self._leases = itertools.count(1)
@@ -104,8 +122,12 @@ class PayloadMover:
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # theirs, most recent last
         self._mapped_bytes = 0
         self._released: dict[str, list[int]] = {}  # producer peer -> leases we ended
+        self._transfers = itertools.count(1)
+        self._sending: dict[int, tuple[str, memoryview]] = {}  # transfer -> (peer, buffer)
+        self._receiving: dict[tuple[str, int], _Incoming] = {}  # (peer, transfer) ->
         self._counts = dict.fromkeys(("shm_out", "frames_out", "shm_in", "frames_in",
-                                      "bytes_out", "bytes_in", "segments_created"), 0)
+                                      "transfers_out", "transfers_in", "bytes_out", "bytes_in",
+                                      "segments_created"), 0)
 
     # -- producing ---------------------------------------------------------------------------
 
@@ -127,11 +149,73 @@ class PayloadMover:
             if self.shm and same_host and buffer.nbytes >= SHM_MIN:
                 refs.append(self._to_segment(buffer, peer))
                 continue
-            chunks = [buffer[i:i + CHUNK] for i in range(0, buffer.nbytes, CHUNK)] or [buffer]
-            refs.append(BufferRef(buffer.nbytes, frames=len(chunks)))
-            frames.extend(chunks)
+            if buffer.nbytes > self.chunk:
+                transfer = next(self._transfers)
+                with self._lock:
+                    self._sending[transfer] = (peer, buffer)
+                refs.append(BufferRef(buffer.nbytes, transfer=transfer))
+                self._count(transfers_out=1, bytes_out=buffer.nbytes)
+                continue
+            refs.append(BufferRef(buffer.nbytes, frames=1))
+            frames.append(buffer)
             self._count(frames_out=1, bytes_out=buffer.nbytes)
         return refs, frames
+
+    def chunk_of(self, peer: str, transfer: int, offset: int) -> memoryview:
+        """The chunk of outgoing `transfer` that starts at `offset`, for `peer`; taking the
+        last one ends the transfer.
+
+        Raises:
+            WireError: no such transfer for `peer`, or not a chunk's offset.
+        """
+        with self._lock:
+            entry = self._sending.get(transfer)
+            if entry is None or entry[0] != peer:
+                raise WireError(f"no payload transfer {transfer} for this peer")
+            buffer = entry[1]
+            if not 0 <= offset < buffer.nbytes or offset % self.chunk:
+                raise WireError(f"offset {offset} is not a chunk of transfer {transfer}")
+            end = min(offset + self.chunk, buffer.nbytes)
+            if end == buffer.nbytes:
+                del self._sending[transfer]
+        return buffer[offset:end]
+
+    def accept(self, peer: str, transfer: int, nbytes: int, offset: int, data: Any) -> None:
+        """Chunk `data` of `peer`'s `transfer` (of `nbytes` in all), which starts at `offset`:
+        chunks come in order.
+
+        Raises:
+            PayloadTooLarge: `nbytes` is over `max_bytes`.
+            WireError: the chunk is not the next one, or overruns the transfer.
+        """
+        view = memoryview(data).cast("B")
+        key = (peer, transfer)
+        with self._lock:
+            incoming = self._receiving.get(key)
+            if incoming is None:
+                if offset != 0:
+                    raise WireError(f"payload transfer {transfer} began at offset {offset}")
+                if not 0 < nbytes <= self.max_bytes:
+                    raise PayloadTooLarge(f"a value of {nbytes:,} bytes exceeds the "
+                                          f"{self.max_bytes:,}-byte limit on values between "
+                                          "processes (OMNI_PAYLOAD_MAX)")
+                incoming = self._receiving[key] = _Incoming(nbytes)
+        if offset != incoming.received or incoming.buffer.nbytes != nbytes \
+                or offset + view.nbytes > nbytes or not view.nbytes:
+            self.drop_transfers(peer, [transfer])
+            raise WireError(f"chunk of {view.nbytes} bytes at offset {offset} does not follow "
+                            f"{incoming.received} of {nbytes} bytes of transfer {transfer}")
+        incoming.buffer[offset:offset + view.nbytes] = view
+        incoming.received += view.nbytes
+
+    def drop_transfers(self, peer: str, transfers: Sequence[int]) -> None:
+        """Forget transfers to or from `peer` (a call that failed half-way)."""
+        with self._lock:
+            for transfer in transfers:
+                self._receiving.pop((peer, transfer), None)
+                entry = self._sending.get(transfer)
+                if entry is not None and entry[0] == peer:
+                    del self._sending[transfer]
 
     def _to_segment(self, buffer: memoryview, peer: str) -> BufferRef:
         nbytes = buffer.nbytes
@@ -195,6 +279,10 @@ class PayloadMover:
                 segment = self._leased.pop(lease)
                 segment.lease, segment.peer = 0, ""
             self._released.pop(peer, None)
+            for transfer in [t for t, (p, _) in self._sending.items() if p == peer]:
+                del self._sending[transfer]
+            for key in [k for k in self._receiving if k[0] == peer]:
+                del self._receiving[key]
             self._trim()
 
     def _trim(self) -> None:
@@ -229,10 +317,19 @@ class PayloadMover:
         buffers: list[Any] = []
         position = 0
         for ref in refs:
-            if ref.frames:
-                chunks = frames[position:position + ref.frames]
-                position += ref.frames
-                buffers.append(_join(chunks, ref.nbytes))
+            if ref.transfer:
+                with self._lock:
+                    incoming = self._receiving.pop((peer, ref.transfer), None)
+                if incoming is None or incoming.received != ref.nbytes \
+                        or incoming.buffer.nbytes != ref.nbytes:
+                    raise WireError(f"payload transfer {ref.transfer} did not arrive whole")
+                buffers.append(incoming.buffer)
+                self._count(transfers_in=1, bytes_in=ref.nbytes)
+            elif ref.frames:
+                if ref.frames != 1 or position >= len(frames):
+                    raise WireError(f"a buffer arrived in {ref.frames} frames, not 1")
+                buffers.append(_frame(frames[position], ref.nbytes))
+                position += 1
                 self._count(frames_in=1, bytes_in=ref.nbytes)
             else:
                 buffers.append(self._unpack_shm(ref, peer))
@@ -302,7 +399,8 @@ class PayloadMover:
         """Counters, plus the segments this process owns, how many are leased, and their bytes."""
         with self._lock:
             return {**self._counts, "segments": len(self._segments),
-                    "leased": len(self._leased),
+                    "leased": len(self._leased), "transfers": len(self._sending)
+                    + len(self._receiving),
                     "segment_bytes": sum(s.size for s in self._segments.values()),
                     "mapped_bytes": self._mapped_bytes}
 
@@ -324,23 +422,11 @@ class PayloadMover:
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _join(chunks: Sequence[Any], nbytes: int) -> Any:
-    if len(chunks) == 1:
-        view = memoryview(chunks[0]).cast("B")
-        if view.nbytes != nbytes:
-            raise WireError(f"a payload frame of {view.nbytes} bytes arrived for {nbytes}")
-        return view
-    joined = bytearray(nbytes)
-    offset = 0
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        if offset + view.nbytes > nbytes:
-            raise WireError(f"payload frames add up to more than {nbytes} bytes")
-        joined[offset:offset + view.nbytes] = view
-        offset += view.nbytes
-    if offset != nbytes:
-        raise WireError(f"payload frames add up to {offset} bytes, not {nbytes}")
-    return joined
+def _frame(frame: Any, nbytes: int) -> memoryview:
+    view = memoryview(frame).cast("B")
+    if view.nbytes != nbytes:
+        raise WireError(f"a payload frame of {view.nbytes} bytes arrived for {nbytes}")
+    return view
 
 
 def _pwrite_all(name: str, buffer: memoryview) -> None:

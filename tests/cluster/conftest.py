@@ -5,6 +5,7 @@ loopback ports the OS picks, stopped (or killed) when the test ends. A worker st
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -31,8 +32,10 @@ class Cluster:
         self.procs: list[CliProcess] = []
         self.address: str | None = None
 
-    def start(self, *args: str, cwd: Path | None = None) -> CliProcess:
-        proc = CliProcess(list(args), cwd or self.folder)
+    def start(self, *args: str, cwd: Path | None = None,
+              env: dict[str, str] | None = None) -> CliProcess:
+        proc = CliProcess(list(args), cwd or self.folder,
+                          None if env is None else {**os.environ, "PYTHONUNBUFFERED": "1", **env})
         self.procs.append(proc)
         return proc
 
@@ -42,11 +45,13 @@ class Cluster:
         self.address = proc.wait_line(r"head at (tcp://\S+)").group(1)
         return proc
 
-    def worker(self, name: str, *extra: str, wait: bool = True) -> CliProcess:
-        """Start worker `name`; with `wait`, return once the head lists it as a member."""
+    def worker(self, name: str, *extra: str, wait: bool = True,
+               env: dict[str, str] | None = None) -> CliProcess:
+        """Start worker `name` (`env`: settings added to its environment); with `wait`, return
+        once the head lists it as a member."""
         assert self.address is not None
         proc = self.start("cluster", "join", self.address, "--token-file", str(self.token),
-                          "--name", name, "--heartbeat", str(HEARTBEAT), *extra)
+                          "--name", name, "--heartbeat", str(HEARTBEAT), *extra, env=env)
         if wait:
             proc.wait_line(r"joined .* as")
             self.wait_members({name: proc})

@@ -64,11 +64,12 @@ async def test_values_past_the_old_frame_limit_cross_both_ways(cluster: Cluster,
             while leased():
                 await rt.run(v.Echo(), value=np.zeros(4))
                 await trio.sleep(0.1)
-        monkeypatch.setattr(payload_mover(), "shm", False)  # as between hosts: frames
-        frames_out = payload_mover().stats()["frames_out"]
+        monkeypatch.setattr(payload_mover(), "shm", False)  # as between hosts: a transfer
+        transfers_out = payload_mover().stats()["transfers_out"]
         back = await rt.run(v.Echo(), value=big)
         assert np.array_equal(back, big)
-        assert payload_mover().stats()["frames_out"] == frames_out + 1
+        stats = payload_mover().stats()
+        assert stats["transfers_out"] == transfers_out + 1 and stats["transfers"] == 0
 
 
 async def test_a_node_whose_values_cannot_cross_is_refused_at_deploy(cluster: Cluster) -> None:
@@ -106,3 +107,28 @@ async def test_cuda_tensors_cross_to_a_worker_of_this_host_by_ipc_handle(cluster
         assert out["device"].startswith("cuda") and out["doubled"].is_cuda
         assert torch.equal(out["doubled"], latent * 2)
         assert payload_mover().stats()["frames_out"] == frames_out  # no byte went as a frame
+
+
+async def test_between_hosts_values_over_one_chunk_move_in_chunks_every_way(
+        cluster: Cluster, monkeypatch) -> None:
+    """Arguments, results, stream items and stream-argument items of more than one 64 MiB
+    frame travel as transfers over TCP (as between hosts), whole and in order."""
+    cluster.head()
+    cluster.worker("w1", env={"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"})
+    monkeypatch.setattr(payload_mover(), "shm", False)
+    monkeypatch.setenv("OMNI_IPC", "0")  # the driver reaches w1 over TCP with CURVE
+    nbytes = (64 << 20) + 4096
+    big = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        with trio.fail_after(120):
+            before = payload_mover().stats()
+            back = await rt.run(v.Echo(), value=big)  # pushed to w1, pulled back
+            assert np.array_equal(back, big)
+            del back
+            items = [item async for _, item in rt.stream(v.bounce, count=2, nbytes=nbytes)]
+            assert [(len(a), int(a[0]), int(a[-1])) for a in items] == [
+                (nbytes, 1, 1), (nbytes, 2, 2)]
+            after = payload_mover().stats()
+            assert after["transfers_out"] - before["transfers_out"] == 3  # 1 argument, 2 fed
+            assert after["transfers_in"] - before["transfers_in"] == 3  # 1 result, 2 streamed
+            assert after["transfers"] == 0 and after["shm_in"] == before["shm_in"]

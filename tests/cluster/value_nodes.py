@@ -87,3 +87,23 @@ class OnDevice:
 
     async def __call__(self, value: torch.Tensor) -> dict:
         return {"device": str(value.device), "doubled": value * 2}
+
+
+@omni.node
+class Bounce:
+    """Sends each array of a stream argument back, plus one."""
+
+    async def __call__(self, items: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+        async for item in items:
+            yield item + 1
+
+
+@omni.node
+async def big_arrays(count: int, nbytes: int) -> AsyncIterator[np.ndarray]:
+    for i in range(count):
+        yield np.full(nbytes, i, np.uint8)
+
+
+@omni.graph
+def bounce(count: int, nbytes: int):
+    return Bounce()(big_arrays(count, nbytes))

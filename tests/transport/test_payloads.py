@@ -1,5 +1,5 @@
-"""Out-of-band buffers between processes: shared memory with leases on one host, chunked
-zero-copy frames between hosts."""
+"""Out-of-band buffers between processes: shared memory with leases on one host, zero-copy
+frames between hosts, and transfers in chunks for buffers larger than one frame."""
 
 from __future__ import annotations
 
@@ -98,17 +98,52 @@ def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monk
     assert segments(producer) == []
 
 
-def test_between_hosts_buffers_go_as_chunked_frames_with_no_size_cap(movers, monkeypatch):
-    producer, consumer = movers
-    monkeypatch.setattr("omni.transport.payloads.CHUNK", 1 << 20)  # as if values were huge
+def transfer(producer: PayloadMover, consumer: PayloadMover, ref) -> int:
+    """Move `ref`'s chunks in order as the cluster does; how many chunks there were."""
+    offset = count = 0
+    while offset < ref.nbytes:
+        chunk = producer.chunk_of("consumer", ref.transfer, offset)
+        assert chunk.nbytes <= producer.chunk
+        consumer.accept("producer", ref.transfer, ref.nbytes, offset, bytes(chunk))
+        offset, count = offset + chunk.nbytes, count + 1
+    return count
+
+
+def test_between_hosts_a_buffer_over_one_chunk_is_a_transfer_taken_in_chunks():
+    producer, consumer = PayloadMover(chunk=1 << 20), PayloadMover(chunk=1 << 20)
     array = np.arange((1 << 20) // 8 * 2 + 5, dtype=np.float64)  # three chunks
-    packed = pack_value(array)
+    small = np.ones(1 << 19, np.uint8)  # one frame
+    packed = pack_value([array, small])
     refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=False)
-    assert refs[0].frames == 3 and len(frames) == 3
-    assert all(memoryview(f).nbytes <= 1 << 20 for f in frames)
+    assert [r.frames for r in refs] == [0, 1] and refs[0].transfer and len(frames) == 1
+    assert producer.stats()["transfers"] == 1
+    assert transfer(producer, consumer, refs[0]) == 3
+    assert producer.stats()["transfers"] == 0  # the last chunk ended it
     back = unpack_value(packed.body, consumer.unpack(refs, frames, peer="producer"))
-    assert (back == array).all()
-    assert segments(producer) == []
+    assert (back[0] == array).all() and (back[1] == small).all()
+    assert back[0].flags.writeable and consumer.stats()["transfers"] == 0
+
+
+def test_a_transfer_out_of_order_incomplete_or_for_another_peer_is_a_wire_error():
+    producer, consumer = PayloadMover(chunk=1 << 20), PayloadMover(chunk=1 << 20)
+    packed = pack_value(np.zeros(3 << 20, np.uint8))
+    refs, frames = producer.pack(packed.buffers, peer="consumer", same_host=False)
+    tid, nbytes = refs[0].transfer, refs[0].nbytes
+    with pytest.raises(WireError, match="no payload transfer"):
+        producer.chunk_of("someone-else", tid, 0)
+    with pytest.raises(WireError, match="not a chunk"):
+        producer.chunk_of("consumer", tid, 5)
+    with pytest.raises(WireError, match="began at offset"):
+        consumer.accept("producer", tid, nbytes, 1 << 20, b"x" * (1 << 20))
+    consumer.accept("producer", tid, nbytes, 0, b"x" * (1 << 20))
+    with pytest.raises(WireError, match="does not follow"):  # a chunk skipped
+        consumer.accept("producer", tid, nbytes, 2 << 20, b"x" * (1 << 20))
+    with pytest.raises(WireError, match="did not arrive whole"):  # dropped by the bad chunk
+        consumer.unpack(refs, frames, peer="producer")
+    with pytest.raises(PayloadTooLarge, match="OMNI_PAYLOAD_MAX"):
+        PayloadMover(max_bytes=1 << 20).accept("producer", 9, 2 << 20, 0, b"x")
+    producer.forget("consumer")  # the peer is gone: its transfers go
+    assert producer.stats()["transfers"] == 0
 
 
 def test_with_shared_memory_off_everything_goes_as_frames() -> None:
