@@ -178,17 +178,20 @@ def _ray(k: Ctx, what: str, unit: str) -> str:
 
 
 def _big(c: dict[str, Any]) -> str:
+    """Per case (shared memory, then TCP), the largest RSS above idle of each end."""
     parts = []
-    for name in ("argument", "result"):
+    labels = {"argument": "argument", "result": "result", "tcp_argument": "over TCP: argument",
+              "tcp_result": "result"}
+    for name, label in labels.items():
         part = c.get(name)
         if not part:
             continue
         if part["error"] and not part["ok_calls"]:
-            parts.append(f"{name} fails: {_short(part['error'], 110)}")
+            parts.append(f"{label} fails: {_short(part['error'], 110)}")
             continue
         above = part["above_idle_mib"]
-        parts.append(f"{name}: driver +{fig(med(above['driver']))} MiB, worker "
-                     f"+{fig(med(above['worker']))} MiB ({fig(med(part['seconds']))} s)")
+        parts.append(f"{label}: driver +{fig(above['driver']['max'])} MiB, worker "
+                     f"+{fig(above['worker']['max'])} MiB ({fig(med(part['seconds']))} s)")
     return "; ".join(parts) or f"fails: {_short(c.get('error'))}"
 
 
@@ -395,7 +398,8 @@ KNOWN: tuple[Known, ...] = (
           lambda k: _ray(k, "actor call", "ms")),
     Known("payloads", "one_gib",
           lambda k: (f"a {mib(k.c['payload_bytes'])} argument, and separately a "
-                     f"{mib(k.c['payload_bytes'])} result, of a class node on the same host: "
+                     f"{mib(k.c['payload_bytes'])} result, of a class node on the same host "
+                     "(shared memory), then over TCP as between hosts (chunked transfers): "
                      "peak RSS above idle"),
           lambda k: f"both work; each process ≤ {fig(k.c['target'])} MiB above idle",
           lambda k: _big(k.c),

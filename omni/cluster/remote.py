@@ -19,6 +19,7 @@ pool places no more calls on it until the cluster runtime replaces it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -32,12 +33,14 @@ from omni.transport._cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
-from omni.transport.values import pack_value, unpack_value
+from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch",
-           "ValueHead", "pack_for", "split_items", "unpack_from"]
+__all__ = ["OFF_LOOP_BYTES", "CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew",
+           "StreamBatch", "ValueHead", "encode_for", "move_out", "pack_for", "split_items",
+           "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
+OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
 
 
 class Deploy(msgspec.Struct, frozen=True):
@@ -102,20 +105,44 @@ class Chunk(msgspec.Struct, frozen=True):
     nbytes: int = 0  # the transfer's, on a push
 
 
-def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool,
-             streams: Callable[[Any], int] | None = None) -> tuple[list[BufferRef], list[Any]]:
-    """`value`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`."""
-    packed = pack_value(value, streams=streams, cuda_ipc=same_host and cuda_ipc_enabled())
-    refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
+def encode_for(value: Any, *, same_host: bool, streams: Callable[[Any], int] | None = None
+               ) -> Packed:
+    """`value` encoded for a peer (no bytes copied yet). Raises TypeError if it cannot
+    travel."""
+    return pack_value(value, streams=streams, cuda_ipc=same_host and cuda_ipc_enabled())
+
+
+async def move_out(mover: PayloadMover, packed: Packed, *, peer: str, same_host: bool
+                   ) -> tuple[list[BufferRef], list[Any]]:
+    """`packed`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`. A copy into
+    shared memory of `OFF_LOOP_BYTES` or more runs in a thread: a gigabyte takes the better
+    part of a second, in which the event loop must go on answering heartbeats and calls."""
+    if same_host and mover.shm and sum(b.nbytes for b in packed.buffers) >= OFF_LOOP_BYTES:
+        refs, frames = await trio.to_thread.run_sync(functools.partial(
+            mover.pack, packed.buffers, peer=peer, same_host=same_host))
+    else:
+        refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
     return refs, [packed.body, *frames]
 
 
-def unpack_from(mover: PayloadMover, refs: list[BufferRef], frames: Any, *, peer: str,
-                streams: Callable[[int], Any] | None = None) -> Any:
-    """The value `pack_for` sent from `peer` (frames: ``[body, *buffers]``)."""
+async def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool
+                   ) -> tuple[list[BufferRef], list[Any]]:
+    """`value`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`."""
+    return await move_out(mover, encode_for(value, same_host=same_host), peer=peer,
+                          same_host=same_host)
+
+
+async def unpack_from(mover: PayloadMover, refs: list[BufferRef], frames: Any, *, peer: str,
+                      streams: Callable[[int], Any] | None = None) -> Any:
+    """The value `pack_for` sent from `peer` (frames: ``[body, *buffers]``); shared memory of
+    `OFF_LOOP_BYTES` or more is mapped in a thread (see `move_out`)."""
     if not frames:
         raise WireError("a value arrived without its body")
-    buffers = mover.unpack(refs, frames[1:], peer=peer)
+    if sum(r.nbytes for r in refs if r.segment) >= OFF_LOOP_BYTES:
+        buffers = await trio.to_thread.run_sync(functools.partial(
+            mover.unpack, refs, frames[1:], peer=peer))
+    else:
+        buffers = mover.unpack(refs, frames[1:], peer=peer)
     return unpack_value(frames[0], buffers, streams=streams)
 
 
@@ -172,19 +199,25 @@ class RemoteReplica:
             return inputs[-1][0]
 
         try:
-            refs, frames = pack_for(self.mover, [list(args), kwargs], peer=self.member,
-                                    same_host=self.same_host, streams=stream_id)
+            packed = encode_for([list(args), kwargs], same_host=self.same_host,
+                                streams=stream_id)
         except TypeError as exc:
             raise TypeError(f"cannot send the call's arguments to worker '{self.member}': "
                             f"{exc}") from None
-        head = CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
-                        self.mover.take_releases(self.member))
         if self.streaming:
-            return self._stream(head, frames, inputs)
-        return self._call(head, frames, inputs)
+            return self._stream(request_id, packed, inputs)
+        return self._call(request_id, packed, inputs)
 
-    async def _call(self, head: CallHead, frames: list[Any], inputs: list) -> Any:
-        await self._push(head.refs)
+    async def _send_call(self, request_id: str, packed: Packed) -> tuple[CallHead, list[Any]]:
+        """The call's head and frames, its buffers moved (pushed, for transfers)."""
+        refs, frames = await move_out(self.mover, packed, peer=self.member,
+                                      same_host=self.same_host)
+        await self._push(refs)
+        return CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
+                        self.mover.take_releases(self.member)), frames
+
+    async def _call(self, request_id: str, packed: Packed, inputs: list) -> Any:
+        head, frames = await self._send_call(request_id, packed)
         feeders = self._start_feeders(inputs)
         try:
             reply = await self._rpc("node.call", head, frames, result_type=ValueHead)
@@ -193,7 +226,7 @@ class RemoteReplica:
                 scope.cancel()
         self.mover.release(self.member, reply.body.released)
         await self._pull(reply.body.refs)
-        return unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
+        return await unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
 
     # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
     # chunk at a time, so neither side holds more than the value and one chunk --------------
@@ -229,9 +262,9 @@ class RemoteReplica:
             self.mover.drop_transfers(self.member, [ref.transfer for ref in transfers])
             raise
 
-    async def _stream(self, head: CallHead, frames: list[Any], inputs: list
+    async def _stream(self, request_id: str, packed: Packed, inputs: list
                       ) -> AsyncIterator[Any]:
-        await self._push(head.refs)
+        head, frames = await self._send_call(request_id, packed)
         feeders = self._start_feeders(inputs)
         done = False
         stream_id: int | None = None
@@ -246,7 +279,7 @@ class RemoteReplica:
                 self.mover.release(self.member, batch.released)
                 for refs, item in split_items(batch.refs, reply.payload):
                     await self._pull(refs)
-                    yield unpack_from(self.mover, refs, item, peer=self.member)
+                    yield await unpack_from(self.mover, refs, item, peer=self.member)
         finally:
             for scope in feeders:
                 scope.cancel()
@@ -295,8 +328,8 @@ class RemoteReplica:
         refs, frames = [], []
         try:
             for item in items:
-                item_refs, item_frames = pack_for(self.mover, item, peer=self.member,
-                                                  same_host=self.same_host)
+                item_refs, item_frames = await pack_for(self.mover, item, peer=self.member,
+                                                        same_host=self.same_host)
                 refs.append(item_refs)
                 frames.extend(item_frames)
         except (TypeError, TransportError) as exc:

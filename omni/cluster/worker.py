@@ -310,8 +310,8 @@ class Worker:
         self.mover.release(session, head.released)
         feeds: list[int] = []
         try:
-            args, kwargs = unpack_from(self.mover, head.refs, payload, peer=session,
-                                       streams=lambda i: self._inbox(session, i, feeds))
+            args, kwargs = await unpack_from(self.mover, head.refs, payload, peer=session,
+                                             streams=lambda i: self._inbox(session, i, feeds))
             del payload  # the arguments' leases end with the arguments
             self._requests += 1
             if head.stream:
@@ -322,8 +322,8 @@ class Worker:
             if not head.stream:
                 self._drop_inboxes(session, feeds)
         try:
-            refs, frames = pack_for(self.mover, result, peer=session,
-                                    same_host=hosted.same_host)
+            refs, frames = await pack_for(self.mover, result, peer=session,
+                                          same_host=hosted.same_host)
         except TypeError as exc:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
@@ -362,8 +362,9 @@ class Worker:
                     del args, kwargs
                     try:
                         async for item in agen:
-                            await send.send(pack_for(self.mover, item, peer=hosted.session,
-                                                     same_host=hosted.same_host))
+                            await send.send(await pack_for(
+                                self.mover, item, peer=hosted.session,
+                                same_host=hosted.same_host))
                     finally:
                         await agen.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -437,7 +438,8 @@ class Worker:
         inbox.last_fed = trio.current_time()
         try:
             for refs, frames in split_items(body.refs, payload):
-                await inbox.send.send(unpack_from(self.mover, refs, frames, peer=body.session))
+                await inbox.send.send(await unpack_from(self.mover, refs, frames,
+                                                        peer=body.session))
             if body.done or body.error:
                 inbox.error = body.error
                 inbox.send.close()

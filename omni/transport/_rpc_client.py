@@ -99,6 +99,7 @@ class RPCClient(_Service):
         self._timer = trio.CancelScope()  # its deadline: when the timer task looks next
         self._next_id = 0
         self._last_seen = 0.0
+        self._unanswered = 0  # pings sent since the server was last heard from
         self._alive = True
         self._calls = self._completed = self._failed = self._timeouts = 0
         self._cancelled = self._gone = self._late = self._pings = 0
@@ -199,6 +200,7 @@ class RPCClient(_Service):
             self._dropped += 1
             return
         self._last_seen = trio.current_time()
+        self._unanswered = 0
         self._alive = True
         if type(msg) is Response or type(msg) is Error:
             call = self._pending.get(msg.id)
@@ -238,24 +240,35 @@ class RPCClient(_Service):
     # -- heartbeats --------------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        """Ping every interval; declare the peer gone once it is silent too long."""
+        """Ping every interval; declare the peer gone once it has been silent for
+        `missed_heartbeats` intervals *and* left as many pings unanswered.
+
+        Why both: when this process stalls (a long copy on the event loop, a loaded machine)
+        it sends no pings, so the silence is its own; counting unanswered pings keeps a stall
+        here from being taken for a dead peer, while a dead peer is still noticed within
+        `missed_heartbeats` intervals of its last word.
+        """
         assert self._interval is not None
         interval, next_ping, seq = self._interval, trio.current_time(), 0
         while True:
             now = trio.current_time()
             if now >= next_ping:
                 seq += 1
-                self._pings += self._send_nowait([self._codec.encode(Heartbeat(seq))])
+                if self._send_nowait([self._codec.encode(Heartbeat(seq))]):
+                    self._pings += 1
+                    self._unanswered += 1
                 next_ping = now + interval
             deadline = self._last_seen + self._missed * interval
-            if self._alive and now >= deadline:
+            if self._alive and now >= deadline and self._unanswered >= self._missed:
                 # After the event loop stalled, a pong may already wait on the socket: give
                 # the owner a moment to read it before declaring the peer gone.
                 await trio.sleep(_GRACE)
-                if trio.current_time() >= self._last_seen + self._missed * interval:
+                if self._unanswered >= self._missed and \
+                        trio.current_time() >= self._last_seen + self._missed * interval:
                     self._declare_gone(trio.current_time())
                 continue
-            await trio.sleep_until(min(next_ping, deadline) if self._alive else next_ping)
+            wake = next_ping if not self._alive or now >= deadline else min(next_ping, deadline)
+            await trio.sleep_until(wake)
 
     def _declare_gone(self, now: float) -> None:
         self._alive = False

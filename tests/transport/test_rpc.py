@@ -14,6 +14,8 @@ import contextvars
 import functools
 import random
 import re
+import threading
+import time
 
 import msgspec
 import pytest
@@ -329,6 +331,49 @@ async def test_a_silent_server_fails_in_flight_calls_with_peer_gone_within_three
                 with pytest.raises(PeerGone):  # new calls fail at once while it is gone
                     await client.call("echo", 2)
                 assert trio.current_time() - stopped_after < interval
+
+
+def _slow_router(ready: list, stop: threading.Event, delay: float) -> None:
+    """A raw ROUTER in a thread that answers heartbeats and echoes after `delay` seconds."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    ready.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    try:
+        while not stop.is_set():
+            if not sock.poll(10):
+                continue
+            identity, control, *_ = sock.recv_multipart()
+            msg = wire.decode(control)
+            time.sleep(delay)
+            if type(msg) is wire.Heartbeat:
+                sock.send_multipart([identity, control])
+            elif type(msg) is wire.Request:
+                sock.send_multipart([identity, wire.encode(wire.Response(msg.id, msg.body))])
+    finally:
+        sock.close()
+
+
+async def test_a_stall_in_the_callers_own_process_is_not_taken_for_a_gone_server():
+    """While this process's event loop is blocked (a long copy, a loaded machine) it sends no
+    pings: the silence that follows is its own, so a server that answers (if slowly) is not
+    declared gone."""
+    interval, ready, stop = 0.1, [], threading.Event()
+    thread = threading.Thread(target=_slow_router, args=(ready, stop, 0.03), daemon=True)
+    thread.start()
+    try:
+        with trio.fail_after(10):
+            while not ready:
+                await trio.sleep(0.01)
+            async with RPCClient(ready[0], heartbeat_interval=interval) as client:
+                assert await client.call("echo", 1) == 1
+                await trio.sleep(1.5 * interval)  # between pings: none unanswered
+                time.sleep(10 * interval)  # the whole event loop stalls
+                await trio.sleep(interval / 2)  # the heartbeat task looks, and pings again
+                assert await client.call("echo", 2) == 2
+                assert client.peer_alive and client.stats().peer_gone == 0
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 async def test_detection_takes_about_three_heartbeat_intervals():
