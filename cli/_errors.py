@@ -3,11 +3,12 @@
 Commands run their body inside `reporting(debug)`: a `CliError` (or a library error that means
 the same, such as a `GraphError`) becomes that one line and ``typer.Exit``; ``--debug`` adds the
 traceback. Exit codes: 0 success, 1 a request failed, 2 bad usage or a graph that does not load
-or validate, 130 interrupted.
+or validate, 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -17,12 +18,13 @@ import typer
 
 from omni import GraphError
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "error_line", "first_of",
-           "reporting"]
+__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_TERMINATED", "EXIT_USAGE", "CliError",
+           "Stopped", "error_line", "first_of", "reporting"]
 
 EXIT_FAILED = 1  # a request (or a node starting up) failed
 EXIT_USAGE = 2  # bad usage, a file that does not load, a graph that does not validate
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class CliError(Exception):
@@ -32,6 +34,17 @@ class CliError(Exception):
         super().__init__(message)
         self.message = message
         self.exit_code = exit_code
+
+
+class Stopped(Exception):
+    """A signal ended the command, once its work had unwound (see `cli._signals`)."""
+
+    def __init__(self, signum: int):
+        interrupted = signum == signal.SIGINT
+        super().__init__("interrupted" if interrupted else "terminated")
+        self.message = str(self)
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = EXIT_INTERRUPTED if interrupted else EXIT_TERMINATED
 
 
 def first_of(error: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]
@@ -68,6 +81,8 @@ def reporting(debug: bool) -> Iterator[None]:
         _fail(exc, exc.message, exc.exit_code, debug)
     except GraphError as exc:
         _fail(exc, str(exc), EXIT_USAGE, debug)
+    except Stopped as exc:
+        _fail(exc, exc.message, exc.exit_code, debug)
     except KeyboardInterrupt as exc:
         _fail(exc, "interrupted", EXIT_INTERRUPTED, debug)
 

@@ -14,6 +14,7 @@ import trio
 
 from cli._output import Printer
 from cli._report import Outcome, Reporter
+from cli._signals import stopped_by_signals
 from omni import Graph, NodeError, Ref, Runtime
 
 __all__ = ["run_batch"]
@@ -27,10 +28,12 @@ async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: i
 
     Raises:
         NodeError: a node failed while the Runtime started (its replicas were being built).
+        Stopped: Ctrl-C or SIGTERM ended the run (after the Runtime cleaned up).
     """
     outcome = Outcome()
-    async with Runtime(graphs=[graph], kv=kv, cluster=cluster, token_file=token_file,
-                       metrics_port=metrics_port) as rt:
+    async with stopped_by_signals(), Runtime(
+            graphs=[graph], kv=kv, cluster=cluster, token_file=token_file,
+            metrics_port=metrics_port) as rt:
         if rt.metrics_address is not None:
             host, port = rt.metrics_address
             sys.stderr.write(f"metrics at http://{host}:{port}/metrics\n")

@@ -7,23 +7,26 @@
 
 Every socket is CURVE-encrypted and every client authenticated with the token file, which
 `start` creates (mode 0600) when there is none; copy it to the workers. Ctrl-C or SIGTERM
-stops a head or a worker cleanly (a worker tells the head it leaves). Mistakes (an address in
-use, no head at the address, a wrong token, a taken name) are one line on stderr, exit code 2.
+stops a head or a worker cleanly (a worker tells the head it leaves, and its KV store's files
+go), then exits 130 or 143. Mistakes (an address in use, no head at the address, a wrong
+token, a taken name) are one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import trio
 import typer
 
 from cli._cluster_status import print_status
-from cli._errors import CliError, first_of, reporting
+from cli._errors import CliError, Stopped, first_of, reporting
+from cli._signals import stopped_by_signals
 
 __all__ = ["app"]
 
@@ -40,12 +43,16 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
-async def _until_signalled(stop: Any) -> None:
-    """Call `stop()` at the first Ctrl-C or SIGTERM."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            stop()
-            return
+@contextmanager
+def _saying_when_stopped(line: str) -> Iterator[None]:
+    """Say `line` once the server has stopped, by a signal (then `Stopped` goes on to be
+    reported: exit 130 or 143) or by itself."""
+    try:
+        yield
+    except Stopped:
+        _say(line)
+        raise
+    _say(line)
 
 
 def _token_path(token_file: str | None) -> str:
@@ -119,15 +126,14 @@ def start(
             head = Head(creds, bind, heartbeat_interval=heartbeat)
 
             async def serve() -> None:
-                async with trio.open_nursery() as nursery:
+                async with stopped_by_signals(), trio.open_nursery() as nursery:
                     endpoint = await nursery.start(head.run)
                     _say(f"omni cluster head at {endpoint}")
                     _say(f"token file: {path} (workers join with: omni cluster join {endpoint} "
                          f"--token-file {path})")
-                    nursery.start_soon(_until_signalled, nursery.cancel_scope.cancel)
 
-            _run(serve)
-        _say("head stopped")
+            with _saying_when_stopped("head stopped"):
+                _run(serve)
 
 
 # -- join -----------------------------------------------------------------------------------
@@ -180,13 +186,12 @@ def join(
                 worker = Worker(worker_name, address, creds, host=host, resources=resources,
                                 kv=tiers, heartbeat_interval=heartbeat, kv_fetch=kv_fetch)
                 await probe(creds, address, timeout=timeout)
-                async with trio.open_nursery() as nursery:
+                async with stopped_by_signals(worker.stop), trio.open_nursery() as nursery:
                     endpoint = await nursery.start(worker.run)
                     _say(f"joined {address} as '{worker_name}' (serving at {endpoint})")
-                    nursery.start_soon(_until_signalled, worker.stop)
 
-            _run(serve)
-        _say(f"'{worker_name}' left the cluster")
+            with _saying_when_stopped(f"'{worker_name}' left the cluster"):
+                _run(serve)
 
 
 def _kv_tiers(device: str | None, host: str, disk: str | None) -> Any:

@@ -37,8 +37,11 @@ class CliProcess:
         self.lines: queue.Queue[str] = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
-        for stream, sink in ((self.popen.stdout, self.out), (self.popen.stderr, self.err)):
-            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+        self._pumps = [threading.Thread(target=self._pump, args=(stream, sink), daemon=True)
+                       for stream, sink in ((self.popen.stdout, self.out),
+                                            (self.popen.stderr, self.err))]
+        for pump in self._pumps:
+            pump.start()
 
     def _pump(self, stream: Any, sink: list[str]) -> None:
         for line in stream:
@@ -67,7 +70,11 @@ class CliProcess:
             self.popen.send_signal(sig)
 
     def wait(self, timeout: float = 10.0) -> int:
-        return self.popen.wait(timeout)
+        """The exit status, once the process has exited and `out` and `err` hold every line."""
+        status = self.popen.wait(timeout)
+        for pump in self._pumps:
+            pump.join(timeout)
+        return status
 
     def stop(self) -> None:
         """SIGTERM, then kill if it has not exited within 10 s."""

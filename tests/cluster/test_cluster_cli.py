@@ -53,8 +53,9 @@ def test_sigterm_leaves_cleanly(cluster: Cluster) -> None:
     worker = cluster.worker("w1")
     cluster.worker("w2")
     worker.signal(signal.SIGTERM)
-    assert worker.wait() == 0
+    assert worker.wait() == 143  # 128 + SIGTERM, after leaving cleanly
     assert "'w1' left the cluster" in "".join(worker.out)
+    assert [line.strip() for line in worker.err] == ["error: terminated"]
     members = cluster.wait_status(lambda m: "w1" not in m)["members"]
     assert [m["name"] for m in members] == ["w2"]  # left, not lost
 

@@ -36,6 +36,8 @@ CASES: dict[str, Case] = {
         "Processes", "a worker SIGKILLed while it holds shared-memory leases"),
     "proc.holder_killed_mid_transfer": Case(
         "Processes", "a worker SIGKILLed mid-transfer (serving `kv.fetch`)"),
+    "proc.run_signalled": Case(
+        "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
     # Peers on the wire
     "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
     "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),
