@@ -9,15 +9,19 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from cli._errors import CliError
 from omni import Graph, InputError
 
-__all__ = ["RequestInputs", "build_requests", "parse_assignments", "parse_inputs_json",
-           "parse_value", "read_inputs_json", "validate_requests"]
+__all__ = ["MAX_DOCUMENT_BYTES", "MAX_LINE_BYTES", "RequestInputs", "build_requests",
+           "parse_assignments", "parse_inputs_json", "parse_value", "read_inputs_json",
+           "validate_requests"]
 
+MAX_LINE_BYTES = 16 << 20  # one request's inputs, as one JSON line
+MAX_DOCUMENT_BYTES = 64 << 20  # one JSON document spanning lines
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number",
                float: "a number", bool: "a boolean", type(None): "null"}
 
@@ -68,27 +72,32 @@ def parse_inputs_json(text: str, label: str) -> list[RequestInputs]:
 
     Raises:
         CliError: invalid JSON (naming `label` and the line), a value that is not an object,
-            or no object at all.
+            no object at all, or more than the limits allow (see `read_inputs_json`).
     """
-    if not text.strip():
-        raise CliError(f"{label}: no requests (expected a JSON object, or one per line)")
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if not exc.msg.startswith("Extra data"):  # not several values: one broken document
-            raise CliError(f"{label}:{exc.lineno}: invalid JSON: {exc.msg} "
-                           f"(column {exc.colno})") from exc
-        return _json_lines(text, label)
-    except (ValueError, RecursionError) as exc:
-        raise _unreadable(label, exc) from None
-    return [RequestInputs(_as_object(document, label), label)]
-
-
-def _json_lines(text: str, label: str) -> list[RequestInputs]:
-    requests = []
     # Lines end at "\n" only: JSON strings may hold U+2028, U+0085 and the like, which
     # str.splitlines() would also split at.
-    for number, line in enumerate(text.split("\n"), start=1):
+    return _parse_lines(iter(text.split("\n")), label)
+
+
+def _parse_lines(lines: Iterator[str], label: str) -> list[RequestInputs]:
+    """Requests from `lines` (without their "\n"): JSON lines when the first non-blank line
+    is a JSON value by itself, else one JSON document spanning the lines."""
+    seen: list[str] = []
+    for line in lines:
+        seen.append(line)
+        if line.strip():
+            break
+    else:
+        raise CliError(f"{label}: no requests (expected a JSON object, or one per line)")
+    where = f"{label}:{len(seen)}"
+    try:
+        first = json.loads(seen[-1])
+    except json.JSONDecodeError:
+        return [RequestInputs(_as_object(_document(seen, lines, label), label), label)]
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(where, exc) from None
+    requests = [RequestInputs(_as_object(first, where), where)]
+    for number, line in enumerate(lines, start=len(seen) + 1):
         if not line.strip():
             continue
         where = f"{label}:{number}"
@@ -100,6 +109,29 @@ def _json_lines(text: str, label: str) -> list[RequestInputs]:
             raise _unreadable(where, exc) from None
         requests.append(RequestInputs(_as_object(value, where), where))
     return requests
+
+
+def _document(seen: list[str], lines: Iterator[str], label: str) -> Any:
+    """The one JSON document that `seen` begins and `lines` goes on with (at most
+    `MAX_DOCUMENT_BYTES`)."""
+    parts, size = list(seen), sum(len(line) + 1 for line in seen)
+    for line in lines:
+        size += len(line) + 1
+        if size > MAX_DOCUMENT_BYTES:
+            raise CliError(f"{label}: a JSON document of more than {_mib(MAX_DOCUMENT_BYTES)} "
+                           "(put one request per line instead)")
+        parts.append(line)
+    try:
+        return json.loads("\n".join(parts))
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{label}:{exc.lineno}: invalid JSON: {exc.msg} "
+                       f"(column {exc.colno})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(label, exc) from None
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 20} MiB"
 
 
 def _unreadable(where: str, exc: Exception) -> CliError:
@@ -116,25 +148,42 @@ def _as_object(value: Any, where: str) -> dict[str, Any]:
 
 
 def read_inputs_json(path: str) -> list[RequestInputs]:
-    """Read `path` (``-``: stdin) with `parse_inputs_json`.
+    """Read `path` (``-``: stdin) with `parse_inputs_json`, a line at a time: a line may hold
+    at most `MAX_LINE_BYTES` and one document spanning lines `MAX_DOCUMENT_BYTES`, so that an
+    endless or binary input (``/dev/zero``, ``/dev/urandom``) is refused at once instead of
+    filling memory.
 
     Raises:
         CliError: the file cannot be read, or its content is not valid (see above).
     """
     if path == "-":
-        return parse_inputs_json(sys.stdin.read(), "<stdin>")
+        return _parse_lines(_lines(sys.stdin.buffer, "<stdin>"), "<stdin>")
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
+        with open(path, "rb") as file:
+            return _parse_lines(_lines(file, path), path)
     except FileNotFoundError:
         raise CliError(f"--inputs-json: no such file: {path}") from None
     except IsADirectoryError:
         raise CliError(f"--inputs-json: not a file: {path}") from None
-    except UnicodeDecodeError as exc:
-        raise CliError(f"--inputs-json: {path} is not UTF-8 text ({exc.reason})") from exc
     except OSError as exc:
         raise CliError(f"--inputs-json: cannot read {path}: {exc.strerror}") from exc
-    return parse_inputs_json(text, path)
+
+
+def _lines(file: BinaryIO, label: str) -> Iterator[str]:
+    """`file`'s lines as text, without their "\n", each checked against the limits."""
+    number = 0
+    while True:
+        raw = file.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise CliError(f"{label}:{number}: a line of more than {_mib(MAX_LINE_BYTES)} (one "
+                           f"request's inputs go on one line of at most that)")
+        try:
+            yield raw.removesuffix(b"\n").decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"{label}:{number}: not UTF-8 text ({exc.reason})") from None
 
 
 def build_requests(assignments: dict[str, Any], inputs_json: str | None) -> list[RequestInputs]:

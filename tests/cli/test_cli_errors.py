@@ -43,7 +43,7 @@ MISTAKES = [
     (["run", "two.py", "suffix"], "'suffix' in two.py is not a graph or a node"),
     (["run", "needs_args.py", "Model"], "'Model' in needs_args.py is a class node that needs"),
     (["run", "fail.py", "--inputs-json", "bad.jsonl"], "bad.jsonl:2: invalid JSON"),
-    (["run", "fail.py", "--inputs-json", "array.json"], "array.json: expected a JSON object"),
+    (["run", "fail.py", "--inputs-json", "array.json"], "array.json:1: expected a JSON object"),
     (["run", "fail.py", "--inputs-json", "unknown.jsonl"],
      "unknown.jsonl:2: graph 'pipeline' has no input 'txt'"),
     (["run", "fail.py", "--inputs-json", "missing.jsonl"], "no such file: missing.jsonl"),

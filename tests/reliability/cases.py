@@ -52,6 +52,8 @@ CASES: dict[str, Case] = {
     "input.descriptor_out_of_bounds": Case(
         "Hostile input", "a descriptor with offsets out of bounds or misaligned"),
     "input.inputs_json": Case("Hostile input", "`--inputs-json` parsing (fuzz)"),
+    "input.endless": Case(
+        "Hostile input", "`--inputs-json` of an endless or binary file, or an oversize line"),
     "input.assignments": Case(
         "Hostile input", "graph-file inputs: `--input KEY=VALUE` and request building (fuzz)"),
     "input.key_traversal": Case(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,40 @@ def test_inputs_json_is_read_as_given_or_refused_in_one_line(tmp_path, record):
            outcome=f"{tally['read']} read exactly as written (JSON lines with U+2028 and the "
                    f"like included), {tally['refused']} refused with a one-line error naming "
                    "the line (deep nesting and 5000-digit numbers too)")
+
+
+def _limited_memory() -> None:
+    """In the child: at most 3 GiB of data, so that a reader that slurps an endless input
+    fails there instead of taking the machine's memory."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
+
+
+def test_an_endless_or_binary_inputs_file_is_refused_at_once(tmp_path, record):
+    """``--inputs-json /dev/zero`` (no line end, ever), ``/dev/urandom`` (binary) and a line
+    of more than 16 MiB on stdin: each one line naming where, exit 2, nothing run."""
+    root = Path(__file__).resolve().parents[2]
+    graph = tmp_path / "g.py"
+    graph.write_text("import omni\n\n@omni.node\nasync def echo(text: str) -> str:\n"
+                     "    return text\n\n@omni.graph\ndef g(text: str):\n"
+                     "    return echo(text)\n")
+    long_line = b'{"text": "' + b"a" * (17 << 20) + b'"}\n'
+    cases = [("/dev/zero", None, "/dev/zero:1: a line of more than 16 MiB"),
+             ("/dev/urandom", None, "/dev/urandom:"),
+             ("-", long_line, "<stdin>:1: a line of more than 16 MiB")]
+    for path, stdin, expected in cases:
+        done = subprocess.run([sys.executable, "-m", "cli", "run", str(graph),
+                               "--inputs-json", path], input=stdin, cwd=root,
+                              capture_output=True, timeout=120, preexec_fn=_limited_memory)
+        err = done.stderr.decode(errors="replace").strip().splitlines()
+        assert done.returncode == 2 and len(err) == 1, (path, done.returncode, err[-3:])
+        assert err[0].startswith(f"error: {expected}"), err
+        assert done.stdout == b""
+    record("input.endless", tries=len(cases),
+           outcome="3/3 refused in one line naming the input and line, exit 2, nothing run, "
+                   "under a 3 GiB data limit: /dev/zero (a line past 16 MiB), /dev/urandom "
+                   "(not UTF-8), a 17 MiB line on stdin")
 
 
 @omni.node
