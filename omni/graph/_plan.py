@@ -105,12 +105,12 @@ def compile_plan(g: Graph) -> Plan:
     steps: list[Step | None] = [None] * (num_inputs + len(g.calls))
     num_edges = 0
     for c in g.calls:
-        streamed_ids = _streamed_ref_ids(c)
-        edge_of: dict[int, int] = {}
-        for ref in call_dependencies(c):
-            if id(ref) in streamed_ids and id(ref) not in edge_of:
-                edge_of[id(ref)] = num_edges
-                num_edges += 1
+        # An edge per stream parameter: a stream read through two parameters is teed, each
+        # seeing every item, not one iterator shared (which would split the items).
+        edge_of: dict[int, list[int]] = {}
+        for ref in _streamed_refs(c):
+            edge_of.setdefault(id(ref), []).append(num_edges)
+            num_edges += 1
         step = _make_step(c, _arg_builder(c.args, c.kwargs, edge_of))
         producers = {r.slot for r in call_dependencies(c)
                      if r.slot >= num_inputs and id(r) not in edge_of}
@@ -118,10 +118,11 @@ def compile_plan(g: Graph) -> Plan:
             steps[p].consumers.append(c.slot)
             if steps[p].kind == "stream":
                 steps[p].collect = True
-        for ref in call_dependencies(c):
-            if id(ref) in edge_of and edge_of[id(ref)] not in step.in_edges:
-                steps[ref.slot].stream_edges.append((c.slot, edge_of[id(ref)]))
-                step.in_edges.append(edge_of[id(ref)])
+        for ref in _streamed_refs(c):
+            for edge in edge_of[id(ref)]:
+                if edge not in step.in_edges:
+                    steps[ref.slot].stream_edges.append((c.slot, edge))
+                    step.in_edges.append(edge)
         step.num_deps = len(producers) + len(step.in_edges)
         steps[c.slot] = step
     output_slots = _output_slots(g, steps)
@@ -140,14 +141,15 @@ def compile_plan(g: Graph) -> Plan:
     )
 
 
-def _streamed_ref_ids(c: Call) -> set[int]:
+def _streamed_refs(c: Call) -> list[Ref]:
+    """The Ref of each stream parameter of `c` (one stream twice for two parameters)."""
     if not isinstance(c.target, Node):
-        return set()
+        return []
     names = stream_arguments(c)
     if not names:
-        return set()
+        return []
     bound = c.target.signature.bind(*c.args, **c.kwargs)
-    return {id(bound.arguments[n]) for n in names}
+    return [bound.arguments[n] for n in sorted(names)]
 
 
 def _make_step(c: Call, build: ArgBuilder) -> Step:
@@ -198,11 +200,12 @@ def _all_nodes(steps: list[Step]) -> tuple[Node, ...]:
 # Argument builders: turn a recorded call's arguments into a function of (values, edges)
 
 
-def _getter(value: Any, edge_of: Mapping[int, int]) -> Callable[[list, list], Any] | None:
-    """None for a constant; otherwise a function that reads the value of a request."""
+def _getter(value: Any, edge_of: Mapping[int, list[int]]) -> Callable[[list, list], Any] | None:
+    """None for a constant; otherwise a function that reads the value of a request. A stream
+    takes the next of its edges at each place it is passed (`edge_of` is consumed)."""
     if isinstance(value, Ref):
-        if id(value) in edge_of:
-            edge = edge_of[id(value)]
+        if edge_of.get(id(value)):
+            edge = edge_of[id(value)].pop(0)
             return lambda values, edges: edges[edge]
         slot = value.slot
         return lambda values, edges: values[slot]
@@ -223,8 +226,9 @@ def _container_getter(value: Any, getters: dict[Any, Any]) -> Callable[[list, li
     return lambda values, edges: kind([g(values, edges) if g else c for _, g, c in parts])
 
 
-def _arg_builder(args: tuple, kwargs: Mapping[str, Any], edge_of: Mapping[int, int]
+def _arg_builder(args: tuple, kwargs: Mapping[str, Any], edge_of: Mapping[int, list[int]]
                  ) -> ArgBuilder:
+    edge_of = {ref_id: list(edges) for ref_id, edges in edge_of.items()}
     arg_getters = [(_getter(a, edge_of), a) for a in args]
     kw_getters = [(k, _getter(v, edge_of), v) for k, v in kwargs.items()]
     if not kw_getters and all(g is not None for g, _ in arg_getters):

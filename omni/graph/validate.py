@@ -12,6 +12,7 @@ import collections.abc as cabc
 import inspect
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -261,6 +262,7 @@ def validate_graph(g: Graph) -> None:
         if not streamed:
             continue
         bound = c.target.signature.bind(*c.args, **c.kwargs)
+        _warn_if_teed(c, {n: bound.arguments[n] for n in sorted(streamed)})
         producers = {bound.arguments[n].slot for n in streamed}
         for pname, value in bound.arguments.items():
             if pname in streamed:
@@ -273,6 +275,25 @@ def validate_graph(g: Graph) -> None:
                     _fail(f"argument '{pname}' waits for '{producer}' to finish while "
                           f"'{c.name}' consumes its stream; this would deadlock", c.name,
                           c.location)
+
+
+def _warn_if_teed(c: Call, streams: Mapping[str, Ref]) -> None:
+    """Say so when one stream feeds several parameters of `c`: each parameter sees every item
+    (the stream is teed), but only a bounded number of items wait for the slower reader."""
+    by_stream: dict[int, list[str]] = {}
+    for name, ref in streams.items():
+        by_stream.setdefault(id(ref), []).append(name)
+    for names in by_stream.values():
+        if len(names) > 1:
+            message = (f"'{c.name}' reads one stream through parameters {', '.join(names)}: "
+                       "each sees every item, but only a few items wait for the slower reader, "
+                       "so reading one to its end before the other blocks on a longer stream "
+                       "(read them side by side)")
+            filename, _, line = (c.location or "").rpartition(":")
+            if filename and line.isdigit():  # shown at the graph's own line
+                warnings.warn_explicit(message, UserWarning, filename, int(line))
+            else:
+                warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def _check_acyclic(g: Graph, by_slot: Mapping[int, Call]) -> None:

@@ -260,3 +260,31 @@ async def test_streaming_nodes_retry_only_before_their_first_item():
         with pytest.raises(omni.NodeError, match="mid-stream"):
             await rt.run(g, n=0)
     assert len(attempts) == 2
+
+
+@omni.node
+async def side_by_side(a: AsyncIterator[int], b: AsyncIterator[int]) -> dict:
+    """Reads its two streams in turn, an item from each."""
+    firsts, seconds = [], []
+    second = b.__aiter__()
+    async for item in a:
+        firsts.append(item)
+        seconds.append(await second.__anext__())
+    return {"a": firsts, "b": seconds, "distinct": a is not b}
+
+
+async def test_one_stream_into_two_parameters_is_teed_and_said_at_build():
+    """Each parameter sees every item (not one iterator split between them), with
+    backpressure; the build warns that reading one to its end first could block."""
+    n = 5 * STREAM_BUFFER
+    with pytest.warns(UserWarning, match="reads one stream through parameters a, b"):
+        @omni.graph
+        def teed(n: int):
+            items = count_up(n)
+            return {"pair": side_by_side(items, items), "total": total(items)}
+
+    async with omni.Runtime() as rt:
+        with trio.fail_after(30):
+            out = await rt.run(teed, n=n)
+    assert out["pair"] == {"a": list(range(n)), "b": list(range(n)), "distinct": True}
+    assert out["total"] == sum(range(n))  # a third reader, another node, sees it all too

@@ -23,6 +23,8 @@ CASES: dict[str, Case] = {
     "graph.node_timeout": Case("Graph", "a node hanging past its timeout"),
     "graph.cancel_mid_stream": Case(
         "Graph", "a streaming node cancelled mid-stream while it holds KV leases"),
+    "graph.stream_teed": Case(
+        "Graph", "one stream read through two parameters of a node, and by another node"),
     # The KV store and its tiers
     "kv.all_pinned": Case("KV store", "memory pressure with every page pinned"),
     "disk.flipped_bits": Case("KV disk tier", "a page with flipped bits"),
