@@ -1,44 +1,27 @@
-"""Suite-wide cleanup: shared memory left by processes the tests killed.
+"""Suite-wide cleanup: shared memory and sockets left by processes the tests killed.
 
 Tests SIGKILL workers and store owners on purpose; a process killed that way cannot unlink its
-arenas or payload segments. At the end of the session every ``omni-*`` file in the shared-memory
-folder that was created during the session and that no live process maps is removed, so that
-runs of the suite do not add up in /dev/shm (which is memory).
+arenas or payload segments, or remove its Unix socket. At the end of the session those whose
+owner process is gone are removed: KV stores by the owner record in their lease table, payload
+segments by the pid in their name, sockets because nobody listens on them. Only what belongs to
+dead processes goes, so that another run of the suite beside this one keeps its files.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from omni._shm import shm_directory
-
-
-def _mapped_names() -> set[str]:
-    names: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue  # the process ended, or is not ours to read
-        names.update(Path(line.split(maxsplit=5)[5]).name for line in text.splitlines()
-                     if line.count(" ") >= 5 and "omni-" in line)
-    return names
+from omni.kv.leases import reclaim_dead_stores
+from omni.transport._host import ipc_directory
+from omni.transport._unix import remove_stale
+from omni.transport.payloads import reclaim_dead_segments
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _reclaim_shared_memory_of_killed_processes() -> Iterator[None]:
-    started = time.time() - 1
+def _reclaim_what_killed_processes_left() -> Iterator[None]:
     yield
-    folder = shm_directory()
-    mapped = _mapped_names()
-    for path in folder.glob("omni-*"):
-        try:
-            if path.stat().st_mtime >= started and path.name not in mapped:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+    reclaim_dead_stores()
+    reclaim_dead_segments()
+    remove_stale(ipc_directory(), "w-*.sock")

@@ -6,21 +6,30 @@ the lease id, its expiry (CLOCK_MONOTONIC nanoseconds, the same clock in every p
 machine) and the id the consumer wrote when it released the lease. The owner sweeps the table
 and unpins the pages of every lease that was released or has expired, so a crashed consumer
 pins nothing for longer than the lease's time to live.
+
+Record 0 names the owner instead: a marker, its pid and its start time (so that a pid the
+kernel gave to another process since is not taken for the owner). A store that starts removes
+the shared memory of stores whose owner is gone (`reclaim_dead_stores`): a process killed with
+SIGKILL cannot unlink its own. The owner record can never pass for a lease: its "expiry" is a
+pid, long past, and holders may not release or renew record 0.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import numpy as np
 
-from omni.kv.arena import Arena
+from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 
-__all__ = ["LeaseRecord", "LeaseTable"]
+__all__ = ["LeaseRecord", "LeaseTable", "reclaim_dead_stores"]
 
 # One record per exported lease; 8-byte fields so that each store is a single aligned write.
 LeaseRecord = np.dtype([("lease_id", "<u8"), ("expiry_ns", "<u8"), ("released_id", "<u8")])
+_OWNER = int.from_bytes(b"omni-own", "little")  # record 0's marker: (marker, pid, start time)
 
 
 def table_name(store_id: str) -> str:
@@ -34,12 +43,16 @@ class LeaseTable:
         self.arena = arena
         self.capacity = arena.size // LeaseRecord.itemsize
         self.records = np.frombuffer(arena.buffer, dtype=LeaseRecord, count=self.capacity)
-        self._free = list(reversed(range(self.capacity))) if owner else []
+        self._free = list(reversed(range(1, self.capacity))) if owner else []
 
     @classmethod
     def create(cls, store_id: str, capacity: int) -> LeaseTable:
-        arena = Arena.create(table_name(store_id), capacity * LeaseRecord.itemsize)
-        return cls(arena, owner=True)
+        """The table of a new store, for `capacity` leases, its owner record written."""
+        arena = Arena.create(table_name(store_id), (capacity + 1) * LeaseRecord.itemsize)
+        table = cls(arena, owner=True)
+        pid = os.getpid()
+        table.records[0] = (_OWNER, pid, _start_time(pid))
+        return table
 
     @classmethod
     def attach(cls, name: str) -> LeaseTable:
@@ -73,7 +86,7 @@ class LeaseTable:
 
     def check(self, slot: int, lease_id: int) -> None:
         """Raise KVLeaseError unless lease `lease_id` is live in record `slot`."""
-        if not 0 <= slot < self.capacity:
+        if not 0 < slot < self.capacity:
             raise KVLeaseError(f"lease record {slot} is out of range")
         lease, expiry, released = self.records[slot].tolist()
         if lease != lease_id or released == lease_id:
@@ -83,7 +96,7 @@ class LeaseTable:
 
     def release(self, slot: int, lease_id: int) -> None:
         """Give the lease back; a no-op when the record already holds another lease."""
-        if 0 <= slot < self.capacity and int(self.records[slot]["lease_id"]) == lease_id:
+        if 0 < slot < self.capacity and int(self.records[slot]["lease_id"]) == lease_id:
             self.records[slot]["released_id"] = lease_id
 
     def renew(self, slot: int, lease_id: int, expiry_ns: int) -> None:
@@ -94,3 +107,54 @@ class LeaseTable:
     def close(self) -> None:
         self.records = None  # drop the view before the mapping goes
         self.arena.close()
+
+
+def _start_time(pid: int) -> int:
+    """When process `pid` started (clock ticks since boot), or 0 where that is not known."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])  # the 22nd field; the first two (pid, comm) are before ")"
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _owner_alive(pid: int, started: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    now = _start_time(pid)
+    return not (started and now and now != started)  # not a reused pid
+
+
+def reclaim_dead_stores() -> list[str]:
+    """Unlink the arenas and lease tables of stores whose owner process is gone; their names.
+
+    Only stores whose lease table carries an owner record are considered, and a table this
+    process cannot read is left alone."""
+    folder = shm_directory()
+    removed: list[str] = []
+    for table in folder.glob("omni-*-leases"):
+        try:
+            with open(table, "rb") as f:
+                head = f.read(LeaseRecord.itemsize)
+        except OSError:
+            continue
+        if len(head) < LeaseRecord.itemsize:
+            continue
+        marker, pid, started = np.frombuffer(head, dtype=LeaseRecord)[0].tolist()
+        if marker != _OWNER or _owner_alive(pid, started):
+            continue
+        store_id = table.name[len("omni-"):-len("-leases")]
+        for path in [*folder.glob(f"omni-{store_id}-*")]:
+            if path != table:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path.name)
+        with contextlib.suppress(FileNotFoundError):
+            table.unlink()  # the owner record goes last: a crash here leaves it to the next
+            removed.append(table.name)
+    return removed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -18,7 +19,7 @@ from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease, PageDescriptor
 from omni.kv.layout import KVLayout, parse_size
-from omni.kv.leases import LeaseTable
+from omni.kv.leases import LeaseTable, reclaim_dead_stores
 from omni.kv.manager import TierManager
 from omni.kv.peers import PeerSource
 from omni.kv.policy import EvictionPolicy, make_policy
@@ -33,6 +34,25 @@ TierName = Literal["device", "host", "disk"]
 _ORDER = {"device": 0, "host": 1, "disk": 2}
 KEY_BYTES = 16
 
+
+log = logging.getLogger("omni.kv")
+_reclaim_lock = threading.Lock()
+_reclaimed = False
+
+
+def _reclaim_once() -> None:
+    """The first store of a process removes the shared memory of stores whose owner process
+    is gone (killed before it could), and says so in one line."""
+    global _reclaimed
+    with _reclaim_lock:
+        if _reclaimed:
+            return
+        _reclaimed = True
+    removed = reclaim_dead_stores()
+    if removed:
+        stores = sorted({name.rsplit("-", 1)[0] for name in removed})
+        log.warning("removed the shared memory of %d KV store(s) whose process is gone: %s",
+                    len(stores), ", ".join(stores))
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -125,6 +145,10 @@ class KVStore:
         self._events = StoreEvents()
         self._peer_fetches = self._peer_pages = 0
         self._tiers: list[Any] = []
+        _reclaim_once()
+        # The lease table first: its owner record is what lets the arenas made next be
+        # reclaimed should this process be killed.
+        self._table = LeaseTable.create(self.store_id, max_exported)
         try:
             for config in configs:
                 self._tiers.append(self._build_tier(config))
@@ -132,10 +156,10 @@ class KVStore:
                         for c in configs]
             self._manager = TierManager(layout, self._tiers, policies)
             self._manager.on_change = self._events.record
-            self._table = LeaseTable.create(self.store_id, max_exported)
         except BaseException:
             for tier in self._tiers:
                 tier.close()
+            self._table.close()  # the owner unlinks it
             raise
 
     def _build_tier(self, config: TierConfig) -> Any:

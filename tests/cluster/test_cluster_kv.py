@@ -29,7 +29,7 @@ async def test_a_worker_fetches_pages_another_holds(cluster: Cluster) -> None:
         assert first["worker"] == "w1" and first["cached"] == 0
         await rt.deploy(kv.ChatOnW2())  # w2's store and KV directory start
         prompt = SYSTEM + "Q: two?"
-        with trio.fail_after(10):  # until w2's directory has heard of w1's pages
+        with trio.fail_after(60):  # until w2's directory has heard of w1's pages
             while True:
                 second = await rt.run(kv.ChatOnW2(), prompt=prompt)
                 if second["fetched_pages"]:

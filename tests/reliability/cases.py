@@ -38,6 +38,8 @@ CASES: dict[str, Case] = {
         "Processes", "a worker SIGKILLed while it holds shared-memory leases"),
     "proc.holder_killed_mid_transfer": Case(
         "Processes", "a worker SIGKILLed mid-transfer (serving `kv.fetch`)"),
+    "proc.owner_killed": Case(
+        "Processes", "KV store owners SIGKILLed: their arenas and lease tables left behind"),
     "proc.run_signalled": Case(
         "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
     # Peers on the wire

@@ -4,6 +4,7 @@ their pages become evictable; a fetch in flight is a miss; no page stored is ano
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -144,12 +145,16 @@ async def test_a_worker_killed_mid_transfer(record):
     try:
         line = await trio.to_thread.run_sync(proc.stdout.readline)
         endpoint, holder_id = line.split()
-        with make_store(16, 16) as requester:
+        with make_store(16, 16) as requester, contextlib.ExitStack() as opened:
             async with RPCClient(endpoint, heartbeat_interval=0.1) as client:
-                # 1. The first half travels as a descriptor of the holder's shared memory.
+                # 1. The first half travels as a descriptor of the holder's shared memory,
+                # opened here while the holder lives (once it is dead, a store starting
+                # anywhere on the machine may reclaim its shared memory).
                 reply = await client.call_with_payload(
                     "kv.fetch", FetchRequest(keys[:4], host_id(), os.getpid()), timeout=10,
                     result_type=FetchReply)
+                received = opened.enter_context(unpack(reply.body.header, reply.payload,
+                                                       LAYOUT))
                 # 2. The second half: the holder dies while serving it.
                 fetcher = PeerFetcher(OneHolder(), {"w": client}.get, "me", layout=LAYOUT,
                                       timeout=10)
@@ -168,10 +173,10 @@ async def test_a_worker_killed_mid_transfer(record):
                 assert got == [0] and requester.keys() == []  # a miss: nothing stored
                 assert fetcher.stats()["failures"] == 1
                 assert await fetcher.fetch(requester, keys, recompute_page_s=None) == 0
-            # 3. The descriptor handed over before the death still maps the holder's pages:
-            # its lease lives on, the memory outlives the process; they are the right pages.
-            with unpack(reply.body.header, reply.payload, LAYOUT) as received:
-                assert received.put_into(requester) == 4
+            # 3. The descriptor opened before the death still maps the holder's pages: its
+            # lease lives on, the memory outlives the process; they are the right pages.
+            assert received.put_into(requester) == 4
+            opened.close()
             # 4. A healthy holder serves the rest; the requester holds only its own pages.
             with make_store(16, 16) as healthy:
                 healthy.put(keys, pages_of(keys))
@@ -195,3 +200,51 @@ async def test_a_worker_killed_mid_transfer(record):
            outcome="the fetch in flight was a miss within 3 heartbeats (nothing stored, "
                    "recomputed or fetched from a healthy worker); a descriptor handed over "
                    "before the kill still gave its own pages")
+
+
+OWNER = textwrap.dedent("""
+    import trio
+    from tests.reliability._support import make_store
+
+    store = make_store(4, 4)
+    print(store.store_id, flush=True)
+    trio.run(trio.sleep_forever)
+""")
+
+STARTS_A_STORE = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(message)s")
+    from tests.reliability._support import make_store
+
+    make_store(4, 4).close()
+""")
+
+
+def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record):
+    """Store owners SIGKILLed cannot unlink their arenas and lease tables; the next store to
+    start on the machine removes them, says so in one line, and leaves live owners' alone."""
+    owners = [child(OWNER) for _ in range(3)]
+    try:
+        ids = [proc.stdout.readline().split()[0] for proc in owners]
+        files = {i: sorted(p.name for p in shm_directory().glob(f"omni-{i}-*")) for i in ids}
+        assert all(len(names) == 3 for names in files.values()), files  # 2 arenas, 1 table
+        for proc in owners[:2]:
+            proc.kill()
+            proc.wait(10)
+        done = subprocess.run([sys.executable, "-c", STARTS_A_STORE], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("WARNING removed the shared memory"), \
+            lines
+        assert all(f"omni-{i}" in lines[0] for i in ids[:2]) and ids[2] not in lines[0]
+        for i in ids[:2]:
+            assert not list(shm_directory().glob(f"omni-{i}-*"))
+        assert sorted(p.name for p in shm_directory().glob(f"omni-{ids[2]}-*")) == files[ids[2]]
+    finally:
+        for proc in owners:
+            proc.kill()
+            proc.wait(10)
+    record("proc.owner_killed", tries=3,
+           outcome="2 owners SIGKILLed: the next store to start removed their 6 arenas and "
+                   "lease tables and said so in one line; the live owner's 3 were left alone")
