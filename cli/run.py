@@ -124,17 +124,20 @@ def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None
 def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
              printer: Printer, debug: bool, kv: Any, options: dict[str, Any]) -> Outcome:
     from omni.cluster import ClusterError
+    from omni.kv.errors import KVTierError
     from omni.transport.errors import TransportError
 
     try:
         with Reporter(len(requests), debug=debug) as reporter:
             return trio.run(functools.partial(run_batch, graph, requests, concurrency, printer,
                                               reporter, kv, **options))
-    except (ClusterError, TransportError, OSError, BaseExceptionGroup) as exc:
-        error = first_of(exc, (ClusterError, TransportError, OSError))
+    except (ClusterError, TransportError, KVTierError, OSError, BaseExceptionGroup) as exc:
+        error = first_of(exc, (ClusterError, TransportError, KVTierError, OSError))
         if isinstance(error, (ClusterError, TransportError)):  # no head, a refused token
             raise CliError(str(error)) from exc
-        if isinstance(error, OSError):  # --metrics-port in use or not allowed
+        if isinstance(error, KVTierError):  # a --kv-* tier that cannot be made
+            raise CliError(f"--kv-{error.tier}: {error}") from exc
+        if isinstance(error, OSError) and options.get("metrics_port") is not None:
             raise CliError(f"cannot serve metrics on port {options['metrics_port']}: "
                            f"{error.strerror or error}") from exc
         raise

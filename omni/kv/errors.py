@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omni.errors import OmniError
 
-__all__ = ["KVCapacityError", "KVError", "KVLeaseError"]
+__all__ = ["KVCapacityError", "KVError", "KVLeaseError", "KVTierError"]
 
 
 class KVError(OmniError):
@@ -17,3 +17,12 @@ class KVCapacityError(KVError):
 
 class KVLeaseError(KVError):
     """A lease or descriptor is unknown, released or expired, or names memory it may not."""
+
+
+class KVTierError(KVError, ValueError):
+    """A tier cannot be made as configured (its folder, its size, the memory it needs);
+    `tier` names it."""
+
+    def __init__(self, tier: str, message: str):
+        super().__init__(message)
+        self.tier = tier

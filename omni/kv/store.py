@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from omni.kv.errors import KVError
+from omni.kv.errors import KVError, KVTierError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease, PageDescriptor
 from omni.kv.layout import KVLayout, parse_size
@@ -54,6 +54,7 @@ def _reclaim_once() -> None:
         log.warning("removed the shared memory of %d KV store(s) whose process is gone: %s",
                     len(stores), ", ".join(stores))
 
+
 @dataclass(frozen=True)
 class TierConfig:
     """One tier of a store: its name, capacity in bytes ("8GiB" or an int), the directory of a
@@ -70,9 +71,11 @@ class TierConfig:
             raise ValueError(f"unknown KV tier {self.name!r}; tiers are device, host, disk")
         if self.path is not None and self.name != "disk":
             raise ValueError(f"only the disk tier takes a path, not {self.name!r}")
-        parse_size(self.capacity)
+        if parse_size(self.capacity) > _MAX_TIER_BYTES:
+            raise ValueError(f"{self.capacity!r} is more than a machine holds (at most 65536TiB)")
 
 
+_MAX_TIER_BYTES = 1 << 56
 DEFAULT_TIERS = (TierConfig("device", "256MiB"), TierConfig("host", "1GiB"))
 
 
@@ -151,7 +154,14 @@ class KVStore:
         self._table = LeaseTable.create(self.store_id, max_exported)
         try:
             for config in configs:
-                self._tiers.append(self._build_tier(config))
+                try:
+                    self._tiers.append(self._build_tier(config))
+                except (OSError, ValueError, OverflowError) as exc:
+                    why = exc.args[1] if isinstance(exc, OSError) and len(exc.args) == 2 \
+                        and isinstance(exc.args[1], str) else str(exc)
+                    why = why.removeprefix(f"{config.name} tier: ")
+                    raise KVTierError(config.name, f"the {config.name} tier cannot be made: "
+                                      f"{why}") from exc
             policies = [make_policy(c.policy if c.policy is not None else policy)
                         for c in configs]
             self._manager = TierManager(layout, self._tiers, policies)

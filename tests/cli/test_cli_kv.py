@@ -59,3 +59,25 @@ def test_a_tier_too_small_for_a_page_is_a_usage_error(tmp_path, omni_cli):
     out = omni_cli("run", "kv.py", "--input", "x=1", "--kv-host", "100", cwd=tmp_path)
     assert out.returncode == 2
     assert "tier 'host' holds no page" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tier_that_cannot_be_made_is_one_line_naming_the_flag(tmp_path, omni_cli):
+    """Folders that are files, devices or forbidden, sizes past the file system or the
+    shared memory, absurd sizes: each one line, exit 2, naming the flag and the cause."""
+    (tmp_path / "kv.py").write_text(textwrap.dedent(KV_GRAPH))
+    (tmp_path / "afile").write_text("")
+    cases = [
+        (["--kv-disk", "16MiB:/dev/null"], "--kv-disk: the disk tier cannot be made: "),
+        (["--kv-disk", f"16MiB:{tmp_path / 'afile' / 'sub'}"], "Not a directory"),
+        (["--kv-disk", "100TiB:" + str(tmp_path / "big")], "--kv-disk: the disk tier cannot"),
+        (["--kv-host", "100000TiB"], "is more than a machine holds"),
+        (["--kv-host", "99999999999999999999999GiB"], "is more than a machine holds"),
+        (["--kv-host", "60000TiB"], "--kv-host: the host tier cannot be made: "),
+    ]
+    for args, fragment in cases:
+        out = omni_cli("run", "kv.py", "--input", "x=1", *args, cwd=tmp_path)
+        lines = [x for x in out.stderr.splitlines()
+                 if x.strip() and not x.startswith(("requests", "removed the shared memory"))]
+        assert out.returncode == 2 and len(lines) == 1, (args, out.stderr[-2000:])
+        assert lines[0].startswith("error: ") and fragment in lines[0], (args, lines)
+        assert "metrics" not in lines[0]
