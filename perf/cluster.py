@@ -68,7 +68,7 @@ from perf._common import (
     profile_report,
     write_json,
 )
-from perf._procs import CliProcess, wait_members
+from perf._procs import START_S, CliProcess, wait_members
 
 __all__ = ["Params", "lru_model", "main", "measure"]
 
@@ -137,7 +137,7 @@ def cluster(params: Params, folder: Path) -> Iterator[tuple[str, list[CliProcess
         for name in WORKERS:  # they import torch side by side
             procs.append(CliProcess(["cluster", "join", address, "--token-file", token, "--name",
                                 name, "--heartbeat", heartbeat, "--kv-host", str(capacity),
-                                "--no-kv-fetch"], ROOT, env))
+                                "--no-kv-fetch", "--timeout", str(START_S)], ROOT, env))
         for proc in procs[1:]:
             proc.wait_line(r"joined .* as")
         wait_members(address, token, dict(zip(WORKERS, procs[1:], strict=True)), cwd=ROOT,

@@ -85,7 +85,7 @@ from perf._common import Samples, benchmark_parser, environment, profile_report,
 from perf._payload_measures import CLAIMS, error_text, size_label
 from perf._payload_support import BlockingThread, ShmJanitor, stop_strays, summarise_names
 from perf._payload_tcp import TCP_SETTINGS
-from perf._procs import CliProcess, wait_members
+from perf._procs import START_S, CliProcess, wait_members
 
 __all__ = ["Params", "main", "measure"]
 
@@ -146,7 +146,8 @@ class Processes:
             worker_env = {**env, **TCP_SETTINGS} if name == "wtcp" else env
             self.workers[name] = CliProcess(
                 ["cluster", "join", self.address, "--token-file", self.token, "--name", name,
-                 "--heartbeat", beat, "--kv-host", "16MiB"], ROOT, worker_env)
+                 "--heartbeat", beat, "--kv-host", "16MiB", "--timeout", str(START_S)], ROOT,
+                worker_env)
 
     def wait(self) -> None:
         for proc in self.workers.values():

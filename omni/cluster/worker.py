@@ -484,7 +484,9 @@ class Worker:
                                                                 ("host", t.host)) if size]
             if t.disk:
                 tiers.append(TierConfig("disk", t.disk, path=t.disk_path))
-            self.kv = KVStore(layout, tiers)
+            # In a thread: reserving a gigabyte of shared memory can take a second, in which
+            # the event loop must go on answering heartbeats (else the head drops this worker).
+            self.kv = await trio.to_thread.run_sync(KVStore, layout, tiers)
             assert self._nursery is not None
             await self._nursery.start(self._serve_kv)
 

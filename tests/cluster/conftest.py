@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from perf._procs import CliProcess, wait_members
+from perf._procs import START_S, CliProcess, wait_members
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = 0.2  # seconds: a lost worker is noticed within 3 of them
@@ -50,8 +50,11 @@ class Cluster:
         """Start worker `name` (`env`: settings added to its environment); with `wait`, return
         once the head lists it as a member."""
         assert self.address is not None
+        # A generous wait for the head: on a loaded machine its first answer can take seconds.
+        timeout = [] if "--timeout" in extra else ["--timeout", str(START_S)]
         proc = self.start("cluster", "join", self.address, "--token-file", str(self.token),
-                          "--name", name, "--heartbeat", str(HEARTBEAT), *extra, env=env)
+                          "--name", name, "--heartbeat", str(HEARTBEAT), *timeout, *extra,
+                          env=env)
         if wait:
             proc.wait_line(r"joined .* as")
             self.wait_members({name: proc})
