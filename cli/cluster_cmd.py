@@ -72,7 +72,9 @@ def _credentials(path: str, *, create: bool) -> Any:
         raise CliError(f"no token file at {path}: copy the head's token file here or pass "
                        "--token-file") from None
     except (TransportError, OSError) as exc:
-        raise CliError(f"token file {path}: {exc}") from None
+        message = str(exc)  # the token's own errors name the file already
+        raise CliError(message if path in message else f"token file {path}: {message}") \
+            from None
     return Credentials(token)
 
 

@@ -79,6 +79,9 @@ class HeadLink:
                         log.warning("head at %s not answering; waiting for it", self.address)
                     self.connected = False
                     continue
+                if not self.connected:
+                    log.warning("head at %s answers again", self.address)
+                    self.connected = True
                 if not reply.known or reply.head_epoch != self.head_epoch:
                     log.info("head at %s restarted; registering again", self.address)
                     try:

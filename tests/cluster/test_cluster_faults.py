@@ -4,6 +4,7 @@ restarting. The driver is this test's own `omni.Runtime(cluster=...)`."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import trio
@@ -115,14 +116,19 @@ def _second_gpu_node():
 
 def test_the_head_restarting_is_rejoined(cluster: Cluster) -> None:
     head = cluster.head()
-    cluster.worker("w1")
+    w1 = cluster.worker("w1")
     cluster.worker("w2")
     address = cluster.address
     head.popen.kill()
     head.wait()
     cluster.head(bind=address)  # the same address, a new process that knows nobody
     cluster.wait_status(lambda m: set(m) == {"w1", "w2"}
-                        and all(v["state"] == "up" for v in m.values()), timeout=15)
+                        and all(v["state"] == "up" for v in m.values()), timeout=60)
+    deadline = time.monotonic() + 30  # its log lines are read as they come
+    while "answers again" not in "".join(w1.err) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    said = "".join(w1.err)  # the worker said it lost the head, and that it has it back
+    assert "not answering" in said and "answers again" in said, said
     done = cluster.cli("run", str(ROOT / "tests" / "cluster" / "pipelines.py"), "shout",
                        "--cluster", address, "--token-file", str(cluster.token),
                        "--input", "text=after restart", "--json", "-n", "2")
