@@ -35,9 +35,8 @@ from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["OFF_LOOP_BYTES", "CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew",
-           "StreamBatch", "ValueHead", "encode_for", "move_out", "pack_for", "split_items",
-           "unpack_from"]
+__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch",
+           "ValueHead", "pack_for", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread

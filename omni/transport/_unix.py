@@ -373,7 +373,8 @@ class UnixSocket:
         kind = "listening" if self.listening else "connecting"
         state = " closed" if self._closed else ""
         count = len(self._connections) if self.listening else int(bool(self._peer))
-        return f"<UnixSocket {kind}{state} {self.endpoint} connections={count}>"
+        return (f"<UnixSocket {kind}{state} {self.endpoint} connections={count} "
+                f"dropped={self._dropped}>")
 
     # -- the tasks ---------------------------------------------------------------------------
 
