@@ -12,7 +12,7 @@ from typing import Any
 
 import trio
 
-from cli._output import Printer
+from cli._output import FLUSH_INTERVAL, Printer
 from cli._report import Outcome, Reporter
 from cli._signals import stopped_by_signals
 from omni import Graph, NodeError, Ref, Runtime
@@ -39,13 +39,24 @@ async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: i
             sys.stderr.write(f"metrics at http://{host}:{port}/metrics\n")
         limit = trio.Semaphore(concurrency)
         started = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for index, inputs in enumerate(requests):
-                await limit.acquire()  # requests start in order: request ids follow it
-                nursery.start_soon(_request, rt, graph, index, inputs, printer, reporter,
-                                   outcome, limit)
+        async with trio.open_nursery() as flushing:
+            flushing.start_soon(_keep_flushed, printer)
+            async with trio.open_nursery() as nursery:
+                for index, inputs in enumerate(requests):
+                    await limit.acquire()  # requests start in order: request ids follow it
+                    nursery.start_soon(_request, rt, graph, index, inputs, printer, reporter,
+                                       outcome, limit)
+            flushing.cancel_scope.cancel()
+        printer.flush()
         outcome.elapsed = time.perf_counter() - started
     return outcome
+
+
+async def _keep_flushed(printer: Printer) -> None:
+    """Flush the printer's output on a beat, so a line waits at most that long to be seen."""
+    while True:
+        await trio.sleep(FLUSH_INTERVAL)
+        printer.flush()
 
 
 async def _request(rt: Runtime, graph: Graph, index: int, inputs: dict[str, Any],

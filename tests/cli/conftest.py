@@ -107,7 +107,7 @@ GRAPH_FILES = {
 }
 
 
-def _env() -> dict[str, str]:
+def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(NO_COLOR="1", COLUMNS="200", PYTHONDONTWRITEBYTECODE="1")
     return env
@@ -129,6 +129,6 @@ def omni_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
             ) -> subprocess.CompletedProcess[str]:
         feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
         return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, **feed,
-                              capture_output=True, text=True, env=_env(), timeout=60)
+                              capture_output=True, text=True, env=cli_env(), timeout=60)
 
     return run

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import select
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from tests.cli.conftest import cli_env
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -106,6 +110,45 @@ def test_streaming_single_output_graph(omni_cli: Cli, graphs: Path) -> None:
     assert result.stdout.splitlines() == ["a", "b", "c"]
     result = omni_cli("run", "two.py", "second", "-i", "text=abc", "--json", cwd=graphs)
     assert json_lines(result.stdout) == [{"output": ["a", "b", "c"]}]
+
+
+PAUSING_STREAM = """
+import os, trio
+from collections.abc import AsyncIterator
+import omni
+
+@omni.node
+async def ticks(gate: str) -> AsyncIterator[str]:
+    yield "first"
+    while not os.path.exists(gate):  # pauses until the reader has seen "first"
+        await trio.sleep(0.01)
+    yield "second"
+
+@omni.graph
+def main(gate: str):
+    return ticks(gate)
+"""
+
+
+def test_a_line_is_seen_while_the_stream_pauses(tmp_path: Path) -> None:
+    """Text output is buffered for speed, yet a line printed before a pause reaches the reader
+    during the pause: the stream only goes on once the reader has seen its first item."""
+    (tmp_path / "pausing.py").write_text(PAUSING_STREAM)
+    gate = tmp_path / "gate"
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "pausing.py", "-i",
+                             f"gate={gate}"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env())
+    try:
+        assert proc.stdout is not None
+        seen, _, _ = select.select([proc.stdout], [], [], 60)  # no gate yet: it pauses
+        assert seen, "the first line did not arrive while the stream paused"
+        assert proc.stdout.readline() == "first\n"
+        gate.touch()
+        rest, errors = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (proc.returncode, rest, errors) == (0, "second\n", "")
 
 
 def test_a_node_can_be_run_by_name(omni_cli: Cli, graphs: Path) -> None:
