@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,14 @@ START_S = 60.0  # seconds a subprocess may take to print its ready line (it may 
 
 
 class CliProcess:
-    """``python -m cli ARGS`` in `cwd`, its stdout and stderr lines kept in `out` and `err`."""
+    """``python -m cli ARGS`` in `cwd`, its stdout and stderr lines kept in `out` and `err`
+    (`program`: what runs instead of ``-m cli``, e.g. a benchmark's script)."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None, *,
+                 program: Sequence[str] = ("-m", "cli")):
         self.args = args
         env = {**os.environ, "PYTHONUNBUFFERED": "1"} if env is None else env
-        self.popen = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env,
+        self.popen = subprocess.Popen([sys.executable, *program, *args], cwd=cwd, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -232,6 +232,13 @@ def _tcp_baseline(c: dict[str, Any]) -> str:
     return text
 
 
+def _signalled(k: Ctx) -> str:
+    """When the soak's signal phase sent SIGTERM."""
+    at = k.d["sigterm_left"]["at_signal"]
+    return (f"{at['done']:,} requests done, {at['in_flight']} in flight, "
+            f"{at['pages']['disk']:,} pages in the disk tier")
+
+
 def _pipeline_baseline(k: Ctx) -> str:
     kind = k.c.get("baseline_kind")
     return ("Compiled Graph of 3 actors" if kind == "ray_compiled_graph" else
@@ -426,6 +433,25 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"≥ {k.c['target']:g}× the baseline's",
           lambda k: _vs(k.c, "requests/s"),
           lambda k: _ray(k, _pipeline_baseline(k), "requests/s")),
+    Known("soak", "sigterm_exit",
+          lambda k: (f"SIGTERM in the middle of the soak's load ({_signalled(k)}): exit "
+                     "status"),
+          lambda k: f"{k.c['target']:g}",
+          lambda k: f"{med(k.c['measured']):g} in {k.c['seconds_to_exit']:.2f} s",
+          "—"),
+    Known("soak", "sigterm_stderr",
+          "the same SIGTERM: lines on stderr (no traceback, no warning)",
+          "1: `error: terminated`",
+          lambda k: f"{med(k.c['measured']):g}" + "".join(f": `{t}`" for t in k.c["text"][:2]),
+          "—"),
+    Known("soak", "sigterm_left",
+          "the same SIGTERM: arenas, lease tables, disk-tier files, payload segments and "
+          "sockets of the process left once it exited",
+          "0",
+          lambda k: (f"{med(k.c['measured']):g} (just before the signal: "
+                     f"{k.c['before']['arenas']} arenas, {k.c['before']['lease_tables']} lease "
+                     f"table, {k.c['before']['disk_files']} disk-tier files)"),
+          "—"),
 )
 
 PLOTS = {  # what each benchmark's --plot draws

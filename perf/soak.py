@@ -17,6 +17,11 @@ Two phases, each drained to zero in flight: `warmup` (the tiers fill, the dialog
 reaches its 256 sessions, thread and allocator pools grow), then the rest. First a throwaway
 runtime serves a few requests, so one-time lazy initialisation is not taken for a leak.
 
+Then the signal phase (`perf/_soak_signal.py`): a child process runs the same load under the
+CLI's signal handling and is sent SIGTERM once `signal_after` requests are done and its disk
+tier holds pages; it must exit 143 after one line, leaving no arena, lease table, disk-tier
+file, payload segment or socket.
+
 Claims: no failed request; after the load, before close: no lease open, no page pinned, no
 request left in the runtime, its replicas or the engines, at most 256 sessions held; after
 close and a gc: no more fds than before, no shared-memory file or mapping of this run's
@@ -24,15 +29,17 @@ stores, no file in the disk tier's folder or temp file by the outputs, no Resour
 (something left to the garbage collector); RSS growth after warm-up <= 5 MiB per 1,000
 requests. Why 5: leaking one 8 KiB page, or one request's prompt and reply (a few KiB), per
 request exceeds it, while what the allocator keeps (glibc's free lists: `heap_free`, beside
-`heap_in_use`) levels off below it.
+`heap_in_use`) levels off below it. SIGTERM mid-load: exit status 143, one line on stderr,
+nothing left.
 
 Usage: ``python perf/soak.py [--quick] [--requests N] [--concurrency C] [--out PATH.json]
-[--plot PATH.png] [--seed S]``.
+[--plot PATH.png] [--seed S] [--phase all|load|signal]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -59,6 +66,8 @@ from omni.compute.speech import write_wav
 from omni.kv import KVConfig, TierConfig
 from perf._common import Samples, claim, environment, memory_status, write_json
 from perf._probes import Resources, leftovers, memory, open_fds
+from perf._soak_signal import claims as signal_claims
+from perf._soak_signal import measure_signalled, run_child
 
 __all__ = ["Params", "main", "measure", "workload"]
 
@@ -91,12 +100,13 @@ class Params:
     host_pages: int = 128  # 1 MiB: idle sessions go on to disk
     disk: str = "24MiB"  # 2,048 slots of 12 KiB: the oldest pages are evicted
     sample_s: float = 0.25
+    signal_after: int = 1_000  # requests the signal phase's child finishes before SIGTERM
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         return cls(seed=seed, requests=200, concurrency=16, warmup=50, sessions=20,
-                   prompts=20, cancel_every=20, quick=True)
+                   prompts=20, cancel_every=20, signal_after=50, quick=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,15 +268,35 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "max_ms": round(max(values) * 1e3, 1)}
 
 
-def measure(p: Params) -> dict[str, Any]:
-    """Run the soak in this process (a fresh one: it counts the process's fds and RSS)."""
-    started = time.perf_counter()
+def examples() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both example pipelines' modules and graphs, loaded as the CLI loads them."""
     modules = {"dialogue": load_module(str(ROOT / "examples" / "omni_dialogue.py")),
                "image": load_module(str(ROOT / "examples" / "image_generation.py"))}
     graphs = {k: select_graph(m, None, k) for k, m in modules.items()}
     if modules["image"].KV_LAYOUT != modules["dialogue"].KV_LAYOUT:
         raise SystemExit("the examples' KV layouts differ (OMNI_MODEL?): one store cannot "
                          "serve both")
+    return modules, graphs
+
+
+def signal_child(spec: str) -> int:
+    """The signal phase's child: the soak's load in `spec`'s folder until SIGTERM comes."""
+    args = json.loads(spec)
+    p, folder = Params(**args["params"]), Path(args["folder"])
+    outputs, disk = folder / "out", folder / "kv"
+    outputs.mkdir()
+    disk.mkdir()
+    modules, graphs = examples()
+    soak = Soak(p, graphs)
+    return run_child(lambda: runtime(p, modules, graphs, disk), soak, workload(p, outputs),
+                     disk, p.sample_s)
+
+
+def measure(p: Params) -> dict[str, Any]:
+    """Run the soak in this process (a fresh one: it counts the process's fds and RSS), then
+    its signal phase in a child."""
+    started = time.perf_counter()
+    modules, graphs = examples()
     with tempfile.TemporaryDirectory(prefix="omni-soak-") as tmp:
         outputs, disk = Path(tmp) / "out", Path(tmp) / "kv"
         outputs.mkdir()
@@ -284,8 +314,9 @@ def measure(p: Params) -> dict[str, Any]:
                       "temp": sorted(n for n in os.listdir(outputs) if n.endswith(".tmp"))}
     f.update(fds_before=fds_before, fds_after=fds_after, warned=resources.seen,
              memory_start=memory_start, memory_end=memory_end,
-             max_sessions=modules["dialogue"].MAX_SESSIONS,
-             wall_s=time.perf_counter() - started)
+             max_sessions=modules["dialogue"].MAX_SESSIONS)
+    f["signalled"] = measure_signalled(asdict(p), p.signal_after)
+    f["wall_s"] = time.perf_counter() - started
     return report(p, soak, f)
 
 
@@ -362,11 +393,10 @@ def report(p: Params, soak: Soak, f: dict[str, Any]) -> dict[str, Any]:
             f"({p.warmup}), both with no request in flight, after a gc; the trend is the "
             "least-squares slope of VmRSS over the steady phase's samples",
             growth_mib=growth, trend_mib_per_1k=trend),
+        **signal_claims(f["signalled"]),
     }
     return {
-        "benchmark": "soak", "params": asdict(p),
-        "env": {**environment(), "malloc": {k: v for k, v in os.environ.items()
-                                            if k.startswith("MALLOC_")}},
+        "benchmark": "soak", "params": asdict(p), "env": soak_environment(),
         "wall_s": round(f["wall_s"], 1), "load_s": round(seconds, 1),
         "overall": {
             "requests": p.requests, "completed": len(everything), "failures": failed,
@@ -381,6 +411,20 @@ def report(p: Params, soak: Soak, f: dict[str, Any]) -> dict[str, Any]:
         "kv": f["kv"], **claims, "all_pass": all(c["pass"] for c in claims.values()),
         "timeline": soak.timeline,
     }
+
+
+def soak_environment() -> dict[str, Any]:
+    return {**environment(), "malloc": {k: v for k, v in os.environ.items()
+                                        if k.startswith("MALLOC_")}}
+
+
+def measure_signal_only(p: Params) -> dict[str, Any]:
+    """The signal phase alone (``--phase signal``): its claims, without the load's."""
+    started = time.perf_counter()
+    claims = signal_claims(measure_signalled(asdict(p), p.signal_after))
+    return {"benchmark": "soak", "params": asdict(p), "env": soak_environment(),
+            "wall_s": round(time.perf_counter() - started, 1), **claims,
+            "all_pass": all(c["pass"] for c in claims.values())}
 
 
 def _plot(result: dict[str, Any], path: str) -> None:
@@ -420,15 +464,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, help="requests in flight (default 64)")
     parser.add_argument("--out", help="also write the JSON here (folders are created)")
     parser.add_argument("--plot", help="write RSS and leases over the run (PNG) here")
+    parser.add_argument("--phase", choices=("all", "signal"), default="all",
+                        help="signal: only SIGTERM in the middle of the load, in a child")
+    parser.add_argument("--signal-child", help=argparse.SUPPRESS)  # the child's own mode
     args = parser.parse_args(argv)
+    if args.signal_child:
+        raise SystemExit(signal_child(args.signal_child))
     p = Params.small(args.seed) if args.quick else Params(seed=args.seed)
     if args.requests is not None:
         p = replace(p, requests=args.requests, warmup=min(p.warmup, args.requests * 2 // 5))
     if args.concurrency is not None:
         p = replace(p, concurrency=args.concurrency)
-    result = measure(p)
+    result = measure(p) if args.phase == "all" else measure_signal_only(p)
     write_json(result, args.out)
-    if args.plot:
+    if args.plot and args.phase == "all":
         _plot(result, args.plot)
     return result
 
