@@ -16,9 +16,8 @@ from typing import Any, BinaryIO
 from cli._errors import CliError
 from omni import Graph, InputError
 
-__all__ = ["MAX_DOCUMENT_BYTES", "MAX_LINE_BYTES", "RequestInputs", "build_requests",
-           "parse_assignments", "parse_inputs_json", "parse_value", "read_inputs_json",
-           "validate_requests"]
+__all__ = ["MAX_DOCUMENT_BYTES", "MAX_LINE_BYTES", "RequestInputs", "Requests",
+           "iter_inputs_json", "parse_assignments", "parse_inputs_json", "parse_value"]
 
 MAX_LINE_BYTES = 16 << 20  # one request's inputs, as one JSON line
 MAX_DOCUMENT_BYTES = 64 << 20  # one JSON document spanning lines
@@ -72,16 +71,16 @@ def parse_inputs_json(text: str, label: str) -> list[RequestInputs]:
 
     Raises:
         CliError: invalid JSON (naming `label` and the line), a value that is not an object,
-            no object at all, or more than the limits allow (see `read_inputs_json`).
+            no object at all, or more than the limits allow (see `iter_inputs_json`).
     """
     # Lines end at "\n" only: JSON strings may hold U+2028, U+0085 and the like, which
     # str.splitlines() would also split at.
-    return _parse_lines(iter(text.split("\n")), label)
+    return list(_parse_lines(iter(text.split("\n")), label))
 
 
-def _parse_lines(lines: Iterator[str], label: str) -> list[RequestInputs]:
-    """Requests from `lines` (without their "\n"): JSON lines when the first non-blank line
-    is a JSON value by itself, else one JSON document spanning the lines."""
+def _parse_lines(lines: Iterator[str], label: str) -> Iterator[RequestInputs]:
+    """Requests from `lines` (without their "\n"), one at a time: JSON lines when the first
+    non-blank line is a JSON value by itself, else one JSON document spanning the lines."""
     seen: list[str] = []
     for line in lines:
         seen.append(line)
@@ -93,10 +92,11 @@ def _parse_lines(lines: Iterator[str], label: str) -> list[RequestInputs]:
     try:
         first = json.loads(seen[-1])
     except json.JSONDecodeError:
-        return [RequestInputs(_as_object(_document(seen, lines, label), label), label)]
+        yield RequestInputs(_as_object(_document(seen, lines, label), label), label)
+        return
     except (ValueError, RecursionError) as exc:
         raise _unreadable(where, exc) from None
-    requests = [RequestInputs(_as_object(first, where), where)]
+    yield RequestInputs(_as_object(first, where), where)
     for number, line in enumerate(lines, start=len(seen) + 1):
         if not line.strip():
             continue
@@ -107,8 +107,7 @@ def _parse_lines(lines: Iterator[str], label: str) -> list[RequestInputs]:
             raise CliError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from exc
         except (ValueError, RecursionError) as exc:
             raise _unreadable(where, exc) from None
-        requests.append(RequestInputs(_as_object(value, where), where))
-    return requests
+        yield RequestInputs(_as_object(value, where), where)
 
 
 def _document(seen: list[str], lines: Iterator[str], label: str) -> Any:
@@ -147,20 +146,21 @@ def _as_object(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def read_inputs_json(path: str) -> list[RequestInputs]:
-    """Read `path` (``-``: stdin) with `parse_inputs_json`, a line at a time: a line may hold
-    at most `MAX_LINE_BYTES` and one document spanning lines `MAX_DOCUMENT_BYTES`, so that an
-    endless or binary input (``/dev/zero``, ``/dev/urandom``) is refused at once instead of
-    filling memory.
+def iter_inputs_json(path: str) -> Iterator[RequestInputs]:
+    """The requests in `path` (``-``: stdin), read and yielded one at a time, so that no more
+    than one request's input is held: a line may hold at most `MAX_LINE_BYTES` and one document
+    spanning lines `MAX_DOCUMENT_BYTES`, and an endless or binary input (``/dev/zero``,
+    ``/dev/urandom``) is refused at once instead of filling memory.
 
     Raises:
         CliError: the file cannot be read, or its content is not valid (see above).
     """
     if path == "-":
-        return _parse_lines(_lines(sys.stdin.buffer, "<stdin>"), "<stdin>")
+        yield from _parse_lines(_lines(sys.stdin.buffer, "<stdin>"), "<stdin>")
+        return
     try:
         with open(path, "rb") as file:
-            return _parse_lines(_lines(file, path), path)
+            yield from _parse_lines(_lines(file, path), path)
     except FileNotFoundError:
         raise CliError(f"--inputs-json: no such file: {path}") from None
     except IsADirectoryError:
@@ -186,28 +186,104 @@ def _lines(file: BinaryIO, label: str) -> Iterator[str]:
             raise CliError(f"{label}:{number}: not UTF-8 text ({exc.reason})") from None
 
 
-def build_requests(assignments: dict[str, Any], inputs_json: str | None) -> list[RequestInputs]:
-    """The distinct requests: one per JSON object (merged over `assignments`), or just one."""
-    if inputs_json is None:
-        return [RequestInputs(dict(assignments))]
-    return [RequestInputs({**assignments, **r.values}, r.source)
-            for r in read_inputs_json(inputs_json)]
+class Requests:
+    """The inputs of every request of one ``omni run``, each checked and converted against the
+    graph (`Graph.convert_inputs`) before it runs, read lazily from ``--inputs-json``.
 
+    - No file: one request of the ``--input`` values (``-n N``: N of it).
+    - A file: read once to check every line before anything runs (and to count them), then
+      again as the requests run (and again for each cycle of ``-n``); one line held at a time.
+    - stdin: checked as it arrives; a bad line ends the run after the requests before it.
+      Cycling it (``-n``) holds its requests, at most `MAX_DOCUMENT_BYTES` of them.
 
-def validate_requests(graph: Graph, requests: list[RequestInputs]) -> None:
-    """Check every request's inputs against the graph before anything runs.
+    `count`: how many requests will run, or None for stdin (known only when it ends).
+    `numbered`: whether output lines need the request's number (more than one, or stdin).
+    `blocking`: iterating may wait for input (stdin), so it should not run on an event loop.
 
-    Raises:
-        CliError: an unknown input name or a missing required input (with its source).
+    Raises (constructing and iterating):
+        CliError: a bad ``--input``, an unreadable file or line, an unknown, missing or
+            mistyped input, naming where (``FILE:LINE``) and the input.
     """
-    for request in requests:
+
+    def __init__(self, graph: Graph, items: list[str], inputs_json: str | None,
+                 num_requests: int | None) -> None:
+        self._graph = graph
+        self._assigned = parse_assignments(items)
+        # A str input given on the command line keeps its text: `--input text=123` is "123".
+        texts = {i.name for i in graph.inputs if i.type is str}
+        self._texts = {k: v for k, v in _raw_assignments(items).items() if k in texts}
+        self._path = inputs_json
+        self._limit = num_requests
+        self._held: list[dict[str, Any]] | None = None
+        self._stream: Iterator[dict[str, Any]] | None = None
+        self.count: int | None
+        if inputs_json is None:
+            self._held = [self._check(RequestInputs({}))]
+            self.count = num_requests or 1
+        elif inputs_json != "-":
+            lines = 0
+            for request in iter_inputs_json(inputs_json):
+                self._check(request)
+                lines += 1
+            self.count = num_requests or lines
+        elif num_requests is not None:
+            self._held = [self._check(r) for r in _bounded(iter_inputs_json("-"))]
+            self.count = num_requests
+        else:
+            self._stream = (self._check(r) for r in iter_inputs_json("-"))
+            self._first = next(self._stream)  # an empty or bad start is refused before a run
+            self.count = None
+        self.numbered = self.count is None or self.count > 1
+        self.blocking = self._stream is not None  # the next request may be a wait away
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._stream is not None:
+            yield self._first
+            yield from self._stream
+            return
+        assert self.count is not None
+        for index, inputs in enumerate(self._cycle()):
+            if index == self.count:
+                return
+            yield inputs
+
+    def _cycle(self) -> Iterator[dict[str, Any]]:
+        while True:
+            if self._held is not None:
+                yield from self._held
+            else:
+                assert self._path is not None
+                yield from (self._check(r) for r in iter_inputs_json(self._path))
+
+    def _check(self, request: RequestInputs) -> dict[str, Any]:
+        values = {**self._assigned, **request.values}
+        for name, text in self._texts.items():
+            if name not in request.values:
+                values[name] = text
         try:
-            graph.plan.bind(request.values)
+            return self._graph.convert_inputs(values)
         except InputError as exc:
             where = f"{request.source}: " if request.source else ""
-            names = {i.name for i in graph.inputs}
-            unknown = [k for k in request.values if k not in names]
-            missing = [i.name for i in graph.inputs if i.name not in request.values
+            missing = [i.name for i in self._graph.inputs if i.name not in values
                        and i.default is inspect.Parameter.empty]
+            unknown = [k for k in values if k not in {i.name for i in self._graph.inputs}]
             hint = f"; pass it with --input {missing[0]}=VALUE" if missing and not unknown else ""
-            raise CliError(f"{where}{exc}{hint}") from exc
+            raise CliError(f"{where}{exc}{hint}") from None
+
+
+def _raw_assignments(items: list[str]) -> dict[str, str]:
+    """``--input`` items as the text after ``=`` (a later key wins); see `parse_assignments`."""
+    return {key.strip(): raw for key, _, raw in (i.partition("=") for i in items)}
+
+
+def _bounded(requests: Iterator[RequestInputs]) -> list[RequestInputs]:
+    """The requests from stdin, held to be cycled: at most `MAX_DOCUMENT_BYTES` of JSON."""
+    held, size = [], 0
+    for request in requests:
+        held.append(request)
+        size += len(json.dumps(request.values))
+        if size > MAX_DOCUMENT_BYTES:
+            raise CliError(f"--requests with --inputs-json -: more than "
+                           f"{_mib(MAX_DOCUMENT_BYTES)} of requests on stdin to cycle through "
+                           "(put them in a file)")
+    return held

@@ -114,9 +114,9 @@ class HumanPrinter:
     streams = True
     BUFFER_BYTES = 1 << 16
 
-    def __init__(self, graph: Graph, num_requests: int, out: TextIO | None = None):
+    def __init__(self, graph: Graph, numbered: bool, out: TextIO | None = None):
         self._named = not isinstance(graph.output, Ref)
-        self._numbered = num_requests > 1
+        self._numbered = numbered
         self._out = out
         self._held: list[str] = []
         self._held_chars = 0

@@ -58,12 +58,13 @@ def summary_line(outcome: Outcome, concurrency: int) -> str:
 class Reporter:
     """The stderr side of a run, used as a context manager around the requests."""
 
-    def __init__(self, num_requests: int, *, debug: bool):
+    def __init__(self, num_requests: int | None, *, debug: bool):
+        """`num_requests`: how many will run, or None when not known yet (requests on stdin)."""
         self._debug = debug
         self._num_failures = 0
         self._progress: Any = None
         self._task: Any = None
-        if sys.stderr.isatty() or num_requests > 1:
+        if sys.stderr.isatty() or num_requests != 1:
             self._progress = _make_progress(num_requests)
             self._task = self._progress.add_task("requests", total=num_requests)
 
@@ -103,7 +104,7 @@ class Reporter:
             sys.stderr.flush()
 
 
-def _make_progress(num_requests: int) -> Any:
+def _make_progress(num_requests: int | None) -> Any:
     from rich.console import Console  # imported only when a bar is shown
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

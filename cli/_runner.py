@@ -6,12 +6,15 @@ The library does the work; this module only starts requests in order, hands resu
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import trio
 
+from cli._errors import CliError
 from cli._output import FLUSH_INTERVAL, Printer
 from cli._report import Outcome, Reporter
 from cli._signals import stopped_by_signals
@@ -20,10 +23,10 @@ from omni import Graph, NodeError, Ref, Runtime
 __all__ = ["run_batch"]
 
 
-async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
+async def run_batch(graph: Graph, requests: Iterable[dict[str, Any]], concurrency: int,
                     printer: Printer, reporter: Reporter, kv: Any = None,
                     cluster: str | None = None, token_file: str | None = None,
-                    metrics_port: int | None = None) -> Outcome:
+                    metrics_port: int | None = None, blocking_input: bool = False) -> Outcome:
     """Run `requests` (inputs, in order) on a fresh Runtime; return their latencies and failures.
 
     Raises:
@@ -37,19 +40,42 @@ async def run_batch(graph: Graph, requests: list[dict[str, Any]], concurrency: i
         if rt.metrics_address is not None:
             host, port = rt.metrics_address
             sys.stderr.write(f"metrics at http://{host}:{port}/metrics\n")
-        limit = trio.Semaphore(concurrency)
         started = time.perf_counter()
         async with trio.open_nursery() as flushing:
             flushing.start_soon(_keep_flushed, printer)
             async with trio.open_nursery() as nursery:
-                for index, inputs in enumerate(requests):
-                    await limit.acquire()  # requests start in order: request ids follow it
-                    nursery.start_soon(_request, rt, graph, index, inputs, printer, reporter,
-                                       outcome, limit)
+                bad_input = await _start_all(nursery, rt, graph, requests, printer, reporter,
+                                             outcome, trio.Semaphore(concurrency),
+                                             blocking_input)
             flushing.cancel_scope.cancel()
         printer.flush()
         outcome.elapsed = time.perf_counter() - started
+    if bad_input is not None:
+        raise bad_input
     return outcome
+
+
+async def _start_all(nursery: trio.Nursery, rt: Runtime, graph: Graph,
+                     requests: Iterable[dict[str, Any]], printer: Printer, reporter: Reporter,
+                     outcome: Outcome, limit: trio.Semaphore, blocking: bool) -> CliError | None:
+    """Start the requests in order, at most `limit` at once. A request whose input is bad
+    (read from stdin as the run goes) ends the admission; the ones started finish first.
+    `blocking`: reading the next request may wait (stdin), so it is read in a thread."""
+    pending = iter(requests)
+    for index in itertools.count():
+        await limit.acquire()  # requests start in order: request ids follow it
+        try:
+            if blocking:  # a pipe: waiting for its next line must not stall the requests
+                inputs = await trio.to_thread.run_sync(next, pending, None,
+                                                       abandon_on_cancel=True)
+            else:
+                inputs = next(pending, None)
+        except CliError as exc:
+            return exc
+        if inputs is None:
+            return None
+        nursery.start_soon(_request, rt, graph, index, inputs, printer, reporter, outcome, limit)
+    return None
 
 
 async def _keep_flushed(printer: Printer) -> None:

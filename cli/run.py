@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -13,7 +12,7 @@ import trio
 import typer
 
 from cli._errors import EXIT_FAILED, CliError, first_of, reporting
-from cli._inputs import build_requests, parse_assignments, validate_requests
+from cli._inputs import Requests
 from cli._kv import kv_config
 from cli._load import load_module, select_graph
 from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
@@ -88,12 +87,11 @@ def run(
         module = load_module(file)
         graph = select_graph(module, graph_name, file)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
-        requests = _requests(graph, parse_assignments(inputs or []), inputs_json,
-                             num_requests)
-        printer = JsonPrinter(out) if as_json else HumanPrinter(graph, len(requests))
+        requests = Requests(graph, inputs or [], inputs_json, num_requests)
+        printer = JsonPrinter(out) if as_json else HumanPrinter(graph, requests.numbered)
         outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv,
                            {"cluster": cluster, "token_file": token_file,
-                            "metrics_port": metrics_port})
+                            "metrics_port": metrics_port, "blocking_input": requests.blocking})
     if num_requests is not None or concurrency is not None:
         typer.echo(summary_line(outcome, concurrency or 1), err=True)
     if outcome.num_failed:
@@ -112,23 +110,14 @@ def _results_stdout(as_json: bool) -> Iterator[TextIO]:
         yield out
 
 
-def _requests(graph: Graph, assignments: dict[str, Any], inputs_json: str | None,
-              num_requests: int | None) -> list[dict[str, Any]]:
-    """The inputs of every request to run, checked against the graph."""
-    lines = build_requests(assignments, inputs_json)
-    validate_requests(graph, lines)
-    total = num_requests or len(lines)
-    return [r.values for r in itertools.islice(itertools.cycle(lines), total)]
-
-
-def _execute(graph: Graph, requests: list[dict[str, Any]], concurrency: int,
+def _execute(graph: Graph, requests: Requests, concurrency: int,
              printer: Printer, debug: bool, kv: Any, options: dict[str, Any]) -> Outcome:
     from omni.cluster import ClusterError
     from omni.kv.errors import KVTierError
     from omni.transport.errors import TransportError
 
     try:
-        with Reporter(len(requests), debug=debug) as reporter:
+        with Reporter(requests.count, debug=debug) as reporter:
             return trio.run(functools.partial(run_batch, graph, requests, concurrency, printer,
                                               reporter, kv, **options))
     except (ClusterError, TransportError, KVTierError, OSError, BaseExceptionGroup) as exc:

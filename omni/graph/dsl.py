@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni.graph._calls import Call, GetItem, SwitchSpec
+from omni.graph._inputs import convert_inputs, input_converters
 from omni.graph._node import (
     Node,
     NodeClass,
@@ -149,6 +150,7 @@ class Graph:
             functools.update_wrapper(self, fn, updated=())
         validate_graph(self)
         self.plan = compile_plan(self)
+        self._converters: dict[str, Callable[[Any], Any]] | None = None
 
     @classmethod
     def of(cls, target: Node | Graph) -> Graph:
@@ -180,6 +182,21 @@ class Graph:
         if isinstance(self.output, Ref):
             return [("output", self.output)]
         return list(self.output.items())
+
+    def convert_inputs(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`values` checked and converted to the graph's annotated input types, for inputs that
+        arrive as JSON (``omni run``, a server): an object becomes the dataclass a parameter is
+        annotated with, an array a tuple, 3 a float where a float is expected; ``"abc"`` for
+        an ``int`` is refused before anything runs. `Runtime.run` takes values as given.
+
+        Raises:
+            InputError: an unknown or missing input, or a value that does not fit its input's
+                type (naming the input, and where inside the value).
+        """
+        self.plan.bind(values)  # unknown and missing names
+        if self._converters is None:
+            self._converters = input_converters(self.inputs)
+        return convert_inputs(self.name, self._converters, values)
 
     def inline_into(self, trace: Trace, args: tuple, kwargs: dict[str, Any],
                     location: str) -> Any:

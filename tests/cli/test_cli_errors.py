@@ -24,6 +24,15 @@ BROKEN_FILES = {
     "bad.jsonl": '{"text": "a"}\n{"text": }\n',
     "array.json": "[1, 2]\n",
     "unknown.jsonl": '{"text": "a"}\n{"txt": "b"}\n',
+    "typed.py": (
+        "import dataclasses\nfrom typing import Literal\nimport omni\n\n"
+        "@dataclasses.dataclass\nclass Turn:\n    text: str\n    repeat: int = 1\n\n"
+        "@omni.node\nasync def say(turn: Turn, n: int, mode: Literal['plain', 'loud'] = 'plain'"
+        ") -> str:\n    return turn.text * turn.repeat * n\n\n"
+        "@omni.graph\ndef typed(turn: Turn, n: int, mode: Literal['plain', 'loud'] = 'plain'):\n"
+        "    return say(turn, n, mode)\n"),
+    "typed.jsonl": ('{"turn": {"text": "a"}, "n": 1}\n{"turn": {"text": "b"}, "n": 2}\n'
+                    '{"turn": {"text": "c"}, "n": 1, "mode": "shout"}\n'),
 }
 
 # (arguments, a fragment the error line must contain)
@@ -47,6 +56,16 @@ MISTAKES = [
     (["run", "fail.py", "--inputs-json", "unknown.jsonl"],
      "unknown.jsonl:2: graph 'pipeline' has no input 'txt'"),
     (["run", "fail.py", "--inputs-json", "missing.jsonl"], "no such file: missing.jsonl"),
+    (["run", "typed.py", "-i", 'turn={"text": "a"}', "-i", 'n="abc"'],
+     "graph 'typed': input 'n': expected `int`, got `str`"),
+    (["run", "typed.py", "-i", 'turn={"text": "a"}', "-i", "n=abc"],
+     "graph 'typed': input 'n': expected `int`, got `str`"),
+    (["run", "typed.py", "-i", 'turn={"txt": "a"}', "-i", "n=1"],
+     "graph 'typed': input 'turn': object missing required field `text`"),
+    (["run", "typed.py", "-i", 'turn={"text": "a", "repeat": "x"}', "-i", "n=1"],
+     "graph 'typed': input 'turn.repeat': expected `int`, got `str`"),
+    (["run", "typed.py", "--inputs-json", "typed.jsonl"],
+     "typed.jsonl:3: graph 'typed': input 'mode': invalid enum value 'shout'"),
     (["graph", "show", "invalid.py"], "invalid.py:9: node 'f'"),
     (["graph", "show", "two.py", "third"], "no graph named 'third'"),
 ]

@@ -151,6 +151,75 @@ def test_a_line_is_seen_while_the_stream_pauses(tmp_path: Path) -> None:
     assert (proc.returncode, rest, errors) == (0, "second\n", "")
 
 
+TYPED = """
+import dataclasses
+import omni
+
+@dataclasses.dataclass
+class Turn:
+    text: str
+    repeat: int = 1
+
+@omni.node
+async def say(turn: Turn, label: str, scale: float) -> str:
+    return f"{type(turn).__name__} {turn.text * turn.repeat} {label!r} {scale!r}"
+
+@omni.graph
+def typed(turn: Turn, label: str, scale: float = 1.0):
+    return say(turn, label, scale)
+"""
+
+
+def test_inputs_arrive_as_the_annotated_types(omni_cli: Cli, tmp_path: Path) -> None:
+    """A JSON object becomes the dataclass the graph declares, 2 a float where a float is
+    expected, and a str input given on the command line keeps its text (123 is "123")."""
+    (tmp_path / "typed.py").write_text(TYPED)
+    result = omni_cli("run", "typed.py", "-i", 'turn={"text": "ab", "repeat": 2}',
+                      "-i", "label=123", "-i", "scale=2", cwd=tmp_path)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "Turn abab '123' 2.0\n", "")
+    (tmp_path / "in.jsonl").write_text('{"turn": {"text": "x"}, "label": "7"}\n')
+    result = omni_cli("run", "typed.py", "--inputs-json", "in.jsonl", "-i", "label=0",
+                      cwd=tmp_path)
+    assert (result.returncode, result.stdout) == (0, "Turn x '7' 1.0\n"), result.stderr
+
+
+def _answers(proc: subprocess.Popen, count: int) -> list[str]:
+    """The next `count` lines `proc` prints, waiting for each (60 s at most)."""
+    assert proc.stdout is not None
+    lines = []
+    for _ in range(count):
+        seen, _, _ = select.select([proc.stdout], [], [], 60)
+        assert seen, f"no answer within 60 s (got {lines})"
+        lines.append(proc.stdout.readline())
+    return lines
+
+
+def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
+    """``--inputs-json -`` reads a request at a time: each is answered before the next is
+    written (so a stream of requests never has to end, nor be held whole), and a bad line
+    ends the run after the requests before it, exit 2, one line naming it."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "echo.py", "--json",
+                             "--inputs-json", "-"], cwd=graphs, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1, env=cli_env())
+    try:
+        assert proc.stdin is not None
+        answers = []
+        for a in range(3):
+            proc.stdin.write(json.dumps({"a": a}) + "\n")
+            proc.stdin.flush()
+            answers += _answers(proc, 1)
+        rest, errors = proc.communicate('{"a": 3}\n{"zzz": 4}\n{"a": 5}\n', timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert [json.loads(line)["packed"]["a"] for line in answers + rest.splitlines()] == [
+        0, 1, 2, 3]
+    assert proc.returncode == 2
+    [error] = [line for line in errors.splitlines() if "error" in line]  # beside the bar
+    assert error.startswith("error: <stdin>:5: graph 'echo' has no input 'zzz'"), errors
+
+
 def test_a_node_can_be_run_by_name(omni_cli: Cli, graphs: Path) -> None:
     """GRAPH may name a module-level node: it runs as a one-node graph."""
     result = omni_cli("run", "two.py", "shout", "-i", "text=x", "--json", cwd=graphs)
@@ -206,5 +275,5 @@ def test_json_stdout_holds_only_json(omni_cli: Cli, tmp_path: Path) -> None:
         "import omni\nprint('loading')\n\n@omni.node\nasync def f(x: str) -> str:\n"
         "    print('working')\n    return x\n\n@omni.graph\ndef g(x: str):\n    return f(x)\n")
     result = omni_cli("run", "noisy.py", "-i", "x=1", "--json", cwd=tmp_path)
-    assert json_lines(result.stdout) == [{"output": 1}]
+    assert json_lines(result.stdout) == [{"output": "1"}]  # x: str keeps its text
     assert result.stderr.split() == ["loading", "working"]

@@ -18,12 +18,11 @@ from hypothesis import strategies as st
 import omni
 from cli._errors import CliError
 from cli._inputs import (
-    build_requests,
+    Requests,
+    iter_inputs_json,
     parse_assignments,
     parse_inputs_json,
     parse_value,
-    read_inputs_json,
-    validate_requests,
 )
 from omni.kv.arena import Arena
 from omni.kv.tiers.disk import DiskTier
@@ -74,7 +73,7 @@ def test_inputs_json_is_read_as_given_or_refused_in_one_line(tmp_path, record):
         path = tmp_path / "requests.jsonl"
         path.write_bytes(data)
         try:
-            read_inputs_json(str(path))
+            list(iter_inputs_json(str(path)))
             tally("read")
         except CliError:
             tally("refused")
@@ -166,13 +165,13 @@ def test_input_assignments_and_requests_are_built_or_refused(tmp_path, record):
             path = tmp_path / "in.jsonl"
             path.write_text("".join(json.dumps(o) + "\n" for o in lines) or "\n")
         try:
-            requests = build_requests(assignments, None if path is None else str(path))
-            validate_requests(hello, requests)
+            requests = list(Requests(hello, items, None if path is None else str(path), None))
         except CliError:
             tally("refused")
             return
-        for r in requests:
-            hello.plan.bind(r.values)  # what was accepted runs
+        for values in requests:  # what was accepted runs, with the types the graph declares
+            hello.plan.bind(values)
+            assert all(isinstance(v, str) for v in values.values())
         tally("built")
 
     build()
@@ -180,7 +179,7 @@ def test_input_assignments_and_requests_are_built_or_refused(tmp_path, record):
     record("input.assignments", tries=tries,
            outcome=f"{tally['built']} built into requests the graph accepts, "
                    f"{tally['refused']} refused with a one-line CliError (no '=', an empty "
-                   "key, unknown or missing inputs)")
+                   "key, unknown or missing inputs, a value not of the annotated type)")
 
 
 TRAVERSAL = st.binary(min_size=16, max_size=16) | st.lists(
