@@ -198,8 +198,12 @@ class MemoryTier:
         return True
 
     def view(self, slot: int) -> torch.Tensor:
-        """The slot itself ``[*page_shape]``, no copy: writes to it change the tier."""
-        self._check_slot(slot)
+        """The slot itself ``[*page_shape]``, no copy: writes to it change the tier.
+
+        Raises:
+            IndexError: no such slot, or one whose memory is not reserved (see `reserve`).
+        """
+        self._check_slot(slot, reserved=True)
         return self.pool[slot]
 
     def gather(self, slots: list[int]) -> torch.Tensor:
@@ -209,7 +213,7 @@ class MemoryTier:
         the tier); otherwise a copy.
         """
         for slot in slots:
-            self._check_slot(slot)
+            self._check_slot(slot, reserved=True)
         if not slots:
             return self.pool[:0]
         first = slots[0]
@@ -223,9 +227,12 @@ class MemoryTier:
         if self._arena is not None:
             self._arena.close()
 
-    def _check_slot(self, slot: int) -> None:
+    def _check_slot(self, slot: int, *, reserved: bool = False) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"tier {self.name!r} has no slot {slot} (0..{self.num_slots - 1})")
+        if reserved and slot >= self._reserved_slots:  # touching it could be a SIGBUS
+            raise IndexError(f"tier {self.name!r}: slot {slot} lies beyond its reserved memory "
+                             f"({self._reserved_slots} slots); reserve it first")
 
     def __repr__(self) -> str:
         where = "" if self._arena is None else (
