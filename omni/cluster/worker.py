@@ -484,8 +484,9 @@ class Worker:
                                                                 ("host", t.host)) if size]
             if t.disk:
                 tiers.append(TierConfig("disk", t.disk, path=t.disk_path))
-            # In a thread: reserving a gigabyte of shared memory can take a second, in which
-            # the event loop must go on answering heartbeats (else the head drops this worker).
+            # In a thread: a store can take a second to start (with CUDA it page-locks its
+            # whole host tier), in which the event loop must go on answering heartbeats (else
+            # the head drops this worker).
             self.kv = await trio.to_thread.run_sync(KVStore, layout, tiers)
             assert self._nursery is not None
             await self._nursery.start(self._serve_kv)

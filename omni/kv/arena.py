@@ -38,22 +38,33 @@ def _check_name(name: str) -> None:
         raise ValueError(f"invalid arena name {name!r}: expected omni-<8 to 32 hex digits>-<tier>")
 
 
-def _reserve(fd: int, size: int, name: str, path: Path) -> None:
-    """Size the segment and reserve its memory now.
+def _grow(fd: int, start: int, end: int) -> int | None:
+    """Reserve bytes [start, end) of the segment. Returns None when done, or the errno saying
+    the filesystem has no room (ENOSPC; ENOMEM: a memory cgroup's limit).
 
-    Without the reservation a full tmpfs (a container's 64 MiB /dev/shm) is found only when a
-    page is first touched, and the process dies of SIGBUS; here it is an OSError at creation.
+    A filesystem without fallocate cannot reserve: done, and its pages come when first touched.
     """
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, end - start)
     except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate
-            os.ftruncate(fd, size)
-            return
-        free = os.statvfs(path.parent)
-        raise OSError(exc.errno, f"cannot reserve {size} B for arena {name!r} in {path.parent} "
-                      f"({free.f_bavail * free.f_frsize} B free; in a container, raise "
-                      f"--shm-size): {exc.strerror}") from exc
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return None
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            return exc.errno
+        raise
+    return None
+
+
+def _page_end(nbytes: int, size: int) -> int:
+    """`nbytes` rounded up to whole memory pages (what a filesystem reserves), at most `size`."""
+    return min(size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def _room_left(fd: int) -> int | None:
+    """Bytes free in the segment's filesystem, or None when it has no fixed size (a tmpfs
+    mounted without one reports no blocks at all)."""
+    info = os.fstatvfs(fd)
+    return info.f_bavail * info.f_frsize if info.f_blocks else None
 
 
 class _Cleanup:
@@ -63,11 +74,15 @@ class _Cleanup:
     registration happens after construction, so the finalizer reads it from here.
     """
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, fd: int | None) -> None:
         self.path = path  # set for owners only: attached processes never unlink
+        self.fd = fd  # the owner's, kept to grow the reservation (see `Arena.reserve`)
         self.pinned_address: int | None = None
 
     def __call__(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
         if self.pinned_address is not None:
             # Before unmapping: unmapped registered memory leaves CUDA a stale registration.
             address, self.pinned_address = self.pinned_address, None
@@ -89,47 +104,66 @@ class Arena:
     Tensor views made by `tensor()` keep the mapping alive: `close()` unmaps at once only when no
     view remains, and otherwise leaves the unmapping to the last view's death (the owner unlinks
     the file either way, so the name is free at once).
+
+    The segment has its full size from the start (every process maps all of it once and never
+    remaps), but memory is reserved only for its first `reserved` bytes, which the owner grows
+    with `reserve`. Why: a tier of 1 GiB must start in a container whose /dev/shm holds 64 MiB,
+    and memory that was never reserved is found missing only when touched, by a SIGBUS. So
+    nothing may touch bytes past `reserved`: the owner reserves before it writes.
     """
 
-    def __init__(self, name: str, path: Path, mapping: mmap.mmap, *, owner: bool) -> None:
+    def __init__(self, name: str, path: Path, mapping: mmap.mmap, *, owner: bool,
+                 fd: int | None = None, reserved: int | None = None) -> None:
         """Use `Arena.create` or `Arena.attach`."""
         self._name = name
         self._path = path
         self._size = len(mapping)
         self._owner = owner
+        self._reserved = reserved
         self._mapping: mmap.mmap | None = mapping
         self.buffer = memoryview(mapping)  # handed to callers; released on close
         # Every tensor view is made from this memoryview and holds a reference to it; while it is
         # alive the mmap has an export and cannot be closed, so no view outlives its memory.
         self._source: memoryview | None = memoryview(mapping)
         self.address = torch.frombuffer(self._source, dtype=torch.uint8, count=1).data_ptr()
-        self._cleanup = _Cleanup(str(path) if owner else None)
+        self._cleanup = _Cleanup(str(path) if owner else None, fd)
         self._finalizer = weakref.finalize(self, self._cleanup)
 
     @classmethod
-    def create(cls, name: str, size: int) -> Arena:
-        """Create the segment `name` of `size` bytes, readable and writable by this user only.
+    def create(cls, name: str, size: int, *, reserve: int | None = None) -> Arena:
+        """Create the segment `name` of `size` bytes, readable and writable by this user only,
+        with memory reserved for its first `reserve` bytes (default: all of them).
 
         Raises:
-            ValueError: an invalid name or a size below one byte.
+            ValueError: an invalid name, a size below one byte, or `reserve` outside 1..size.
             FileExistsError: a segment of that name exists already.
-            OSError: the shared-memory filesystem has no room for `size` bytes.
+            OSError: the shared-memory filesystem has no room for `reserve` bytes.
         """
         _check_name(name)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"arena size must be a positive number of bytes, got {size!r}")
+        reserve = size if reserve is None else reserve
+        if not isinstance(reserve, int) or not 1 <= reserve <= size:
+            raise ValueError(f"an arena of {size} B reserves 1 to {size} B, not {reserve!r}")
         path = shm_directory() / name
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
-            _reserve(fd, size, name, path)
+            os.ftruncate(fd, size)  # sparse: the size costs nothing until reserved
+            reserve = _page_end(reserve, size)
+            no_room = _grow(fd, 0, reserve)
+            if no_room is not None:
+                info = os.fstatvfs(fd)
+                free = info.f_bavail * info.f_frsize
+                raise OSError(no_room, f"cannot reserve {reserve} B for arena {name!r} in "
+                              f"{path.parent} ({free} B free; in a container, raise "
+                              f"--shm-size): {os.strerror(no_room)}")
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, path, mapping, owner=True)
+            raise
+        return cls(name, path, mapping, owner=True, fd=fd, reserved=reserve)
 
     @classmethod
     def attach(cls, name: str, *, writable: bool = True) -> Arena:
@@ -175,6 +209,36 @@ class Arena:
     @property
     def owner(self) -> bool:
         return self._owner
+
+    @property
+    def reserved(self) -> int | None:
+        """Bytes from the start that have memory reserved (the owner's count; None when
+        attached: another process reserves)."""
+        return self._reserved
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve memory for the first `nbytes` bytes (rounded up to whole memory pages, at
+        most `size`), now, so that writing them cannot fail later. False when the filesystem
+        has no room for them; what was reserved before stays.
+
+        Not thread-safe: the caller serializes (the KV store calls it with its lock held).
+
+        Raises:
+            ValueError: an attached or closed arena (only the owner reserves).
+        """
+        fd = self._cleanup.fd
+        if self._reserved is None or fd is None:
+            raise ValueError(f"arena {self._name!r}: only its open owner reserves memory")
+        end = _page_end(nbytes, self._size)
+        if end <= self._reserved:
+            return True
+        free = _room_left(fd)
+        if free is not None and free < end - self._reserved:
+            return False  # known without trying: a failing fallocate first fills, then undoes
+        if _grow(fd, self._reserved, end) is not None:
+            return False
+        self._reserved = end
+        return True
 
     @property
     def pinned(self) -> bool:
@@ -233,7 +297,8 @@ class Arena:
     def __repr__(self) -> str:
         role = "owner" if self._owner else "attached"
         state = "closed" if self.closed else ("pinned" if self.pinned else "open")
-        return f"<Arena {self._name} size={self._size} {role} {state}>"
+        reserved = "" if self._reserved is None else f" reserved={self._reserved}"
+        return f"<Arena {self._name} size={self._size}{reserved} {role} {state}>"
 
 
 def register_pinned(arena: Arena) -> bool:
@@ -248,6 +313,12 @@ def register_pinned(arena: Arena) -> bool:
         raise ValueError(f"arena {arena.name!r} is closed")
     if arena.pinned or not torch.cuda.is_available():
         return arena.pinned
+    # Page-locking makes every page resident: reserve them all first, so that a full /dev/shm
+    # is this error rather than a failed registration (or a SIGBUS) later.
+    if arena.reserved is not None and not arena.reserve(arena.size):
+        raise OSError(errno.ENOSPC, f"cannot reserve {arena.size} B to page-lock arena "
+                      f"{arena.name!r} in {arena.path.parent} (in a container, raise "
+                      "--shm-size)")
     result = torch.cuda.cudart().cudaHostRegister(arena.address, arena.size, 0)
     if int(result) != 0:
         raise RuntimeError(f"cudaHostRegister of arena {arena.name!r} failed: error {int(result)}")

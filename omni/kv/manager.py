@@ -12,8 +12,9 @@ its own: the store calls it with its lock held.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -65,11 +66,40 @@ class Placement:
     pins: int
 
 
+class _FreeSlots:
+    """A tier's free slots, handed out lowest first.
+
+    Why lowest first: an arena-backed tier reserves its memory from the bottom up as slots are
+    needed (`MemoryTier.reserve`), so the slots in use must stay packed at the bottom; the
+    slot a page leaves is the next one handed out again when it is the lowest.
+    """
+
+    __slots__ = ("_heap",)
+
+    def __init__(self, num_slots: int) -> None:
+        self._heap = list(range(num_slots))  # ascending: already a heap
+
+    def append(self, slot: int) -> None:
+        heapq.heappush(self._heap, slot)
+
+    def pop(self) -> int:
+        return heapq.heappop(self._heap)
+
+    def lowest(self) -> int:
+        return self._heap[0]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._heap)
+
+
 @dataclass
 class _TierState:
-    tier: object  # a `Tier` (memory tiers also have `view(slot)`)
+    tier: object  # a `Tier` (memory tiers also have `view(slot)`, arena ones `reserve(slot)`)
     policy: EvictionPolicy
-    free: list[int]
+    free: _FreeSlots
     counters: TierCounters = field(default_factory=TierCounters)
 
     @property
@@ -83,7 +113,7 @@ class TierManager:
     def __init__(self, layout: KVLayout, tiers: Sequence[object],
                  policies: Sequence[EvictionPolicy]):
         self.layout = layout
-        self._tiers = [_TierState(t, p, list(reversed(range(t.num_slots))))
+        self._tiers = [_TierState(t, p, _FreeSlots(t.num_slots))
                        for t, p in zip(tiers, policies, strict=True)]
         self._disk = next((i for i, t in enumerate(self._tiers) if t.name == "disk"), None)
         if self._disk is not None and self._disk != len(self._tiers) - 1:
@@ -279,18 +309,26 @@ class TierManager:
         return True
 
     def _allocate(self, index: int) -> int:
-        """A free slot of tier `index`, evicting its victim down a tier when it is full."""
+        """A free slot of tier `index` with its memory reserved, evicting the tier's victim
+        down a tier when it is full, or cannot reserve more memory (a full /dev/shm)."""
         state = self._tiers[index]
-        if state.free:
+        if state.free and self._reserve(state, state.free.lowest()):
             return state.free.pop()
         victim = state.policy.victim(self._disk_evictable if self._is_disk(index)
                                      else self._evictable)
         if victim is None:
             raise KVCapacityError(
-                f"KV tier '{state.name}' is full ({state.tier.num_slots} pages) and every page "
+                f"KV tier '{state.name}' is full ({self.num_used(index)} pages) and every page "
                 "in it is pinned by a lease; release leases or give the tier more capacity")
         self._evict(index, victim)
+        # The victim's slot, reserved since it held a page, is now the lowest free one: the
+        # slots above the reserved ones are the only others free.
         return state.free.pop()
+
+    @staticmethod
+    def _reserve(state: _TierState, slot: int) -> bool:
+        reserve = getattr(state.tier, "reserve", None)
+        return reserve is None or reserve(slot)
 
     def _evictable(self, key: bytes) -> bool:
         return self._entries[key].pins == 0
@@ -399,6 +437,8 @@ class TierManager:
             assert not set(used) & set(state.free), f"{state.name}: a used slot is free"
             assert len(used) + len(state.free) == state.tier.num_slots, state.name
             assert len(state.policy) == len(used), f"{state.name}: policy out of step"
+            reserved = getattr(state.tier, "reserved_slots", state.tier.num_slots)
+            assert all(s < reserved for s in used), f"{state.name}: a page in unreserved memory"
         for entry in self._entries.values():
             assert entry.mem is not None or entry.disk is not None
             assert entry.pins == 0 or entry.mem is not None

@@ -317,15 +317,20 @@ class KVStore:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
-        write_errors; "leases": open, exported, pinned_pages; and once `peers` is set, "peers":
-        fetches (prefetches that asked it) and pages (that it brought)."""
+        write_errors, and for memory tiers reserved (the pages whose memory is reserved: a
+        shared-memory tier grows to its capacity as pages arrive, and stops short of it when
+        /dev/shm is full); "leases": open, exported, pinned_pages; and once `peers` is set,
+        "peers": fetches (prefetches that asked it) and pages (that it brought)."""
         with self._lock:
             self._sweep()
             out: dict[str, dict[str, int]] = {}
             for i, name in enumerate(self._manager.tier_names):
                 counters = self._manager.counters(i)
-                out[name] = {"pages": self._manager.num_used(i),
-                             "capacity": self._manager.tier(i).num_slots, **vars(counters)}
+                tier = self._manager.tier(i)
+                out[name] = {"pages": self._manager.num_used(i), "capacity": tier.num_slots,
+                             **vars(counters)}
+                if hasattr(tier, "reserved_slots"):
+                    out[name]["reserved"] = tier.reserved_slots
             out["leases"] = {"open": self._num_leases, "exported": len(self._exported),
                              "pinned_pages": self._manager.num_pinned()}
             if self.peers is not None or self._peer_fetches:

@@ -33,6 +33,10 @@ CASES: dict[str, Case] = {
     "disk.read_error": Case("KV disk tier", "reads fail with an I/O error (EIO)"),
     "disk.dir_deleted": Case("KV disk tier", "the KV directory deleted under a running store"),
     "shm.deleted": Case("KV host tier", "its shared-memory files deleted under a running store"),
+    "shm.small": Case("KV host tier", "a /dev/shm of 64 MiB (a container's default) under a "
+                      "host tier configured for 256 MiB"),
+    "shm.small_run": Case("KV host tier", "`omni run` with the default KV tiers in a 64 MiB "
+                          "/dev/shm"),
     # Processes dying
     "proc.lease_holder_killed": Case(
         "Processes", "a worker SIGKILLed while it holds shared-memory leases"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,8 +34,8 @@ def _no_shared_memory_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     created: list[Path] = []
     real = Arena.create.__func__
 
-    def create(cls: type[Arena], name: str, size: int) -> Arena:
-        arena = real(cls, name, size)
+    def create(cls: type[Arena], name: str, size: int, **options: Any) -> Arena:
+        arena = real(cls, name, size, **options)
         created.append(arena.path)
         return arena
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omni.kv.arena import Arena
 from omni.kv.layout import KVLayout
-from omni.kv.tiers.memory import MemoryTier
+from omni.kv.tiers.memory import MemoryTier, create_arena
 
 __all__ = ["DeviceTier"]
 
@@ -30,5 +29,5 @@ class DeviceTier(MemoryTier):
         device = torch.device(device)
         if device.type != "cpu":
             return cls("device", layout, num_slots, arena=None, device=device)
-        arena = Arena.create(f"omni-{store_id}-device", num_slots * layout.page_bytes)
+        arena = create_arena(f"omni-{store_id}-device", layout, num_slots)
         return cls("device", layout, num_slots, arena=arena, device=device)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from omni.kv.arena import Arena, register_pinned
+from omni.kv.arena import register_pinned
 from omni.kv.layout import KVLayout
-from omni.kv.tiers.memory import MemoryTier
+from omni.kv.tiers.memory import MemoryTier, create_arena
 
 __all__ = ["HostTier"]
 
@@ -25,7 +25,7 @@ class HostTier(MemoryTier):
         """
         if num_slots < 1:
             raise ValueError(f"tier 'host' holds no page: num_slots={num_slots}")
-        arena = Arena.create(f"omni-{store_id}-host", num_slots * layout.page_bytes)
+        arena = create_arena(f"omni-{store_id}-host", layout, num_slots)
         try:
             register_pinned(arena)
             return cls("host", layout, num_slots, arena=arena, device=torch.device("cpu"))

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
 from omni.kv.arena import Arena
 from omni.kv.layout import KVLayout
 
-__all__ = ["MemoryTier", "check_page", "copy_page", "slots_for"]
+__all__ = ["RESERVE_STEP", "MemoryTier", "check_page", "copy_page", "create_arena", "slots_for"]
+
+log = logging.getLogger("omni.kv")
+
+# How much an arena-backed tier reserves at a time (rounded to whole pages). Why 4 MiB: growing
+# is one fallocate that zeroes the new memory under the store's lock, about a millisecond for
+# 4 MiB, and a 1 GiB tier needs only 256 of them; yet a tier never holds more than 4 MiB it has
+# no page for, which a container's 64 MiB /dev/shm can spare. A fraction of the capacity would
+# take 64 MiB at once for a 1 GiB tier: all of such a /dev/shm.
+RESERVE_STEP = 4 << 20
+
+
+def create_arena(name: str, layout: KVLayout, num_slots: int) -> Arena:
+    """The arena of a tier of `num_slots` pages: full size, its first step reserved.
+
+    Raises:
+        OSError: the shared-memory filesystem has no room even for the first step.
+    """
+    size = num_slots * layout.page_bytes
+    return Arena.create(name, size, reserve=min(size, _step_slots(layout) * layout.page_bytes))
+
+
+def _step_slots(layout: KVLayout) -> int:
+    return max(1, RESERVE_STEP // layout.page_bytes)
 
 
 def slots_for(capacity_bytes: int, page_bytes: int, tier_name: str) -> int:
@@ -60,6 +84,11 @@ class MemoryTier:
     Why one pool: slots are fixed-size, so a slot is an index, a batch of consecutive slots is a
     view, and an arena-backed pool gives every slot a byte offset another process can map.
     The tier takes ownership of `arena` and closes it on `close()`.
+
+    An arena's memory is reserved as slots are needed (`reserve`), lowest slots first: slots
+    below `reserved_slots` may be written, the others must be reserved first. When the
+    shared-memory filesystem has no room left, the tier holds `reserved_slots` pages and says
+    so once in the log (the tier manager then evicts as it does from a full tier).
     """
 
     def __init__(self, name: str, layout: KVLayout, num_slots: int, *, arena: Arena | None,
@@ -74,6 +103,8 @@ class MemoryTier:
         self.device = device
         self._page_bytes = layout.page_bytes
         self._arena = arena
+        self._reserved_slots = num_slots  # memory that is not an arena is all there
+        self._warned = False
         shape = (num_slots, *layout.page_shape)
         if arena is None:
             self._pool: torch.Tensor | None = torch.empty(shape, dtype=layout.dtype, device=device)
@@ -84,6 +115,8 @@ class MemoryTier:
             raise ValueError(f"tier {name!r}: arena {arena.name!r} of {arena.size} B is smaller "
                              f"than {num_slots} pages of {layout.page_bytes} B")
         self._pool = arena.tensor(0, shape, layout.dtype)
+        if arena.reserved is not None:
+            self._reserved_slots = min(num_slots, arena.reserved // layout.page_bytes)
 
     @property
     def pool(self) -> torch.Tensor:
@@ -100,6 +133,43 @@ class MemoryTier:
     @property
     def arena(self) -> Arena | None:
         return self._arena
+
+    @property
+    def reserved_slots(self) -> int:
+        """Slots ``0 .. reserved_slots - 1`` have their memory reserved: they may be written."""
+        return self._reserved_slots
+
+    def reserve(self, slot: int) -> bool:
+        """Reserve the memory of `slot` (and of every slot below it) before anything writes to
+        it, growing by `RESERVE_STEP` at a time. False when the shared-memory filesystem has
+        no room for it: the tier stays at `reserved_slots` (logged once, with the fix).
+
+        Raises:
+            IndexError: no such slot.
+        """
+        self._check_slot(slot)
+        if slot < self._reserved_slots:
+            return True
+        arena = self._arena
+        assert arena is not None, "memory that is not an arena is reserved whole"
+        pb = self._page_bytes
+        step_end = min(self.num_slots, self._reserved_slots + _step_slots(self.layout))
+        if not (arena.reserve(max(slot + 1, step_end) * pb) or arena.reserve((slot + 1) * pb)):
+            self._warn_full()
+            return False
+        self._reserved_slots = min(self.num_slots, arena.reserved // pb)
+        return True
+
+    def _warn_full(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        pb, arena = self._page_bytes, self._arena
+        log.warning("KV %s tier: no room left in %s, so it holds %d pages (%s) of the %d (%s) "
+                    "configured and evicts from there; free space in %s (in a container, raise "
+                    "--shm-size) or give it a smaller --kv-%s", self.name, arena.path.parent,
+                    self._reserved_slots, _mib(self._reserved_slots * pb), self.num_slots,
+                    _mib(self.num_slots * pb), arena.path.parent, self.name)
 
     def offset(self, slot: int) -> int:
         """Byte offset of `slot` from the start of the pool (and of the arena, which it fills)."""
@@ -128,8 +198,12 @@ class MemoryTier:
         return True
 
     def view(self, slot: int) -> torch.Tensor:
-        """The slot itself ``[*page_shape]``, no copy: writes to it change the tier."""
-        self._check_slot(slot)
+        """The slot itself ``[*page_shape]``, no copy: writes to it change the tier.
+
+        Raises:
+            IndexError: no such slot, or one whose memory is not reserved (see `reserve`).
+        """
+        self._check_slot(slot, reserved=True)
         return self.pool[slot]
 
     def gather(self, slots: list[int]) -> torch.Tensor:
@@ -139,7 +213,7 @@ class MemoryTier:
         the tier); otherwise a copy.
         """
         for slot in slots:
-            self._check_slot(slot)
+            self._check_slot(slot, reserved=True)
         if not slots:
             return self.pool[:0]
         first = slots[0]
@@ -153,12 +227,20 @@ class MemoryTier:
         if self._arena is not None:
             self._arena.close()
 
-    def _check_slot(self, slot: int) -> None:
+    def _check_slot(self, slot: int, *, reserved: bool = False) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"tier {self.name!r} has no slot {slot} (0..{self.num_slots - 1})")
+        if reserved and slot >= self._reserved_slots:  # touching it could be a SIGBUS
+            raise IndexError(f"tier {self.name!r}: slot {slot} lies beyond its reserved memory "
+                             f"({self._reserved_slots} slots); reserve it first")
 
     def __repr__(self) -> str:
-        where = f" arena={self._arena.name}" if self._arena is not None else ""
+        where = "" if self._arena is None else (
+            f" arena={self._arena.name} reserved={self._reserved_slots}")
         state = " closed" if self._pool is None else ""
         return (f"<{type(self).__name__} {self.name} slots={self.num_slots} "
                 f"page={self.layout.page_bytes}B {self.device}{where}{state}>")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.1f} MiB"

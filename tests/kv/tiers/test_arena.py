@@ -185,3 +185,85 @@ def test_full_shared_memory_is_an_oserror_at_creation_not_a_sigbus_later(
     with pytest.raises(OSError, match=r"cannot reserve 4096 B .* --shm-size") as info:
         Arena.create(f"omni-{store_id}-host", 4096)
     assert info.value.errno == errno.ENOSPC
+
+
+MIB = 1 << 20
+
+
+def _bytes_held(arena: Arena) -> int:
+    """The memory the segment's file holds in its filesystem (tmpfs counts reserved pages)."""
+    return os.stat(arena.path).st_blocks * 512
+
+
+def test_a_partly_reserved_arena_has_its_full_size_and_holds_only_what_it_reserved(
+        store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 64 * MIB, reserve=1) as arena:
+        assert arena.size == 64 * MIB and os.stat(arena.path).st_size == 64 * MIB
+        assert arena.reserved == 4096  # whole memory pages
+        assert _bytes_held(arena) <= 4096
+        assert "reserved=4096" in repr(arena)
+
+
+def test_reserve_grows_the_memory_held_and_keeps_what_was_written(store_id: str) -> None:
+    with Arena.create(f"omni-{store_id}-host", 64 * MIB, reserve=4096) as arena:
+        arena.tensor(0, (4,), torch.int64)[:] = torch.tensor([7, 8, 9, 10])
+        assert arena.reserve(16 * MIB) is True
+        assert arena.reserved == 16 * MIB
+        assert 16 * MIB <= _bytes_held(arena) < 17 * MIB
+        assert arena.tensor(0, (4,), torch.int64).tolist() == [7, 8, 9, 10]
+        assert arena.reserve(8 * MIB) is True and arena.reserved == 16 * MIB  # never shrinks
+        assert arena.reserve(1 << 40) is True and arena.reserved == 64 * MIB  # at most its size
+
+
+def test_memory_reserved_after_a_process_attached_is_seen_by_that_process(
+        store_id: str) -> None:
+    """The attached mapping covers the whole segment from the start: pages written after the
+    owner grew its reservation are read there without remapping."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, torch
+        from omni.kv.arena import Arena
+        a = Arena.attach(sys.argv[1])
+        print("attached", flush=True)
+        offset = int(sys.stdin.readline())
+        print(a.tensor(offset, (3,), torch.float32).tolist(), flush=True)
+        a.tensor(offset + 64, (1,), torch.float32)[:] = 4.5
+        a.close()
+    """), f"omni-{store_id}-host"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    with Arena.create(f"omni-{store_id}-host", 32 * MIB, reserve=4096) as owner:
+        try:
+            assert child.stdout.readline().strip() == "attached"
+            assert owner.reserve(32 * MIB)
+            offset = 31 * MIB
+            owner.tensor(offset, (3,), torch.float32)[:] = torch.tensor([1.5, 2.5, 3.5])
+            child.stdin.write(f"{offset}\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "[1.5, 2.5, 3.5]"
+            assert child.wait(timeout=60) == 0
+            assert owner.tensor(offset + 64, (1,), torch.float32).item() == 4.5
+        finally:
+            child.kill()
+            child.wait()
+
+
+def test_reserve_without_room_is_false_and_keeps_the_reservation(
+        store_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Arena.create(f"omni-{store_id}-host", 64 * MIB, reserve=4 * MIB) as arena:
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+        assert arena.reserve(8 * MIB) is False
+        assert arena.reserved == 4 * MIB
+        assert arena.reserve(4 * MIB) is True  # what it holds needs nothing more
+
+
+def test_only_the_owner_reserves_and_a_reservation_is_within_the_size(store_id: str) -> None:
+    with pytest.raises(ValueError, match=r"reserves 1 to 4096 B, not 8192"):
+        Arena.create(f"omni-{store_id}-host", 4096, reserve=8192)
+    with Arena.create(f"omni-{store_id}-host", 4096) as owner:
+        assert owner.reserved == 4096  # everything, by default
+        with Arena.attach(owner.name) as other:
+            assert other.reserved is None
+            with pytest.raises(ValueError, match="only its open owner reserves"):
+                other.reserve(4096)
+    with pytest.raises(ValueError, match="only its open owner reserves"):
+        owner.reserve(4096)

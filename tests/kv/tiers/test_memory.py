@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+
 import pytest
 import torch
 
+from omni.kv import arena as arena_module
 from omni.kv.arena import Arena, shm_directory
 from omni.kv.layout import KVLayout
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.host import HostTier
-from omni.kv.tiers.memory import MemoryTier, slots_for
+from omni.kv.tiers.memory import RESERVE_STEP, MemoryTier, slots_for
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 KEY = bytes(16)
@@ -140,6 +145,63 @@ def test_memory_tier_without_arena_and_its_errors(layout: KVLayout, store_id: st
     with Arena.create(f"omni-{store_id}-host", 100) as small, \
             pytest.raises(ValueError, match="smaller than 2 pages"):
         MemoryTier("host", layout, 2, arena=small, device="cpu")
+
+
+def _held(tier: MemoryTier) -> int:
+    return os.stat(tier.arena.path).st_blocks * 512
+
+
+def test_a_fresh_tier_holds_one_step_and_reserves_more_as_slots_are_needed(
+        layout: KVLayout, store_id: str) -> None:
+    step = RESERVE_STEP // layout.page_bytes
+    tier = HostTier.create(layout, 8 * step, store_id)  # 32 MiB of 512-byte pages
+    try:
+        assert tier.reserved_slots == step and _held(tier) <= RESERVE_STEP
+        assert f"reserved={step}" in repr(tier)
+        first = _pages(layout, 1, seed=1)[0]
+        tier.write(0, first, KEY)
+        with pytest.raises(IndexError, match=f"slot {step} lies beyond its reserved memory"):
+            tier.view(step)
+        assert tier.reserve(step) is True
+        assert tier.reserved_slots == 2 * step
+        assert RESERVE_STEP < _held(tier) <= 2 * RESERVE_STEP
+        tier.write(step, _pages(layout, 1, seed=2)[0], KEY)
+        assert torch.equal(tier.view(0), first)  # written before the growth: intact
+    finally:
+        tier.close()
+
+
+def test_a_tier_without_room_to_grow_says_so_once_with_the_fix(
+        layout: KVLayout, store_id: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    step = RESERVE_STEP // layout.page_bytes
+    tier = DeviceTier.create(layout, 4 * step, store_id, device="cpu")
+    try:
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+        with caplog.at_level(logging.WARNING, logger="omni.kv"):
+            assert tier.reserve(step) is False
+            assert tier.reserve(step) is False
+            assert tier.reserve(step - 1) is True  # reserved already
+        assert tier.reserved_slots == step
+        [line] = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"KV device tier: no room left in {shm_directory()}, so it holds "
+                               f"{step} pages (4.0 MiB) of the {4 * step} (16.0 MiB) configured")
+        assert "--shm-size" in line and "--kv-device" in line
+    finally:
+        tier.close()
+
+
+def test_a_tier_that_cannot_reserve_its_first_step_is_not_made(
+        layout: KVLayout, store_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=f"cannot reserve {RESERVE_STEP} B for arena "
+                                      f"'omni-{store_id}-host'.*--shm-size"):
+        HostTier.create(layout, 4 * RESERVE_STEP // layout.page_bytes, store_id)
+    assert not (shm_directory() / f"omni-{store_id}-host").exists()
 
 
 @pytest.mark.gpu
