@@ -12,7 +12,22 @@ __all__ = ["shm_directory"]
 
 
 def shm_directory() -> Path:
-    """Where arenas live: /dev/shm, or a private per-user folder in the temp dir without it."""
+    """Where arenas live: ``$OMNI_SHM_DIR`` when set, else /dev/shm, else a private per-user
+    folder in the temp dir.
+
+    Why the variable: a machine whose /dev/shm is small, or shared with other users' stores,
+    can point Omni at a folder of its own on a memory filesystem. Processes that share pages
+    must agree on it (a worker and the processes that read its host tier).
+
+    Raises:
+        NotADirectoryError: ``$OMNI_SHM_DIR`` names no directory.
+    """
+    chosen = os.environ.get("OMNI_SHM_DIR")
+    if chosen:
+        path = Path(chosen)
+        if not path.is_dir():
+            raise NotADirectoryError(f"OMNI_SHM_DIR={chosen}: not a directory")
+        return path
     shm = Path("/dev/shm")
     if shm.is_dir():
         return shm

@@ -220,9 +220,15 @@ STARTS_A_STORE = textwrap.dedent("""
 """)
 
 
-def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record):
+def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record, tmp_path,
+                                                                         monkeypatch):
     """Store owners SIGKILLed cannot unlink their arenas and lease tables; the next store to
-    start on the machine removes them, says so in one line, and leaves live owners' alone."""
+    start on the machine removes them, says so in one line, and leaves live owners' alone.
+
+    In a shared-memory folder of the test's own (``OMNI_SHM_DIR``, inherited by the children):
+    in /dev/shm any other process's first store, another test run's included, may reclaim the
+    dead owners' files first, and the store started here would have nothing left to say."""
+    monkeypatch.setenv("OMNI_SHM_DIR", str(tmp_path))
     owners = [child(OWNER) for _ in range(3)]
     try:
         ids = [proc.stdout.readline().split()[0] for proc in owners]
