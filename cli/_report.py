@@ -62,6 +62,7 @@ class Reporter:
         """`num_requests`: how many will run, or None when not known yet (requests on stdin)."""
         self._debug = debug
         self._num_failures = 0
+        self._done = 0
         self._progress: Any = None
         self._task: Any = None
         if sys.stderr.isatty() or num_requests != 1:
@@ -76,6 +77,8 @@ class Reporter:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._progress is not None:
+            if exc is not None and self._done == 0:  # failed before a request ran: no bar
+                self._progress.live.transient = True
             self._progress.stop()
         hidden = self._num_failures - MAX_FAILURE_LINES
         if hidden > 0:
@@ -83,6 +86,7 @@ class Reporter:
 
     def request_done(self) -> None:
         """Advance the progress bar by one request."""
+        self._done += 1
         if self._progress is not None:
             self._progress.advance(self._task)
 

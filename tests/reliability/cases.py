@@ -52,6 +52,8 @@ CASES: dict[str, Case] = {
     "peer.wrong_pages": Case(
         "Wire", "a peer's reply with other keys' pages, a bad checksum or a bad header"),
     # Hostile input
+    "input.annotations": Case(
+        "Hostile input", "inputs that do not fit the graph's annotations (`--input`, a JSON line)"),
     "input.wire_mutations": Case(
         "Hostile input", "wire decoder: mutated valid frames and KV fetch messages (fuzz)"),
     "input.descriptor_fuzz": Case("Hostile input", "descriptor opener: random fields (fuzz)"),
@@ -68,6 +70,11 @@ CASES: dict[str, Case] = {
         "Hostile input", "page keys and store ids that try path traversal on the disk tier"),
     "input.oversize": Case("Hostile input", "an oversize message"),
     "input.unauthenticated_join": Case("Hostile input", "an unauthenticated join"),
+    # A user's mistakes at the command line
+    "cli.one_line": Case(
+        "Command line", "KV flags at files, devices, /proc, /sys, impossible sizes; a node "
+        "failing as it starts; a bad or missing token file"),
+    "docs.readme_files": Case("Command line", "the files the README's commands name"),
     # What the runtime leaves on the machine
     "files.private": Case("Files", "files and shared memory it creates are private to its user"),
     "files.removed": Case("Files", "files and shared memory it creates are removed on clean exit"),
