@@ -21,7 +21,7 @@ import trio
 
 from omni.graph._plan import Plan, Step
 from omni.graph.balance import CallInfo
-from omni.graph.context import current
+from omni.graph.context import CallContext, current
 from omni.graph.errors import NodeError, RouteError
 
 __all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
@@ -296,7 +296,8 @@ async def _stream_source(req: Request, step: Step, args: tuple, kwargs: dict[str
 @asynccontextmanager
 async def _generator(req: Request, step: Step, body: Callable[..., Any], replica: int | None,
                      args: tuple, kwargs: dict[str, Any]) -> AsyncIterator[AsyncIterator[Any]]:
-    token = current.set((req.id, step.name, replica, req.runtime))
+    token = current.set(CallContext(request_id=req.id, node=step.name, replica=replica,
+                                    runtime=req.runtime))
     agen = body(*args, **kwargs)
     try:
         yield agen
@@ -343,8 +344,9 @@ _EXECUTORS = {"call": _exec_call, "stream": _exec_stream, "getitem": _exec_getit
 async def _call_node(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]) -> Any:
     node = step.node
     options = node.options
-    if options.timeout is None and not options.retries and not options.needs_pool:
-        token = current.set((req.id, step.name, None, req.runtime))  # the fast path
+    if node.direct:
+        token = current.set(CallContext(request_id=req.id, node=step.name, replica=None,
+                                        runtime=req.runtime))  # the fast path
         try:
             if node.is_async:
                 return await node.target(*args, **kwargs)
@@ -365,14 +367,16 @@ async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]
                    attempt: int) -> Any:
     node = step.node
     if not node.options.needs_pool:
-        token = current.set((req.id, step.name, None, req.runtime))
+        token = current.set(CallContext(request_id=req.id, node=step.name, replica=None,
+                                        runtime=req.runtime))
         try:
             return await _apply(node, node.target, args, kwargs)
         finally:
             current.reset(token)
     pool = req.runtime.pool_for(node)
     async with pool.acquire(CallInfo(step.name, req.id, args, kwargs, attempt)) as replica:
-        token = current.set((req.id, step.name, replica.index, req.runtime))
+        token = current.set(CallContext(request_id=req.id, node=step.name,
+                                        replica=replica.index, runtime=req.runtime))
         try:
             return await _apply(node, replica.instance, args, kwargs)
         finally:
