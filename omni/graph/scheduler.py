@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from omni.graph._plan import Plan, Step
+from omni.graph._retry import retrying
 from omni.graph.balance import CallInfo
 from omni.graph.context import CallContext, current
 from omni.graph.errors import NodeError, RouteError
@@ -186,17 +187,14 @@ async def _exec_stream(req: Request, step: Step) -> list[Any] | None:
     collected: list[Any] | None = [] if step.collect else None
     emit = req.emit if step.outputs else None
     produced = [0]
-    options = step.node.options if step.node is not None else None
-    retries = options.retries if options is not None else 0
-    for attempt in range(retries + 1):
-        try:
-            async with _with_timeout(options):
-                async with _stream_source(req, step, args, kwargs, attempt) as source:
-                    await _deliver(source, step, senders, collected, emit, produced)
-            break
-        except Exception:
-            if attempt == retries or produced[0]:
-                raise
+
+    async def attempt(number: int) -> None:
+        async with _stream_source(req, step, args, kwargs, number) as source:
+            await _deliver(source, step, senders, collected, emit, produced)
+
+    # retried only while nothing has been produced: consumers may already have seen an item
+    await retrying(step.node.options if step.node is not None else None, attempt,
+                   may_retry=lambda: not produced[0])
     for send in senders:
         send.close()
     return collected
@@ -353,14 +351,7 @@ async def _call_node(req: Request, step: Step, args: tuple, kwargs: dict[str, An
             return await _call_sync(node.target, args, kwargs, options.thread)
         finally:
             current.reset(token)
-    for attempt in range(options.retries + 1):
-        try:
-            async with _with_timeout(options):
-                return await _attempt(req, step, args, kwargs, attempt)
-        except Exception:
-            if attempt == options.retries:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    return await retrying(options, functools.partial(_attempt, req, step, args, kwargs))
 
 
 async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any],
@@ -396,15 +387,3 @@ async def _call_sync(body: Callable[..., Any], args: tuple, kwargs: dict[str, An
         # taken until it returns, so a timeout is reported once the body has finished.
         return await trio.to_thread.run_sync(functools.partial(body, *args, **kwargs))
     return body(*args, **kwargs)
-
-
-@asynccontextmanager
-async def _with_timeout(options: Any) -> AsyncIterator[None]:
-    if options is None or options.timeout is None:
-        yield
-        return
-    try:
-        with trio.fail_after(options.timeout):
-            yield
-    except trio.TooSlowError:
-        raise TimeoutError(f"timed out after {options.timeout:g}s") from None
