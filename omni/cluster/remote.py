@@ -189,8 +189,8 @@ class RemoteReplica:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from omni.graph.context import current
 
-        value = current.get()
-        request_id = value[0] if value is not None and value[0] is not None else "-"
+        call = current.get()
+        request_id = call.request_id if call is not None and call.request_id is not None else "-"
         inputs: list[tuple[int, Any]] = []
 
         def stream_id(stream: Any) -> int:

@@ -45,7 +45,7 @@ from omni.cluster.remote import (
     unpack_from,
 )
 from omni.graph._hosting import host_replica
-from omni.graph.context import current
+from omni.graph.context import CallContext, current
 from omni.transport._host import host_id, ipc_directory, ipc_enabled
 from omni.transport._unix import remove_stale
 from omni.transport.credentials import Credentials
@@ -266,7 +266,8 @@ class Worker:
         async with trio.open_nursery() as nursery:
             instance = await nursery.start(functools.partial(
                 host_replica, functools.partial(cls, *args, **kwargs),
-                (None, body.node, body.replica, self), stop, in_thread=True))
+                CallContext(request_id=None, node=body.node, replica=body.replica, runtime=self),
+                stop, in_thread=True))
             self._hosted[key] = _Hosted(body.node, instance, node.streaming, node.is_async,
                                         dict(body.resources), body.session,
                                         body.host_id == host_id(), stop)
@@ -330,7 +331,8 @@ class Worker:
         return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
 
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
-        token = current.set((head.request_id, hosted.node, head.replica, self))
+        token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
+                                        replica=head.replica, runtime=self))
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -354,7 +356,8 @@ class Worker:
 
     async def _produce(self, stream: _Stream, hosted: _Hosted, head: CallHead, args: list,
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
-        token = current.set((head.request_id, hosted.node, head.replica, self))
+        token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
+                                        replica=head.replica, runtime=self))
         try:
             async with send:
                 with stream.scope:

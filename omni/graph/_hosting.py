@@ -13,12 +13,12 @@ from typing import Any
 
 import trio
 
-from omni.graph.context import current
+from omni.graph.context import CallContext, current
 
 __all__ = ["host_replica"]
 
 
-async def host_replica(build: Callable[[], Any], context: tuple[None, str, int, Any],
+async def host_replica(build: Callable[[], Any], context: CallContext,
                        stop: trio.Event, *, in_thread: bool = False,
                        wrap_error: Callable[[Exception], Exception] | None = None,
                        task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -26,7 +26,7 @@ async def host_replica(build: Callable[[], Any], context: tuple[None, str, int, 
 
     Args:
         build: makes the instance (the class bound to its arguments).
-        context: ``(None, node name, replica index, runtime)`` for ``omni.context()``.
+        context: what ``omni.context()`` says while it is built (``request_id`` None).
         in_thread: build it in a worker thread (a worker's event loop keeps answering).
         wrap_error: what an error building or entering the instance is raised as.
 

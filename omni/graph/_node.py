@@ -122,7 +122,9 @@ class Node:
     Attributes: `name`, `kind` ("function" or "class"), `target` (the function or class),
     `init_args`/`init_kwargs` (class nodes), `options`, `streaming` (the body is an async
     generator), `is_async` (False: a synchronous body, run in a worker thread when
-    ``thread=True``), `signature` of the call and `hints` (its resolved annotations).
+    ``thread=True``), `signature` of the call and `hints` (its resolved annotations), and
+    `direct` (no timeout, retries or replica pool: the scheduler calls the body as it is; worked
+    out once here because the scheduler asks on every call).
     """
 
     def __init__(self, target: Callable[..., Any], options: NodeOptions, name: str, *,
@@ -137,6 +139,7 @@ class Node:
         body = target.__call__ if kind == "class" else target
         self.streaming = inspect.isasyncgenfunction(body)
         self.is_async = self.streaming or inspect.iscoroutinefunction(body)
+        self.direct = options.timeout is None and not options.retries and not options.needs_pool
         self.signature = _call_signature(body, skip_self=kind == "class")
         self.hints = _resolve_hints(body)
         self.location = _definition_location(target)

@@ -14,6 +14,7 @@ import trio
 from omni.graph._hosting import host_replica
 from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
+from omni.graph.context import CallContext
 from omni.graph.dsl import Graph, Node, NodeClass
 from omni.graph.errors import NodeError
 from omni.graph.scheduler import run_plan
@@ -186,7 +187,8 @@ class Runtime:
             task_status.started(node.target)
             return
         build = functools.partial(node.target, *node.init_args, **node.init_kwargs)
-        await host_replica(build, (None, node.name, index, self), self._closing,
+        context = CallContext(request_id=None, node=node.name, replica=index, runtime=self)
+        await host_replica(build, context, self._closing,
                            wrap_error=functools.partial(NodeError, node.name, "startup"),
                            task_status=task_status)
 

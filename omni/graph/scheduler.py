@@ -20,8 +20,9 @@ from typing import Any
 import trio
 
 from omni.graph._plan import Plan, Step
+from omni.graph._retry import retrying
 from omni.graph.balance import CallInfo
-from omni.graph.context import current
+from omni.graph.context import CallContext, current
 from omni.graph.errors import NodeError, RouteError
 
 __all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
@@ -186,17 +187,14 @@ async def _exec_stream(req: Request, step: Step) -> list[Any] | None:
     collected: list[Any] | None = [] if step.collect else None
     emit = req.emit if step.outputs else None
     produced = [0]
-    options = step.node.options if step.node is not None else None
-    retries = options.retries if options is not None else 0
-    for attempt in range(retries + 1):
-        try:
-            async with _with_timeout(options):
-                async with _stream_source(req, step, args, kwargs, attempt) as source:
-                    await _deliver(source, step, senders, collected, emit, produced)
-            break
-        except Exception:
-            if attempt == retries or produced[0]:
-                raise
+
+    async def attempt(number: int) -> None:
+        async with _stream_source(req, step, args, kwargs, number) as source:
+            await _deliver(source, step, senders, collected, emit, produced)
+
+    # retried only while nothing has been produced: consumers may already have seen an item
+    await retrying(step.node.options if step.node is not None else None, attempt,
+                   may_retry=lambda: not produced[0])
     for send in senders:
         send.close()
     return collected
@@ -296,7 +294,8 @@ async def _stream_source(req: Request, step: Step, args: tuple, kwargs: dict[str
 @asynccontextmanager
 async def _generator(req: Request, step: Step, body: Callable[..., Any], replica: int | None,
                      args: tuple, kwargs: dict[str, Any]) -> AsyncIterator[AsyncIterator[Any]]:
-    token = current.set((req.id, step.name, replica, req.runtime))
+    token = current.set(CallContext(request_id=req.id, node=step.name, replica=replica,
+                                    runtime=req.runtime))
     agen = body(*args, **kwargs)
     try:
         yield agen
@@ -343,36 +342,32 @@ _EXECUTORS = {"call": _exec_call, "stream": _exec_stream, "getitem": _exec_getit
 async def _call_node(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]) -> Any:
     node = step.node
     options = node.options
-    if options.timeout is None and not options.retries and not options.needs_pool:
-        token = current.set((req.id, step.name, None, req.runtime))  # the fast path
+    if node.direct:
+        token = current.set(CallContext(request_id=req.id, node=step.name, replica=None,
+                                        runtime=req.runtime))  # the fast path
         try:
             if node.is_async:
                 return await node.target(*args, **kwargs)
             return await _call_sync(node.target, args, kwargs, options.thread)
         finally:
             current.reset(token)
-    for attempt in range(options.retries + 1):
-        try:
-            async with _with_timeout(options):
-                return await _attempt(req, step, args, kwargs, attempt)
-        except Exception:
-            if attempt == options.retries:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+    return await retrying(options, functools.partial(_attempt, req, step, args, kwargs))
 
 
 async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any],
                    attempt: int) -> Any:
     node = step.node
     if not node.options.needs_pool:
-        token = current.set((req.id, step.name, None, req.runtime))
+        token = current.set(CallContext(request_id=req.id, node=step.name, replica=None,
+                                        runtime=req.runtime))
         try:
             return await _apply(node, node.target, args, kwargs)
         finally:
             current.reset(token)
     pool = req.runtime.pool_for(node)
     async with pool.acquire(CallInfo(step.name, req.id, args, kwargs, attempt)) as replica:
-        token = current.set((req.id, step.name, replica.index, req.runtime))
+        token = current.set(CallContext(request_id=req.id, node=step.name,
+                                        replica=replica.index, runtime=req.runtime))
         try:
             return await _apply(node, replica.instance, args, kwargs)
         finally:
@@ -392,15 +387,3 @@ async def _call_sync(body: Callable[..., Any], args: tuple, kwargs: dict[str, An
         # taken until it returns, so a timeout is reported once the body has finished.
         return await trio.to_thread.run_sync(functools.partial(body, *args, **kwargs))
     return body(*args, **kwargs)
-
-
-@asynccontextmanager
-async def _with_timeout(options: Any) -> AsyncIterator[None]:
-    if options is None or options.timeout is None:
-        yield
-        return
-    try:
-        with trio.fail_after(options.timeout):
-            yield
-    except trio.TooSlowError:
-        raise TimeoutError(f"timed out after {options.timeout:g}s") from None
