@@ -199,6 +199,7 @@ def join(
 def _kv_tiers(device: str | None, host: str, disk: str | None) -> Any:
     from omni._units import parse_size
     from omni.cluster import KVTiers
+    from omni.kv.errors import KVTierError
 
     size, _, folder = (disk or "").partition(":")
     tiers = KVTiers(device, host, size or None, folder or None)
@@ -208,6 +209,10 @@ def _kv_tiers(device: str | None, host: str, disk: str | None) -> Any:
                 parse_size(value)
     except ValueError as exc:
         raise CliError(f"bad KV tier size: {exc}") from None
+    try:
+        tiers.check()
+    except KVTierError as exc:
+        raise CliError(f"--kv-{exc.tier}: {exc}") from None
     return tiers
 
 

@@ -76,6 +76,28 @@ class KVTiers:
         sizes = {"device": self.device, "host": self.host, "disk": self.disk}
         return {name: parse_size(size) for name, size in sizes.items() if size is not None}
 
+    def configs(self) -> list[Any]:
+        """The `TierConfig`s of the store these tiers make."""
+        from omni.kv import TierConfig
+
+        tiers = [TierConfig(name, size) for name, size in (("device", self.device),
+                                                            ("host", self.host)) if size]
+        if self.disk:
+            tiers.append(TierConfig("disk", self.disk, path=self.disk_path))
+        return tiers
+
+    def check(self) -> None:
+        """Make each tier once and remove it, so that a flag naming a tier that cannot be made
+        fails when the worker joins, not at its first deployment.
+
+        Raises:
+            KVTierError: a tier that cannot be made (``.tier`` names it).
+            ValueError: a size that is not one.
+        """
+        from omni.kv.probe import check_tiers
+
+        check_tiers(self.configs())
+
 
 @dataclass
 class _Hosted:
@@ -472,7 +494,7 @@ class Worker:
     # -- KV ----------------------------------------------------------------------------------
 
     async def _ensure_store(self, spec: dict[str, Any]) -> None:
-        from omni.kv import KVLayout, KVStore, TierConfig
+        from omni.kv import KVLayout, KVStore
         from omni.kv.layout import LayoutSpec
 
         layout = KVLayout.from_spec(LayoutSpec(**spec))
@@ -482,11 +504,7 @@ class Worker:
                     raise ValueError(f"worker '{self.name}' keeps KV pages of {self.kv.layout}; "
                                      f"this node needs {layout}")
                 return
-            t = self.kv_tiers
-            tiers = [TierConfig(name, size) for name, size in (("device", t.device),
-                                                                ("host", t.host)) if size]
-            if t.disk:
-                tiers.append(TierConfig("disk", t.disk, path=t.disk_path))
+            tiers = self.kv_tiers.configs()
             # In a thread: a store can take a second to start (with CUDA it page-locks its
             # whole host tier), in which the event loop must go on answering heartbeats (else
             # the head drops this worker).

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from omni.kv.errors import KVError, KVTierError
+from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease, PageDescriptor
 from omni.kv.layout import KVLayout, parse_size
@@ -23,6 +23,7 @@ from omni.kv.leases import LeaseTable, reclaim_dead_stores
 from omni.kv.manager import TierManager
 from omni.kv.peers import PeerSource
 from omni.kv.policy import EvictionPolicy, make_policy
+from omni.kv.probe import tier_error
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.disk import DiskTier
 from omni.kv.tiers.host import HostTier
@@ -157,11 +158,7 @@ class KVStore:
                 try:
                     self._tiers.append(self._build_tier(config))
                 except (OSError, ValueError, OverflowError) as exc:
-                    why = exc.args[1] if isinstance(exc, OSError) and len(exc.args) == 2 \
-                        and isinstance(exc.args[1], str) else str(exc)
-                    why = why.removeprefix(f"{config.name} tier: ")
-                    raise KVTierError(config.name, f"the {config.name} tier cannot be made: "
-                                      f"{why}") from exc
+                    raise tier_error(config.name, exc) from exc
             policies = [make_policy(c.policy if c.policy is not None else policy)
                         for c in configs]
             self._manager = TierManager(layout, self._tiers, policies)

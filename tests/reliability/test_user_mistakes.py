@@ -104,6 +104,10 @@ def test_command_line_mistakes_are_one_line(tmp_path, record):
         ([*kv, "--kv-disk", "100TiB:big"], 2, "--kv-disk: the disk tier cannot be made"),
         ([*kv, "--kv-host", "99999999999999999999999GiB"], 2, "is more than a machine holds"),
         ([*kv, "--kv-host", "60000TiB"], 2, "--kv-host: the host tier cannot be made"),
+        (["cluster", "join", "tcp://127.0.0.1:9", "--kv-disk", "16MiB:/dev/null"], 2,
+         "--kv-disk: the disk tier cannot be made: disk tier path /dev/null is not a directory"),
+        (["cluster", "join", "tcp://127.0.0.1:9", "--kv-disk", "100TiB:big"], 2,
+         "--kv-disk: the disk tier cannot be made"),
         (["run", "starts.py", "-i", "x=1"], 1,
          "node 'Model' failed to start: FileNotFoundError: no weights for Model"),
         (["cluster", "status", "tcp://127.0.0.1:9", "--token-file", "bad.token"], 2,
@@ -119,9 +123,10 @@ def test_command_line_mistakes_are_one_line(tmp_path, record):
     record("cli.one_line", tries=len(cases),
            outcome=f"{len(cases)}/{len(cases)} one `error:` line naming the flag, node or file "
                    "and the cause, no traceback, nothing run: --kv-disk at /dev/null, under a "
-                   "file, in /proc and /sys, of 100 TiB; --kv-host of 10^23 GiB and 60000 TiB "
-                   "(exit 2); a class node's __aenter__ raising, omni.context() usable there "
-                   "(exit 1); a garbage or missing token file (exit 2)")
+                   "file, in /proc and /sys, of 100 TiB; --kv-host of 10^23 GiB and 60000 TiB; "
+                   "--kv-disk at `omni cluster join`, before it joins (exit 2); a class node's "
+                   "__aenter__ raising, omni.context() usable there (exit 1); a garbage or "
+                   "missing token file (exit 2)")
 
 
 def test_inputs_that_do_not_fit_the_annotations_are_refused_before_anything_runs(tmp_path,
