@@ -49,6 +49,8 @@ CASES: dict[str, Case] = {
     # Peers on the wire
     "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
     "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),
+    "peer.loaded": Case("Wire", "a peer answering late on a machine at full CPU load, then "
+                        "one stopped (SIGSTOP) and resumed"),
     "peer.wrong_pages": Case(
         "Wire", "a peer's reply with other keys' pages, a bad checksum or a bad header"),
     # Hostile input
