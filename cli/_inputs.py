@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -156,7 +157,7 @@ def iter_inputs_json(path: str) -> Iterator[RequestInputs]:
         CliError: the file cannot be read, or its content is not valid (see above).
     """
     if path == "-":
-        yield from _parse_lines(_lines(sys.stdin.buffer, "<stdin>"), "<stdin>")
+        yield from _parse_lines(_lines(_Unbuffered(sys.stdin.fileno()), "<stdin>"), "<stdin>")
         return
     try:
         with open(path, "rb") as file:
@@ -169,7 +170,37 @@ def iter_inputs_json(path: str) -> Iterator[RequestInputs]:
         raise CliError(f"--inputs-json: cannot read {path}: {exc.strerror}") from exc
 
 
-def _lines(file: BinaryIO, label: str) -> Iterator[str]:
+class _Unbuffered:
+    """``readline`` over a file descriptor with `os.read`.
+
+    Why not ``sys.stdin.buffer``: a run reads stdin in a worker thread, which may be blocked in
+    a read when Ctrl-C or SIGTERM ends the run; a buffered reader holds its lock while it
+    waits, and the interpreter, flushing stdin as it exits, then aborts ("could not acquire
+    lock ... at interpreter shutdown"). Nothing here holds a lock.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._held = bytearray()
+        self._ended = False
+
+    def readline(self, limit: int) -> bytes:
+        """The next line with its "\n", or at most `limit` bytes of it; b"" at the end."""
+        while True:
+            end = self._held.find(b"\n", 0, limit)
+            if end >= 0 or len(self._held) >= limit or self._ended:
+                size = end + 1 if end >= 0 else min(limit, len(self._held))
+                line = bytes(self._held[:size])
+                del self._held[:size]
+                return line
+            chunk = os.read(self._fd, 1 << 16)
+            if chunk:
+                self._held += chunk
+            else:
+                self._ended = True
+
+
+def _lines(file: BinaryIO | _Unbuffered, label: str) -> Iterator[str]:
     """`file`'s lines as text, without their "\n", each checked against the limits."""
     number = 0
     while True:

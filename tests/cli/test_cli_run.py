@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -218,6 +219,30 @@ def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
     assert proc.returncode == 2
     [error] = [line for line in errors.splitlines() if "error" in line]  # beside the bar
     assert error.startswith("error: <stdin>:5: graph 'echo' has no input 'zzz'"), errors
+
+
+def test_sigterm_while_waiting_for_stdin_ends_the_run_in_one_line(graphs: Path) -> None:
+    """A run waiting for its next request on stdin (after answering one) ends on SIGTERM like
+    any other: exit 143, one line, no abort of an interpreter with a reader still blocked."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "echo.py", "--json",
+                             "--inputs-json", "-"], cwd=graphs, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1, env=cli_env())
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write('{"a": 1}\n')
+        proc.stdin.flush()
+        [answer] = _answers(proc, 1)  # now it waits for the next line
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)  # stdin stays open: the reader is still blocked when the run ends
+        assert proc.stderr is not None
+        errors = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert json.loads(answer)["packed"]["a"] == 1
+    lines = [line for line in errors.splitlines() if not line.startswith("requests")]
+    assert (proc.returncode, lines) == (143, ["error: terminated"]), errors
 
 
 def test_a_node_can_be_run_by_name(omni_cli: Cli, graphs: Path) -> None:
