@@ -6,21 +6,18 @@ on an Event, so each test knows the transfer is still in flight: no test waits o
 from __future__ import annotations
 
 import errno
-import os
 import threading
-from unittest import mock
 
 import pytest
 import torch
 
 from omni.kv import KVError, KVLayout, KVStore, TierConfig
 from omni.kv.tiers import DiskTier
-from omni.kv.tiers import disk as disk_module
+from tests.kv._gates import CAP, Gate, Worker
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=2, dtype=torch.float32)
 SLOT = DiskTier.slot_bytes_for(LAYOUT)
 KEYS = [bytes([i + 1]) * 16 for i in range(8)]
-CAP = 60.0  # seconds: only a hang gets near it
 
 
 def page_of(key: bytes) -> torch.Tensor:
@@ -43,62 +40,6 @@ def put(store: KVStore, *keys: bytes) -> None:
 def assert_serves(store: KVStore, key: bytes) -> None:
     with store.acquire([key]) as lease:
         assert len(lease) == 1 and torch.equal(lease.page(0), page_of(key))
-
-
-class Gate:
-    """An `os` disk call whose first call parks until `go` is set (then runs, or fails with
-    `fail`); later calls pass straight through. Counts the calls, and whether the parked one
-    has returned."""
-
-    def __init__(self, name: str, *, fail: int | None = None) -> None:
-        self.name = name
-        self.real = getattr(os, name)
-        self.fail = fail
-        self.parked = threading.Event()
-        self.go = threading.Event()
-        self.calls = 0
-        self.returned = False  # the parked call
-        self._lock = threading.Lock()
-
-    def __call__(self, *args):
-        with self._lock:
-            self.calls += 1
-            first = self.calls == 1
-        try:
-            if first:
-                self.parked.set()
-                assert self.go.wait(CAP), "the test never let the parked disk call go"
-                if self.fail is not None:
-                    raise OSError(self.fail, os.strerror(self.fail))
-            return self.real(*args)
-        finally:
-            if first:
-                self.returned = True
-
-    def patch(self):
-        return mock.patch.object(disk_module.os, self.name, self)
-
-
-class Worker(threading.Thread):
-    """Runs `fn` in a thread and keeps its result or its exception."""
-
-    def __init__(self, fn) -> None:
-        super().__init__(daemon=True)
-        self.fn = fn
-        self.result = self.error = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn()
-        except BaseException as exc:  # handed to the test thread
-            self.error = exc
-
-    def finish(self):
-        self.join(CAP)
-        assert not self.is_alive(), "a store operation is stuck"
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 def park(gate: Gate, worker: Worker) -> None:
