@@ -335,7 +335,8 @@ class KVStore:
         return remove
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
+        """Per tier: pages (slots in use, a slot reserved for a disk transfer in flight too),
+        capacity, hits, misses, evictions, promotions, demotions, corrupt,
         write_errors, and for memory tiers reserved (the pages whose memory is reserved: a
         shared-memory tier grows to its capacity as pages arrive, and stops short of it when
         /dev/shm is full); "leases": open, exported, pinned_pages; and once `peers` is set,
@@ -437,9 +438,12 @@ class KVStore:
         try:
             yield
         finally:
-            with self._lock:
-                if self._events.pending:
-                    self._events.emit(self._manager)
+            # Read unlocked first: this thread's own changes are visible to it, and changes
+            # that another thread is recording are emitted when that thread's operation ends.
+            if self._events.pending:
+                with self._lock:
+                    if self._events.pending:
+                        self._events.emit(self._manager)
 
     @contextlib.contextmanager
     def _mutating(self) -> Iterator[None]:
