@@ -1,8 +1,17 @@
-"""`KVStore`: the process's paged KV cache, thread-safe, over device / host / disk tiers."""
+"""`KVStore`: the process's paged KV cache, thread-safe, over device / host / disk tiers.
+
+One lock guards the store's state, and no disk I/O happens under it: an operation that needs a
+page written to or read from disk lets the tier manager plan the transfer, runs it with the
+lock released, and commits it under the lock (`omni.kv.manager` says what other threads see of
+a page meanwhile). So `match`, `acquire` of pages in memory, `stats` and the leases of other
+processes never wait for a disk, however slow or faulty. Copies between memory tiers stay
+under the lock (a memmove of one page).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -28,6 +37,7 @@ from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.disk import DiskTier
 from omni.kv.tiers.host import HostTier
 from omni.kv.tiers.memory import slots_for
+from omni.kv.transfers import Blocked, Transfer
 
 __all__ = ["KVConfig", "KVStore", "TierConfig"]
 
@@ -139,6 +149,9 @@ class KVStore:
         self.store_id = secrets.token_hex(8)
         self.lease_ttl = lease_ttl
         self._lock = threading.RLock()
+        # Notified whenever a disk transfer commits: what waiters for a page in transit, or
+        # for room that only a transfer can free, and `close`, wait on.
+        self._moved = threading.Condition(self._lock)
         # Lease ids start at random: a descriptor retargeted at another store (its id, arena
         # and lease table) must not find a live lease of the same number there.
         self._lease_ids = itertools.count(secrets.randbits(48) + 1)
@@ -196,9 +209,10 @@ class KVStore:
                              f"{self.layout}), got {got}")
         if pages.dtype != self.layout.dtype:
             raise ValueError(f"pages must have dtype {self.layout.dtype}, got {pages.dtype}")
-        with self._mutating():
-            self._check_open()
-            return sum(self._manager.put(key, pages[i]) for i, key in enumerate(keys))
+        put = self._manager.put
+        with self._emitting():
+            return sum(self._run(functools.partial(put, key, pages[i]))
+                       for i, key in enumerate(keys))
 
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys have a page in some tier (a prefix hit)."""
@@ -217,26 +231,30 @@ class KVStore:
                 stays pinned then.
         """
         self._check_keys(keys)
-        with self._mutating():
-            self._check_open()
-            self._sweep()
-            manager = self._manager
+        manager = self._manager
+        with self._emitting():
+            with self._lock:
+                self._check_open()
+                self._sweep()
             held: list[bytes] = []
             slots: list[int] = []
             try:
-                for key in keys:
-                    where = manager.promote(key, 0)
+                for key in keys:  # each pinned as it comes: a load lets other threads in
+                    where = self._run(functools.partial(manager.promote, key, 0, pin=True))
                     if where is None:
-                        manager.match([key])  # counts the miss
+                        with self._lock:
+                            manager.match([key])  # counts the miss
                         break
-                    manager.pin(key)
                     held.append(key)
                     slots.append(where[1])
+                with self._lock:
+                    self._check_open()
+                    self._num_leases += 1
             except BaseException:
-                for key in held:
-                    manager.unpin(key)
+                with self._lock:
+                    for key in held:
+                        manager.unpin(key)
                 raise
-            self._num_leases += 1
             return Lease(self, held, slots)
 
     async def prefetch(self, keys: Sequence[bytes], *,
@@ -268,10 +286,9 @@ class KVStore:
     def _prefetch_sync(self, keys: list[bytes]) -> int:
         names = self._manager.tier_names
         target = names.index("host") if "host" in names else 0
-        for n, key in enumerate(keys):
-            with self._mutating():  # page by page: other threads get the store between reads
-                self._check_open()
-                if self._manager.promote(key, target) is None:
+        with self._emitting():
+            for n, key in enumerate(keys):
+                if self._run(functools.partial(self._manager.promote, key, target)) is None:
                     return n
         return len(keys)
 
@@ -301,7 +318,9 @@ class KVStore:
         each worker holds, and replaying these events must give `keys()`.
 
         `fn` runs under the store's lock, in whatever thread changed the store: it must be
-        quick and must not call the store. An exception from it is logged and ignored.
+        quick and must not call the store. An exception from it is logged and ignored. While
+        an operation waits for a disk transfer, another operation's call may carry its
+        changes so far: the calls still replay to `keys()`.
         """
         with self._lock:
             self._events.add(fn)
@@ -313,7 +332,8 @@ class KVStore:
         return remove
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier: pages, capacity, hits, misses, evictions, promotions, demotions, corrupt,
+        """Per tier: pages (slots in use, a slot reserved for a disk transfer in flight too),
+        capacity, hits, misses, evictions, promotions, demotions, corrupt,
         write_errors, and for memory tiers reserved (the pages whose memory is reserved: a
         shared-memory tier grows to its capacity as pages arrive, and stops short of it when
         /dev/shm is full); "leases": open, exported, pinned_pages; and once `peers` is set,
@@ -335,11 +355,19 @@ class KVStore:
             return out
 
     def close(self) -> None:
-        """Free every tier's memory and files (idempotent)."""
+        """Free every tier's memory and files (idempotent).
+
+        Disk transfers in flight are let finish first (their I/O uses the disk tier's file
+        descriptor, which must not be closed and reused under them); the operations that
+        started them then raise KVError, as does everything after.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._moved.notify_all()  # waiters find the store closed
+            while self._manager.num_transfers:
+                self._moved.wait()
             for tier in self._tiers:
                 tier.close()
             self._table.close()
@@ -358,18 +386,67 @@ class KVStore:
                      for i, name in enumerate(self._manager.tier_names)]
         return f"<KVStore {' '.join(parts)}>"
 
+    # -- disk transfers ----------------------------------------------------------------------
+
+    def _run(self, op: Callable[[], Any]) -> Any:
+        """`op()` (one tier manager operation) under the lock, with the disk transfers it needs
+        run outside the lock and committed; retried until it completes.
+
+        Raises KVError once the store is closed, and whatever `op` raises.
+        """
+        while True:
+            with self._lock:
+                self._check_open()
+                try:
+                    return op()
+                except Blocked as blocked:
+                    transfer = blocked.transfer
+                    if transfer is None:  # another thread's transfer must commit first
+                        self._moved.wait()
+                        continue
+            finished, result = self._carry_out(transfer)
+            if finished:
+                with self._lock:
+                    self._check_open()
+                return result
+
+    def _carry_out(self, transfer: Transfer) -> tuple[bool, object]:
+        """Run `transfer` without the lock, then commit it under the lock (always: even an
+        unexpected error must give its slots back and wake `close`)."""
+        try:
+            transfer.run()
+        finally:
+            with self._lock:
+                outcome = self._manager.commit(transfer)
+                self._moved.notify_all()
+        return outcome
+
     # -- events ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
+    def _emitting(self) -> Iterator[None]:
+        """The listeners told what changed when the operation ends (even when it fails
+        half-way: pages may have been evicted before a KVCapacityError).
+
+        Why at the end and not after each locked step: one operation, one call. The pending
+        changes are the store's, not the operation's, so whichever operation ends first tells
+        the listeners all changes since the last call, each under the lock, in order.
+        """
+        try:
+            yield
+        finally:
+            # Read unlocked first: this thread's own changes are visible to it, and changes
+            # that another thread is recording are emitted when that thread's operation ends.
+            if self._events.pending:
+                with self._lock:
+                    if self._events.pending:
+                        self._events.emit(self._manager)
+
+    @contextlib.contextmanager
     def _mutating(self) -> Iterator[None]:
-        """The lock, and the listeners told what changed when the operation ends (even when
-        it fails half-way: pages may have been evicted before a KVCapacityError)."""
-        with self._lock:
-            try:
-                yield
-            finally:
-                if self._events.pending:
-                    self._events.emit(self._manager)
+        """The lock for an operation without disk I/O, and the listeners told at its end."""
+        with self._emitting(), self._lock:
+            yield
 
     # -- for leases --------------------------------------------------------------------------
 

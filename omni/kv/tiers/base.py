@@ -12,8 +12,10 @@ __all__ = ["Tier"]
 class Tier(Protocol):
     """Fixed-size storage for `num_slots` pages of one `KVLayout`.
 
-    The tier keeps no bookkeeping of which slot holds which key: the tier manager does. All
-    methods are called with the store's lock held, from any thread.
+    The tier keeps no bookkeeping of which slot holds which key: the tier manager does. A
+    memory tier's methods are called with the store's lock held, from any thread. The disk
+    tier's `write` and `read_into` are called without it (`omni.kv.transfers`), possibly from
+    several threads at once, each on a slot reserved for that one call.
     """
 
     name: str  # "device", "host" or "disk"
