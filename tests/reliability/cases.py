@@ -32,6 +32,8 @@ CASES: dict[str, Case] = {
     "disk.full": Case("KV disk tier", "disk full: writes fail (ENOSPC) or come up short"),
     "disk.read_error": Case("KV disk tier", "reads fail with an I/O error (EIO)"),
     "disk.dir_deleted": Case("KV disk tier", "the KV directory deleted under a running store"),
+    "disk.hang": Case("KV disk tier", "a disk write, then a disk read, that hangs under a "
+                      "running store"),
     "shm.deleted": Case("KV host tier", "its shared-memory files deleted under a running store"),
     "shm.small": Case("KV host tier", "a /dev/shm of 64 MiB (a container's default) under a "
                       "host tier configured for 256 MiB"),
