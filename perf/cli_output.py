@@ -12,7 +12,8 @@ Time per item = (wall time − the median startup) / N. The claim: text mode's t
 is at most `TARGET` × ``--json``'s. For context, not a target: a plain Python loop printing
 the same N ints to the same kind of pipe (its own ``n=0`` start subtracted likewise).
 Children run with the caller's environment less ``PYTHONUNBUFFERED`` (default buffering, as a
-user's shell would have it).
+user's shell would have it). After the rounds (not in --quick), where each mode's time per item
+goes is profiled once (`explain`, the claim's ``explain`` and its one-line summary ``why``).
 
 Usage: ``python perf/cli_output.py [--quick] [--repeats N] [--out PATH.json]
 [--plot PATH.png] [--profile]`` (the profile, of one more text-mode child, goes to stderr).
@@ -20,8 +21,10 @@ Usage: ``python perf/cli_output.py [--quick] [--repeats N] [--out PATH.json]
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pstats
 import resource
 import subprocess
 import sys
@@ -51,6 +54,8 @@ __all__ = ["Params", "main", "measure"]
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 1.5  # text mode's time per item, at most this × --json's
 READ_BYTES = 1 << 20
+EXPLAIN_ITEMS = 200_000  # items of each profiled child (cProfile slows them several times)
+EXPLAIN_TOP = 4  # functions named per mode in `why`
 FORMS = ("text", "json", "startup", "print", "print_startup")  # the children of a round
 
 GRAPH_SOURCE = '''\
@@ -80,12 +85,13 @@ class Params:
     seed: int = 0  # unused (nothing is random); kept so every benchmark takes --seed
     repeats: int = 5
     items: int = 1_000_000
+    explain: bool = True  # after the rounds, profile where each mode's time per item goes
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (about 12 s a round: each child's start is ~3 s)."""
-        return cls(seed=seed, repeats=3, items=100_000, quick=True)
+        return cls(seed=seed, repeats=3, items=100_000, explain=False, quick=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +209,11 @@ def measure(params: Params) -> dict[str, Any]:
         walls = alternate({k: timed(k) for k in FORMS}, params.repeats, warmup=False)
         load_after = os.getloadavg()
     cpus = {k: Samples(tuple(v)) for k, v in cpu.items()}
-    return _summarise(params, walls, cpus, counts, (load_before, load_after))
+    result = _summarise(params, walls, cpus, counts, (load_before, load_after))
+    if params.explain:
+        explained = explain(params)
+        result["stream_text_output"].update(explain=explained, why=_why(explained))
+    return result
 
 
 def per_item_us(runs: Samples, startup: Samples, n: int) -> Samples:
@@ -251,12 +261,56 @@ def _summarise(params: Params, walls: dict[str, Samples], cpus: dict[str, Sample
             "stream_text_output": stream, "all_pass": stream["pass"]}
 
 
+def _profiled(graph: Path, n: int, *, as_json: bool, folder: Path) -> dict[str, float]:
+    """Own seconds per function (`_label`) of one cProfile'd ``omni run`` child of `n` items."""
+    path = folder / f"{'json' if as_json else 'text'}-{n}.prof"
+    argv = omni_argv(graph, n, as_json=as_json)
+    run_child([sys.executable, "-m", "cProfile", "-o", str(path), *argv[1:]])
+    own: dict[str, float] = {}
+    for func, row in pstats.Stats(str(path)).stats.items():  # row: cc, nc, tottime, ...
+        own[_label(func)] = own.get(_label(func), 0.0) + row[2]
+    return own
+
+
+def _label(func: tuple[str, int, str]) -> str:
+    filename, _, name = func
+    return name if filename == "~" else f"{Path(filename).name}:{name}"
+
+
+def explain(params: Params) -> dict[str, Any]:
+    """Where each mode's time per item goes: a cProfile'd child of each at up to
+    `EXPLAIN_ITEMS` items, less a profiled start of the same mode (n=0), so what is left
+    grew with the items; per mode the `EXPLAIN_TOP` functions that grew most, µs per item (no
+    total: on a loaded machine two children's import times differ by more than the stream's)."""
+    n = min(params.items, EXPLAIN_ITEMS)
+    out: dict[str, Any] = {"items": n}
+    with tempfile.TemporaryDirectory(prefix="omni-cli-output-") as name:
+        folder = Path(name)
+        graph = folder / "numbers.py"
+        graph.write_text(GRAPH_SOURCE)
+        for key, as_json in (("text", False), ("json", True)):
+            startup = _profiled(graph, 0, as_json=as_json, folder=folder)
+            own = _profiled(graph, n, as_json=as_json, folder=folder)
+            grown = {f: (t - startup.get(f, 0.0)) / n * 1e6 for f, t in own.items()}
+            top = sorted(grown.items(), key=lambda ft: -ft[1])[:EXPLAIN_TOP]
+            out[key] = [{"function": f, "us_per_item": round(v, 3)} for f, v in top]
+    return out
+
+
+def _why(explained: dict[str, Any]) -> str:
+    """One line from `explain`'s figures."""
+    def mode(key: str, title: str) -> str:
+        return f"{title}: " + ", ".join(f"{t['function']} {t['us_per_item']:.2f}"
+                                        for t in explained[key])
+
+    return (f"under cProfile ({explained['items']:,} items, each mode's profiled n=0 start "
+            "taken off), µs per item in the functions that grew most: "
+            f"{mode('text', 'text mode')}; {mode('json', '--json')}")
+
+
 def profile(params: Params, top: int = 25) -> str:
     """cProfile one text-mode child (stdout read here as in the claim); the top functions by
     own time, as text."""
-    import io
-    import pstats
-
     with tempfile.TemporaryDirectory(prefix="omni-cli-output-") as folder:
         graph, stats = Path(folder) / "numbers.py", Path(folder) / "text.prof"
         graph.write_text(GRAPH_SOURCE)
