@@ -39,8 +39,9 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
            "render_report", "render_section", "replace_section", "rows_of"]
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse", "transport",
-              "cluster", "payloads", "soak")  # `make bench`'s order; other results/*.json follow
+# `make bench`'s order; other results/*.json follow
+BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
+              "transport", "cluster", "payloads", "soak")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
