@@ -39,8 +39,9 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
            "render_report", "render_section", "replace_section", "rows_of"]
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ("scheduler", "kv", "prefix_reuse", "decode", "diffusion_reuse", "transport",
-              "cluster", "payloads", "soak")  # `make bench`'s order; other results/*.json follow
+# `make bench`'s order; other results/*.json follow
+BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
+              "transport", "cluster", "payloads", "soak")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -239,6 +240,16 @@ def _signalled(k: Ctx) -> str:
             f"{at['pages']['disk']:,} pages in the disk tier")
 
 
+def _stream_text(c: dict[str, Any]) -> str:
+    """cli_output's measured cell: text mode against --json per item, wall and CPU time."""
+    if c.get("ratio") is None:
+        return (f"no ratio: {fig(med(c['measured']))} vs {fig(med(c['baseline']))} µs per item "
+                "(the startup varied by more than the stream took)")
+    cpu = c.get("cpu") or {}
+    return (f"{x(c['ratio'])} ({fig(med(c['measured']))} µs per item, {c['lines']:,} lines"
+            + (f"; CPU time: {x(cpu['ratio'])}" if cpu.get("ratio") is not None else "") + ")")
+
+
 def _pipeline_baseline(k: Ctx) -> str:
     kind = k.c.get("baseline_kind")
     return ("Compiled Graph of 3 actors" if kind == "ray_compiled_graph" else
@@ -257,6 +268,15 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"≥ {k.c['target']:,.0f} node executions/s",
           lambda k: f"{fig(med(k.c['omni']))}/s ({x(k.c['ratio'])} the baseline)",
           lambda k: f"the same awaits in plain trio: {fig(med(k.c['baseline']))}/s"),
+    Known("cli_output", "stream_text_output",
+          lambda k: (f"`omni run` printing a stream of {k.c['items']:,} ints to a pipe, one line "
+                     "per item (text mode): time per item, the startup (n=0) taken off"),
+          lambda k: f"≤ {k.c['target']:g}× `--json`'s time per item",
+          lambda k: _stream_text(k.c),
+          lambda k: (f"`--json` (the stream as one list): {fig(med(k.c['baseline']))} µs per "
+                     f"item; startup {fig(med(k.c['wall_s']['startup']))} s; a plain Python "
+                     f"loop printing the same ints: "
+                     f"{fig(med(k.c['print_loop']['us_per_item']))} µs per item")),
     Known("kv", "demote_to_disk",
           lambda k: (f"KV demotion to disk ({k.c['mib']} MiB of 1 MiB pages put into a store "
                      "whose host tier is full, then one flush)"),
@@ -456,6 +476,8 @@ KNOWN: tuple[Known, ...] = (
 
 PLOTS = {  # what each benchmark's --plot draws
     "scheduler": "time per node and throughput, Omni vs plain trio (scheduler overhead)",
+    "cli_output": "`omni run`'s stream to a pipe, text mode vs --json (and a plain print "
+                  "loop): µs per item, and each child's wall time",
     "kv": "tier throughput (demote to disk, promote from disk) vs raw disk I/O; handoff, "
           "block_keys and lookups vs their baselines",
     "prefix_reuse": "TTFT per turn with and without reuse; speedup vs the ideal FLOP ratio",

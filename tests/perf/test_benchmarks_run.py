@@ -143,3 +143,26 @@ def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(tmp_pat
     assert report["cluster"]["capacity_pages"] > 0
     requests = report["workload"]["requests_per_phase"]
     assert [p["requests"] for p in report["phases"]] == [requests] * 2
+
+
+def test_cli_output_benchmark_quick_mode_counts_every_item(tmp_path):
+    """perf/cli_output.py --quick, one round: `omni run` children print every item of the
+    stream as a line (text mode) and as one list (--json), a plain print loop too, each
+    counted; the claim's per-item figures and ratio are reported (not judged: at 100,000
+    items the startup's noise is the size of the stream's time)."""
+    out = tmp_path / "cli_output.json"
+    proc = subprocess.run([sys.executable, "perf/cli_output.py", "--quick", "--repeats", "1",
+                           "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == report
+    claim = report["stream_text_output"]
+    items = report["params"]["items"]
+    assert claim["items"] == claim["lines"] == claim["json_items"] == items == 100_000
+    assert claim["print_loop"]["lines"] == items
+    assert {"target", "measured", "baseline", "ratio", "pass", "note", "cpu"} <= claim.keys()
+    assert claim["target"] == 1.5 and isinstance(claim["pass"], bool)
+    assert all(claim["wall_s"][k]["median"] > 0 for k in ("text", "json", "startup"))
+    assert claim["ratio"] is None or claim["ratio"] > 0
+    assert report["all_pass"] == claim["pass"]
