@@ -120,12 +120,17 @@ class HumanPrinter:
         self._out = out
         self._held: list[str] = []
         self._held_chars = 0
+        self._last: tuple[int, str] | None = None
+        self._head = ""
 
     def item(self, index: int, name: str, value: Any) -> None:
         """Print one output value or stream item of request `index` (0-based)."""
-        prefix = f"[{index + 1}] " if self._numbered else ""
-        label = f"{name}: " if self._named else ""
-        line = f"{prefix}{label}{human(value)}\n"
+        key = (index, name)
+        if key != self._last:  # the line's head, made once per run of one output's items
+            prefix = f"[{index + 1}] " if self._numbered else ""
+            self._head = f"{prefix}{name}: " if self._named else prefix
+            self._last = key
+        line = f"{self._head}{value if type(value) is str else human(value)}\n"
         self._held.append(line)
         self._held_chars += len(line)
         if self._held_chars >= self.BUFFER_BYTES:

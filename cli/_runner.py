@@ -92,8 +92,9 @@ async def _request(rt: Runtime, graph: Graph, index: int, inputs: dict[str, Any]
     try:
         if printer.streams:
             async with rt.stream(graph, **inputs) as stream:
-                async for name, item in stream:
-                    printer.item(index, name, item)
+                async for arrived in stream.batches():
+                    for name, item in arrived:
+                        printer.item(index, name, item)
         else:
             value = await rt.run(graph, **inputs)
             printer.result(index, {"output": value} if isinstance(graph.output, Ref) else value)

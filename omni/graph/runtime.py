@@ -12,6 +12,7 @@ from typing import Any
 import trio
 
 from omni.graph._hosting import host_replica
+from omni.graph._outbox import Outbox
 from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
 from omni.graph.context import CallContext
@@ -299,15 +300,20 @@ def _open_kv(spec: Any) -> tuple[Any, bool]:
 _RESULT_BUFFER = 256  # items a ResultStream holds before the request waits for its reader
 
 
-async def _put(send: trio.MemorySendChannel, name: str, item: Any) -> None:
-    """Hand one output item to the reader. Why not a plain `send`: each `send` and `receive`
-    is a trip through trio's scheduler, which for a stream of many small items cost more than
-    the items themselves; with room in the buffer the item is queued at once, and the two
-    sides trade places once per buffer-full, not once per item."""
-    try:
-        send.send_nowait((name, item))
-    except trio.WouldBlock:
-        await send.send((name, item))
+class _Emitter:
+    """What the scheduler hands a request's outputs to: into the stream's outbox, without an
+    await while there is room (`nowait`, see `omni.graph.scheduler.Emit`)."""
+
+    __slots__ = ("_outbox",)
+
+    def __init__(self, outbox: Outbox) -> None:
+        self._outbox = outbox
+
+    async def __call__(self, name: str, item: Any) -> None:
+        await self._outbox.put((name, item))
+
+    def nowait(self, name: str, item: Any) -> bool:
+        return self._outbox.put_nowait((name, item))
 
 
 class ResultStream:
@@ -320,63 +326,71 @@ class ResultStream:
         self._graph = graph
         self._plan = plan
         self._values = values
-        self._receive: trio.MemoryReceiveChannel | None = None
+        self._outbox: Outbox | None = None
         self._scope = trio.CancelScope()
         self._error: BaseException | None = None
         self._done = trio.Event()  # the request has ended: its nodes and leases are gone
 
-    def _start(self) -> trio.MemoryReceiveChannel:
-        send, receive = trio.open_memory_channel(_RESULT_BUFFER)
-        self._receive = receive
-        self._runtime._requests.start_soon(self._produce, send)
-        return receive
+    def _start(self) -> Outbox:
+        self._outbox = Outbox(_RESULT_BUFFER)
+        self._runtime._requests.start_soon(self._produce, self._outbox)
+        return self._outbox
 
-    async def _produce(self, send: trio.MemorySendChannel) -> None:
+    async def _produce(self, outbox: Outbox) -> None:
         try:
-            await self._produce_into(send)
+            await self._produce_into(outbox)
         finally:
+            outbox.close()
             self._done.set()
 
-    async def _produce_into(self, send: trio.MemorySendChannel) -> None:
+    async def _produce_into(self, outbox: Outbox) -> None:
         rt = self._runtime
-        async with send:
-            with self._scope:
-                try:
-                    if id(self._plan) not in rt._deployed:
-                        await rt.deploy(self._graph)
-                    await run_plan(self._plan, rt, self.request_id, self._values,
-                                   functools.partial(_put, send))
-                except (NodeError, trio.BrokenResourceError) as exc:
-                    self._error = exc
-                    rt._count(self._graph, "failed")
-                    return
-                except BaseException:
-                    rt._count(self._graph, "failed")
-                    raise
-                rt._count(self._graph, "ok")
+        with self._scope:
+            try:
+                if id(self._plan) not in rt._deployed:
+                    await rt.deploy(self._graph)
+                await run_plan(self._plan, rt, self.request_id, self._values,
+                               _Emitter(outbox))
+            except (NodeError, trio.BrokenResourceError) as exc:
+                self._error = exc
+                rt._count(self._graph, "failed")
+                return
+            except BaseException:
+                rt._count(self._graph, "failed")
+                raise
+            rt._count(self._graph, "ok")
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
         return self
 
     async def __anext__(self) -> tuple[str, Any]:
-        receive = self._receive or self._start()
+        outbox = self._outbox or self._start()
         try:
-            try:  # a buffered item needs no trip through trio's scheduler
-                return receive.receive_nowait()
-            except trio.WouldBlock:
-                return await receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return await outbox.get()
+        except trio.EndOfChannel:
             if isinstance(self._error, NodeError):
                 raise self._error from None
             raise StopAsyncIteration from None
+
+    async def batches(self) -> AsyncIterator[list[tuple[str, Any]]]:
+        """The same ``(output_name, item)`` pairs, in lists of those that have arrived: for a
+        reader of many small items, one await per list instead of one per item."""
+        outbox = self._outbox or self._start()
+        while True:
+            try:
+                yield await outbox.get_all()
+            except trio.EndOfChannel:
+                if isinstance(self._error, NodeError):
+                    raise self._error from None
+                return
 
     async def aclose(self) -> None:
         """Stop the request (cancelling its nodes) if it is still running, and wait until it
         has ended. Why wait: once this returns, its nodes are done and every KV lease they
         held is released (a caller may discard or reuse those pages at once)."""
         self._scope.cancel()
-        if self._receive is not None:
-            await self._receive.aclose()
+        if self._outbox is not None:
+            self._outbox.abandon()
             with trio.CancelScope(shield=True):  # cancelled nodes end promptly
                 await self._done.wait()
 

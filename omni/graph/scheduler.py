@@ -29,7 +29,9 @@ __all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
 
 STREAM_BUFFER = 16  # items a stream edge holds before its producer waits (backpressure)
 
-Emit = Callable[[str, Any], Awaitable[None]]  # receives (output name, value or stream item)
+# Receives (output name, value or stream item). It may also have ``nowait(name, item) -> bool``,
+# taking a stream item without an await when it has room (False: await it instead).
+Emit = Callable[[str, Any], Awaitable[None]]
 
 
 class Request:
@@ -253,9 +255,10 @@ class StreamItems:
 
 async def _deliver(source: AsyncIterator[Any], step: Step, senders: list, collected: list | None,
                    emit: Emit | None, produced: list[int]) -> None:
+    nowait = getattr(emit, "nowait", None)
     async for item in source:
         produced[0] += 1
-        for send in list(senders):
+        for send in list(senders) if senders else ():
             try:
                 try:  # with room in the edge's buffer, no trip through the scheduler
                     send.send_nowait(item)
@@ -268,7 +271,8 @@ async def _deliver(source: AsyncIterator[Any], step: Step, senders: list, collec
             collected.append(item)
         if emit is not None:
             for name in step.outputs:
-                await emit(name, item)
+                if nowait is None or not nowait(name, item):
+                    await emit(name, item)
         if not senders and collected is None and emit is None:
             return  # nobody is listening: stop the producer
 

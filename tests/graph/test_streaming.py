@@ -194,6 +194,37 @@ async def test_rt_stream_reports_a_failure_after_the_items_before_it():
     assert seen == [1]
 
 
+async def test_rt_stream_batches_hold_the_same_pairs_in_order_and_the_failure():
+    """`batches()` gives what iterating gives, in lists of what has arrived: every pair once,
+    in order, across many buffer-fulls, and a failure after the items before it."""
+    @omni.graph
+    def g(n: int):
+        return count_up(n)
+
+    @omni.node
+    async def breaks(n: int) -> AsyncIterator[int]:
+        for i in range(n):
+            yield i
+        raise RuntimeError("stream broke")
+
+    @omni.graph
+    def broken(n: int):
+        return breaks(n)
+
+    async with omni.Runtime() as rt:
+        async with rt.stream(g, n=2000) as stream:
+            batches = [batch async for batch in stream.batches()]
+        assert [pair for batch in batches for pair in batch] == [
+            ("output", i) for i in range(2000)]
+        assert all(batches) and len(batches) > 1
+        seen = []
+        with pytest.raises(omni.NodeError, match="stream broke"):
+            async with rt.stream(broken, n=600) as stream:
+                async for batch in stream.batches():
+                    seen += [item for _, item in batch]
+        assert seen == list(range(600))
+
+
 async def test_closing_rt_stream_early_cancels_the_request():
     finalized = trio.Event()
 
