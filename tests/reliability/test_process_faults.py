@@ -221,25 +221,34 @@ STARTS_A_STORE = textwrap.dedent("""
     logging.basicConfig(stream=sys.stderr, format="%(levelname)s %(message)s")
     from tests.reliability._support import make_store
 
+    print("imported", flush=True)
+    sys.stdin.readline()  # the owners die now: the store starts right after
     make_store(4, 4).close()
 """)
 
 
 def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record):
     """Store owners SIGKILLed cannot unlink their arenas and lease tables; the next store to
-    start on the machine removes them, says so in one line, and leaves live owners' alone."""
+    start on the machine removes them, says so in one line, and leaves live owners' alone.
+
+    Any store that starts on the machine reclaims what dead owners left, a store of another
+    test run beside this one too. So the store that should do it has done its imports (seconds
+    on a loaded machine) before the owners die, and starts the moment they are dead."""
     owners = [child(OWNER) for _ in range(3)]
+    starter = subprocess.Popen([sys.executable, "-c", STARTS_A_STORE], cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     try:
         ids = [proc.stdout.readline().split()[0] for proc in owners]
         files = {i: sorted(p.name for p in shm_directory().glob(f"omni-{i}-*")) for i in ids}
         assert all(len(names) == 3 for names in files.values()), files  # 2 arenas, 1 table
+        assert starter.stdout.readline().strip() == "imported"
         for proc in owners[:2]:
             proc.kill()
             proc.wait(10)
-        done = subprocess.run([sys.executable, "-c", STARTS_A_STORE], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        lines = done.stderr.strip().splitlines()
+        _, err = starter.communicate("start\n", timeout=120)
+        assert starter.returncode == 0, err
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("WARNING removed the shared memory"), \
             lines
         assert all(f"omni-{i}" in lines[0] for i in ids[:2]) and ids[2] not in lines[0]
@@ -247,7 +256,7 @@ def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record)
             assert not list(shm_directory().glob(f"omni-{i}-*"))
         assert sorted(p.name for p in shm_directory().glob(f"omni-{ids[2]}-*")) == files[ids[2]]
     finally:
-        for proc in owners:
+        for proc in [*owners, starter]:
             proc.kill()
             proc.wait(10)
     record("proc.owner_killed", tries=3,
