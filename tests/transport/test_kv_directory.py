@@ -178,6 +178,10 @@ async def test_events_during_a_resync_are_replayed_on_the_snapshot(creds):
             store.put(keys[:2], pages[:2])
             directory.add_member("w1", pub.endpoint)
             await wait_until(lambda: taken)
+            # The subscription is up (a tick heard): the events below reach the directory.
+            # Sent before it is, they would be lost to ZeroMQ's slow joiner, and no event
+            # would ever arrive during the resync.
+            await wait_until(lambda: heard(directory, "w1"))
             for i in range(2, 8):
                 store.put(keys[i:i + 1], pages[i:i + 1])
             store.discard(keys[:1])
