@@ -58,18 +58,31 @@ def placed(x: int):
     return {"gpu": OnGpu()(x), "pinned": Pinned()(x)}
 
 
+STARTED = "started"  # in the workers' folder: a slow node adds "NODE WORKER" as it starts
+RELEASE = "release"  # in the workers' folder: once it exists, slow nodes return at once
+
+
+async def nap(node: str, seconds: float) -> str:
+    """Note in `STARTED` that `node` started here, then sleep `seconds` or until the test
+    creates `RELEASE`: a test waits for the calls to be running, not for a guessed time."""
+    with open(STARTED, "a") as f:
+        f.write(f"{node} {where()}\n")
+    with trio.move_on_after(seconds):
+        while not os.path.exists(RELEASE):
+            await trio.sleep(0.02)
+    return where()
+
+
 @omni.node(replicas=2, retries=2, idempotent=True, balance="least_loaded")
 class SlowRetried:
     async def __call__(self, seconds: float) -> str:
-        await trio.sleep(seconds)
-        return where()
+        return await nap("SlowRetried", seconds)
 
 
 @omni.node(replicas=2, balance="least_loaded")
 class SlowOnce:
     async def __call__(self, seconds: float) -> str:
-        await trio.sleep(seconds)
-        return where()
+        return await nap("SlowOnce", seconds)
 
 
 @omni.node

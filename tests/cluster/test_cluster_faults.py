@@ -4,22 +4,20 @@ restarting. The driver is this test's own `omni.Runtime(cluster=...)`."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import trio
 
 import omni
+from tests._wait import CAP_S, wait_until, wait_until_sync
 from tests.cluster import pipelines as p
 from tests.cluster.conftest import ROOT, Cluster
 
-DRIVER_BEAT = 0.5  # the driver's heartbeat to workers: a dead one is noticed in 3 of them
 
-
-async def wait_until(predicate, timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
+def started(cluster: Cluster) -> list[str]:
+    """The "NODE WORKER" lines the slow nodes wrote as they started."""
+    path = cluster.folder / p.STARTED
+    return path.read_text().splitlines() if path.exists() else []
 
 
 async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> None:
@@ -34,8 +32,8 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
         failed_at: list[float] = []
 
         async def call(kind: str, node) -> None:
-            try:
-                outcomes[kind].append(await rt.run(node, seconds=4.0))
+            try:  # the calls run until released (or CAP_S), so the kill lands mid-call
+                outcomes[kind].append(await rt.run(node, seconds=CAP_S))
             except omni.NodeError as exc:
                 failed_at.append(trio.current_time())
                 outcomes[kind].append(exc)
@@ -44,9 +42,12 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
             for kind, node in (("retried", p.SlowRetried()), ("once", p.SlowOnce())):
                 for _ in range(2):  # least_loaded: one call on each worker
                     nursery.start_soon(call, kind, node)
-            await trio.sleep(0.5)
+            running = {"SlowRetried w1", "SlowRetried w2", "SlowOnce w1", "SlowOnce w2"}
+            await wait_until(lambda: running <= set(started(cluster)),
+                             "all four calls running, two on each worker")
             w1.popen.kill()
             killed_at = trio.current_time()
+            (cluster.folder / p.RELEASE).touch()  # w2's calls, and the retries there, return
 
         # Retried calls finished on the survivor; the others failed naming the worker.
         assert outcomes["retried"] == ["w2", "w2"]
@@ -54,17 +55,17 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
         assert "w2" in once
         (error,) = [o for o in once if isinstance(o, omni.NodeError)]
         assert error.node == "SlowOnce" and "worker 'w1' stopped answering" in str(error)
-        assert failed_at[0] - killed_at < 3 * DRIVER_BEAT + 1.0  # noticed within 3 beats
+        assert failed_at[0] >= killed_at  # failed by the kill (how soon: tests/transport)
 
         # The head noticed too; the rest of the cluster keeps serving.
         status = await trio.to_thread.run_sync(
-            lambda: cluster.wait_status(lambda m: m["w1"]["state"] == "lost", timeout=5))
+            lambda: cluster.wait_status(lambda m: m["w1"]["state"] == "lost", timeout=CAP_S))
         assert {m["name"]: m["state"] for m in status["members"]} == {"w2": "up", "w1": "lost"}
         assert await rt.run(p.SlowOnce(), seconds=0) == "w2"
 
         # The lost replica is replaced on a worker with room: the pool is whole again.
         pool = rt.pool_for(p.SlowOnce())
-        await wait_until(lambda: all(r.alive for r in pool.replicas), timeout=10)
+        await wait_until(lambda: all(r.alive for r in pool.replicas))
         assert {r.member for r in pool.replicas} == {"w2"}
 
         # A worker restarting with the same name rejoins: the driver moves one replica of each
@@ -72,8 +73,7 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
         await trio.to_thread.run_sync(cluster.worker, "w1")
         for node in (p.SlowRetried(), p.SlowOnce()):
             replicas = rt.pool_for(node).replicas
-            await wait_until(lambda r=replicas: sorted(x.member for x in r) == ["w1", "w2"],
-                             timeout=30)
+            await wait_until(lambda r=replicas: sorted(x.member for x in r) == ["w1", "w2"])
         await rt.deploy(p.Shout())
         assert sorted(r.member for r in rt.pool_for(p.Shout()).replicas) == ["w1", "w2"]
 
@@ -126,10 +126,9 @@ def test_the_head_restarting_is_rejoined(cluster: Cluster) -> None:
                         and all(v["state"] == "up" for v in m.values()), timeout=60)
     # A worker that said it lost the head says it has it back (a quick restart may be
     # noticed only as "registering again", without a beat lost in between).
-    deadline = time.monotonic() + 30  # its log lines are read as they come
-    while ("not answering" in "".join(w1.err) and "answers again" not in "".join(w1.err)
-           and time.monotonic() < deadline):
-        time.sleep(0.05)
+    wait_until_sync(lambda: "not answering" not in "".join(w1.err)
+                    or "answers again" in "".join(w1.err),  # its log lines come as they come
+                    "w1 to say the head answers again")
     said = "".join(w1.err)
     assert "not answering" not in said or \
         said.index("answers again") > said.index("not answering"), said

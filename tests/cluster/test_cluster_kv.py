@@ -7,6 +7,7 @@ import trio
 
 import omni
 from omni.compute import SamplingParams, TorchEngine
+from tests._wait import wait_until
 from tests.cluster import kv_pipelines as kv
 from tests.cluster.conftest import Cluster
 
@@ -59,10 +60,9 @@ async def test_kv_aware_routing_sends_a_prefix_back_to_its_pages(cluster: Cluste
         assert set(home.values()) == {"w1", "w2"}  # new prefixes are spread
         pool = rt.pool_for(kv.Chat())
         directory = rt.cluster.directory
-        with trio.fail_after(10):  # the driver's directory hears of every prefix's pages
-            while not all(directory.prefix_len(home[i], kv.prompt_keys(s))
-                          for i, s in enumerate(systems)):
-                await trio.sleep(0.05)
+        await wait_until(lambda: all(directory.prefix_len(home[i], kv.prompt_keys(s))
+                                     for i, s in enumerate(systems)),
+                         "the driver's directory to hear of every prefix's pages")
         for round_ in range(2):
             for i, system in enumerate(systems):
                 out = await rt.run(kv.Chat(), prompt=f"{system}user {round_}")

@@ -9,14 +9,9 @@ from pathlib import Path
 import trio
 
 import omni
+from tests._wait import CAP_S, wait_until
 from tests.cluster import rebalance_nodes as n
 from tests.cluster.conftest import Cluster
-
-
-async def wait_until(predicate, timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
 
 
 async def test_a_joining_worker_takes_a_replica_and_no_request_fails(cluster: Cluster,
@@ -46,26 +41,25 @@ async def test_a_joining_worker_takes_a_replica_and_no_request_fails(cluster: Cl
         async with trio.open_nursery() as nursery:
             for _ in range(2):  # least_loaded: one held call on each replica
                 nursery.start_soon(hold)
-            await wait_until(lambda: [r.in_flight for r in pool.replicas] == [1, 1], 30)
+            await wait_until(lambda: [r.in_flight for r in pool.replicas] == [1, 1])
             for _ in range(2):
                 nursery.start_soon(flow)
 
             await trio.to_thread.run_sync(cluster.worker, "w2")
-            await wait_until(lambda: sorted(r.member for r in pool.replicas) == ["w1", "w2"],
-                             60)
-            await wait_until(lambda: "w2" in flowed, 30)  # new calls reach the new worker
+            await wait_until(lambda: sorted(r.member for r in pool.replicas) == ["w1", "w2"])
+            await wait_until(lambda: "w2" in flowed)  # new calls reach the new worker
 
             # The moved replica still runs its held call on w1: it is not undeployed yet.
             status = await trio.to_thread.run_sync(lambda: cluster.wait_status(
-                lambda m: m["w2"]["replicas"] == {"Spread": 1}, timeout=30))
+                lambda m: m["w2"]["replicas"] == {"Spread": 1}, timeout=CAP_S))
             replicas = {m["name"]: m["replicas"] for m in status["members"]}
             assert replicas == {"w1": {"Spread": 2}, "w2": {"Spread": 1}}
             assert held == []
 
             release.touch()
-            await wait_until(lambda: len(held) == 2, 30)
+            await wait_until(lambda: len(held) == 2)
             await trio.to_thread.run_sync(lambda: cluster.wait_status(
-                lambda m: m["w1"]["replicas"] == {"Spread": 1}, timeout=30))
+                lambda m: m["w1"]["replicas"] == {"Spread": 1}, timeout=CAP_S))
             stop.set()
 
         assert held == ["w1", "w1"]  # both held calls finished where they started

@@ -10,6 +10,16 @@ import pytest
 import trio
 
 import omni
+from tests._wait import CAP_S
+
+
+async def until(predicate, what: str) -> None:
+    """`wait_until` for the asyncio side of these tests (trio runs as its guest)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CAP_S
+    while not predicate():
+        assert loop.time() < deadline, f"still waiting after {CAP_S:g} s for: {what}"
+        await asyncio.sleep(0.005)
 
 
 @omni.node
@@ -50,7 +60,7 @@ def test_a_graph_runs_while_other_asyncio_tasks_keep_running():
 
     @omni.node
     async def wait_for_ticks(n: int) -> int:
-        with trio.fail_after(2):
+        with trio.fail_after(CAP_S):
             while ticks[0] < n:
                 await trio.sleep(0.001)
         return ticks[0]
@@ -179,8 +189,10 @@ def test_cancelling_the_asyncio_task_cancels_the_trio_node():
 
     async def main():
         async with omni.AsyncioRuntime() as rt:
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(rt.run(forever, x=1), timeout=0.05)
+            request = asyncio.ensure_future(rt.run(forever, x=1))
+            await until(lambda: "started" in events, "the node to start")
+            with pytest.raises(TimeoutError):  # times out now, with the node running
+                await asyncio.wait_for(request, timeout=0)
             seen = list(events)
             return seen, rt.stats()
 
@@ -197,7 +209,7 @@ def test_two_requests_from_asyncio_gather_run_concurrently():
     @omni.node
     async def meet(me: str, other: str) -> str:
         arrived[me].set()
-        with trio.fail_after(2):
+        with trio.fail_after(CAP_S):
             await arrived[other].wait()
         return me
 
@@ -306,6 +318,7 @@ def test_cancelling_a_slow_start_stops_trio_before_raising():
     @omni.node
     class Slow:
         async def __aenter__(self):
+            events.append("starting")
             try:
                 await trio.sleep_forever()
             finally:
@@ -328,11 +341,14 @@ def test_cancelling_a_slow_start_stops_trio_before_raising():
             async with rt:
                 pytest.fail("must not start")
 
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(use(), timeout=0.02)
+        starting = asyncio.ensure_future(use())
+        await until(lambda: events == ["starting"], "the replica to start")
+        with pytest.raises(TimeoutError):  # times out now, in the middle of the start
+            await asyncio.wait_for(starting, timeout=0)
         return list(events), trio.lowlevel.in_trio_run(), repr(rt)
 
-    assert asyncio.run(main()) == (["start cancelled"], False, "<AsyncioRuntime closed>")
+    assert asyncio.run(main()) == (["starting", "start cancelled"], False,
+                                   "<AsyncioRuntime closed>")
 
 
 def test_using_it_without_async_with_is_a_clear_error():

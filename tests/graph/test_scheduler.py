@@ -1,5 +1,6 @@
 """The scheduler: concurrency, failure isolation, cancellation, timeouts, retries, switch."""
 
+import functools
 import threading
 
 import pytest
@@ -7,6 +8,7 @@ import trio
 import trio.testing
 
 import omni
+from tests._wait import CAP_S, wait_until
 
 
 @omni.node
@@ -44,7 +46,7 @@ async def test_independent_branches_run_concurrently():
         return join(left(x), right(x))
 
     async with omni.Runtime() as rt:
-        with trio.fail_after(5):
+        with trio.fail_after(CAP_S):
             assert await rt.run(g, x=1) == 6
 
 
@@ -150,8 +152,11 @@ async def test_cancelling_a_request_cancels_all_its_nodes():
         return {"a": wait(text), "b": wait(upper(text))}
 
     async with omni.Runtime() as rt:
-        with trio.move_on_after(0.05) as scope:
-            await rt.run(g, text="x")
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(rt.run, g, text="x"))
+                await wait_until(lambda: len(started) == 2, "both nodes to start")
+                scope.cancel()  # the caller gives up with both nodes running
         assert scope.cancelled_caught
         assert rt.stats().requests_failed == 1
     assert sorted(started) == ["X", "x"] and sorted(finalized) == ["X", "x"]
@@ -338,7 +343,7 @@ async def test_thread_nodes_run_off_the_event_loop():
 
     @omni.node(thread=True)
     def blocking(x: int) -> dict:
-        assert release.wait(5)
+        assert release.wait(CAP_S)
         ctx = omni.context()
         return {"thread": threading.get_ident(), "node": ctx.node, "request": ctx.request_id}
 

@@ -4,9 +4,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 import trio
+import trio.testing
 
 import omni
 from omni.graph.scheduler import STREAM_BUFFER
+from tests._wait import CAP_S
 
 
 @omni.node
@@ -52,7 +54,7 @@ async def test_consumer_receives_items_while_the_producer_is_still_running():
         return consume(produce(n))
 
     async with omni.Runtime() as rt:
-        with trio.fail_after(5):
+        with trio.fail_after(CAP_S):
             assert await rt.run(g, n=4) == 4
     assert log.index("consume 1") < log.index("produce 3")
 
@@ -70,7 +72,8 @@ async def test_a_slow_consumer_holds_the_producer_back():
     @omni.node
     async def stall(items: AsyncIterator[int]) -> int:
         first = await items.__anext__()
-        await trio.sleep(0.05)  # the producer may only fill the edge's buffer meanwhile
+        # Every task blocked: the producer went as far as it could, filling the edge's buffer.
+        await trio.testing.wait_all_tasks_blocked()
         consumed.set()
         return first + len(produced)
 
@@ -131,7 +134,7 @@ async def test_early_exit_of_the_only_consumer_stops_the_producer():
         return first_three(endless(n))
 
     async with omni.Runtime() as rt:
-        with trio.fail_after(5):
+        with trio.fail_after(CAP_S):
             assert await rt.run(g, n=0) == [0, 1, 2]
     assert len(closed) == 1
 
@@ -156,7 +159,7 @@ async def test_stream_outputs_reach_rt_stream_as_they_are_produced():
 
     seen = []
     async with omni.Runtime() as rt:
-        with trio.fail_after(5):
+        with trio.fail_after(CAP_S):
             async for name, item in rt.stream(g, text="a b c"):
                 seen.append((name, item))
                 if (name, item) == ("tokens", "a"):
@@ -246,7 +249,7 @@ async def test_closing_rt_stream_early_cancels_the_request():
             async for _, item in stream:
                 assert item == 7
                 break
-        with trio.fail_after(5):
+        with trio.fail_after(CAP_S):
             await finalized.wait()
 
 

@@ -18,6 +18,11 @@ from omni.transport.credentials import Credentials
 from omni.transport.security import ClientSecurity, ClusterToken
 from tests.reliability._support import Tally
 
+# How long a probe waits for the handshake's outcome. Refusals come at once; the intruder
+# whose handshake goes unanswered waits it out. Loopback connects in milliseconds even on a
+# loaded machine, so 3 s (not 1 s) cannot turn a refusal into "unreachable".
+PROBE_S = 3.0
+
 
 def intruders(token: ClusterToken) -> dict[str, tuple[Credentials, Callable[[], dict]]]:
     """Each: the credentials (their context) and the client socket options it connects with."""
@@ -46,7 +51,7 @@ async def test_an_unauthenticated_join_is_refused(record):
             for what, (intruder, options) in intruders(token).items():
                 with intruder:
                     with pytest.raises(TokenRefused):
-                        await probe(intruder, endpoint, timeout=1.0)
+                        await probe(intruder, endpoint, timeout=PROBE_S)
                     client = RPCClient(endpoint, ctx=intruder.ctx, options=options(),
                                        heartbeat_interval=None)
                     async with client:

@@ -25,6 +25,7 @@ from omni.transport.movers import (
 )
 from omni.transport.values import decode_value
 from omni.transport.wire import Codec
+from tests._wait import CAP_S, wait_until
 from tests.reliability._support import LAYOUT, Tally, fuzz, keys_for, make_store, pages_of
 
 KEYS = keys_for(3, extra="wire")
@@ -199,21 +200,26 @@ async def test_oversize_messages_are_refused_and_the_server_keeps_serving(record
         "payload frame": [[ok, b"\x00" * n] for n in ((64 << 10) + 1, 1 << 20)],
         "payload frames": [[ok, *[b"p"] * n] for n in (5, 64, 4096)],
     }
-    with trio.fail_after(20):
+    with trio.fail_after(CAP_S):
         async with server, RPCClient(server.endpoint, limits=LIMITS) as client:
             for kind, messages in oversize.items():
                 for frames in messages:
                     dropped, requests = server.stats().dropped, server.stats().requests
                     raw = zmq.Context.instance().socket(zmq.DEALER)
                     raw.linger = 0
+                    monitor = raw.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                     raw.connect(server.endpoint)
                     try:
                         raw.send_multipart(frames)
                         if max(map(len, frames)) <= MAX_FRAME:  # dropped and counted
-                            await _wait(lambda d=dropped: server.stats().dropped > d)
-                        else:  # over ZeroMQ's MAXMSGSIZE: it cuts the peer off first
-                            await trio.sleep(0.05)
+                            await wait_until(lambda d=dropped: server.stats().dropped > d)
+                        else:  # over ZeroMQ's MAXMSGSIZE: it may cut the peer off first
+                            await wait_until(
+                                lambda d=dropped, m=monitor: server.stats().dropped > d
+                                or m.poll(0), "the message dropped or its sender cut off")
                     finally:
+                        raw.disable_monitor()
+                        monitor.close(linger=0)
                         raw.close()
                     assert server.stats().requests == requests  # nothing reached a handler
                     assert await client.call("echo", "still here") == "still here"
@@ -243,7 +249,3 @@ async def test_oversize_messages_are_refused_and_the_server_keeps_serving(record
                    "server answered after each")
 
 
-async def _wait(predicate, timeout: float = 5.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)

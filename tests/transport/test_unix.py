@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from omni.transport import PeerGone, Reply, RPCClient, RPCServer, TransportError
+from tests._wait import CAP_S, wait_until
 
 
 @pytest.fixture
@@ -49,16 +50,10 @@ def make_server(address: str, **kwargs) -> RPCServer:
     return server
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.005)
-
-
 async def test_calls_round_trip_and_multiplex_over_a_unix_socket(folder):
     address = f"unix://{folder}/s.sock"
     results = {}
-    with trio.fail_after(20):
+    with trio.fail_after(CAP_S):
         async with make_server(address) as server, RPCClient(address) as client:
             assert server.endpoint == address
             assert await client.call("echo", {"a": [1, "x", None]}) == {"a": [1, "x", None]}
@@ -81,7 +76,7 @@ async def test_large_frames_arrive_intact_and_in_order_past_the_socket_buffer(fo
     payloads = [[rng.randbytes(rng.choice([10, 70_000, 3 << 20])) for _ in range(3)]
                 for _ in range(12)]
     replies = {}
-    with trio.fail_after(30):
+    with trio.fail_after(CAP_S):
         async with make_server(address) as server, RPCClient(address) as client:
 
             async def one(i: int) -> None:
@@ -100,8 +95,10 @@ async def test_large_frames_arrive_intact_and_in_order_past_the_socket_buffer(fo
 
 async def test_a_client_reaches_a_server_that_binds_after_it_and_one_that_comes_back(folder):
     address = f"unix://{folder}/s.sock"
-    with trio.fail_after(20):
-        async with RPCClient(address, heartbeat_interval=0.05) as client:
+    # Until the server binds, the client hears nothing: with 0.5 s between pings it waits
+    # 1.5 s before it gives up, far more than binding takes even on a loaded machine.
+    with trio.fail_after(CAP_S):
+        async with RPCClient(address, heartbeat_interval=0.5) as client:
             async with trio.open_nursery() as nursery:
                 early = []
 
@@ -109,7 +106,7 @@ async def test_a_client_reaches_a_server_that_binds_after_it_and_one_that_comes_
                     early.append(await client.call("echo", "queued"))
 
                 nursery.start_soon(call_early)
-                await trio.sleep(0.05)
+                await wait_until(lambda: client.stats().calls == 1)  # sent before the bind
                 async with make_server(address):
                     await wait_until(lambda: early == ["queued"])
             await wait_until(lambda: not client.peer_alive)
@@ -129,14 +126,14 @@ async def test_a_peer_that_breaks_the_format_is_cut_off_and_others_are_served(fo
         struct.pack("<IQ", 1, 1 << 40),  # a frame over the size limit
         struct.pack("<IQ", 1, 100) + b"cut short",  # the peer leaves mid-message
     ]
-    with trio.fail_after(20):
+    with trio.fail_after(CAP_S):
         async with make_server(address) as server, RPCClient(address) as client:
             for message in bad:
                 raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 raw.connect(path)
                 raw.sendall(message)
                 raw.shutdown(socket.SHUT_WR)
-                raw.settimeout(10)
+                raw.settimeout(CAP_S)
                 assert await trio.to_thread.run_sync(raw.recv, 1) == b""  # cut off
                 raw.close()
             garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -159,7 +156,7 @@ async def test_the_socket_file_goes_with_the_server_and_a_stale_one_is_replaced(
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))  # bound, never listening: what a killed process leaves behind
     stale.close()
-    with trio.fail_after(10):
+    with trio.fail_after(CAP_S):
         async with make_server(address), RPCClient(address) as client:
             assert await client.call("echo", 1) == 1
 
@@ -182,7 +179,7 @@ async def test_a_server_in_another_process(folder):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        with trio.fail_after(20):
+        with trio.fail_after(CAP_S):
             async with RPCClient(address) as client:
                 assert await client.call("shout", "same host") == "SAME HOST"
                 proc.kill()
