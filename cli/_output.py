@@ -130,7 +130,10 @@ class HumanPrinter:
             prefix = f"[{index + 1}] " if self._numbered else ""
             self._head = f"{prefix}{name}: " if self._named else prefix
             self._last = key
-        line = f"{self._head}{value if type(value) is str else human(value)}\n"
+        kind = type(value)  # the common kinds first: `human` asks several isinstance questions
+        text = value if kind is str else str(value) if kind is int or kind is float \
+            else human(value)
+        line = f"{self._head}{text}\n"
         self._held.append(line)
         self._held_chars += len(line)
         if self._held_chars >= self.BUFFER_BYTES:
