@@ -195,14 +195,19 @@ def _answers(proc: subprocess.Popen, count: int) -> list[str]:
     return lines
 
 
+def _reading_stdin(graphs: Path) -> subprocess.Popen:
+    """``omni run echo.py --json --inputs-json -`` with pipes on all three streams."""
+    return subprocess.Popen([sys.executable, "-m", "cli", "run", "echo.py", "--json",
+                             "--inputs-json", "-"], cwd=graphs, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1, env=cli_env())
+
+
 def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
     """``--inputs-json -`` reads a request at a time: each is answered before the next is
     written (so a stream of requests never has to end, nor be held whole), and a bad line
     ends the run after the requests before it, exit 2, one line naming it."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "echo.py", "--json",
-                             "--inputs-json", "-"], cwd=graphs, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1, env=cli_env())
+    proc = _reading_stdin(graphs)
     try:
         assert proc.stdin is not None
         answers = []
@@ -224,10 +229,7 @@ def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
 def test_sigterm_while_waiting_for_stdin_ends_the_run_in_one_line(graphs: Path) -> None:
     """A run waiting for its next request on stdin (after answering one) ends on SIGTERM like
     any other: exit 143, one line, no abort of an interpreter with a reader still blocked."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "run", "echo.py", "--json",
-                             "--inputs-json", "-"], cwd=graphs, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1, env=cli_env())
+    proc = _reading_stdin(graphs)
     try:
         assert proc.stdin is not None
         proc.stdin.write('{"a": 1}\n')
