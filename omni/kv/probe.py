@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from omni.kv.errors import KVTierError
 from omni.kv.layout import KVLayout, parse_size
+
+if TYPE_CHECKING:
+    from omni.kv.store import TierConfig
 
 __all__ = ["check_tiers", "tier_error"]
 
@@ -27,8 +31,8 @@ def tier_error(name: str, exc: BaseException) -> KVTierError:
     return KVTierError(name, f"the {name} tier cannot be made: {why}")
 
 
-def check_tiers(tiers: Sequence[object]) -> None:
-    """Make each tier of `tiers` (`TierConfig`s) as a store would, at its full capacity, and
+def check_tiers(tiers: Sequence[TierConfig]) -> None:
+    """Make each tier of `tiers` as a store would, at its full capacity, and
     remove it again: a disk tier's folder and sparse page file, a host tier's (or a CPU device
     tier's) shared-memory arena with its first reservation. A device tier on a GPU is not
     allocated (it would take the GPU's memory for the time of the check).
@@ -42,15 +46,15 @@ def check_tiers(tiers: Sequence[object]) -> None:
     from omni.kv.tiers.memory import slots_for
 
     for config in tiers:
-        name = config.name  # type: ignore[attr-defined]
+        name = config.name
         if name == "device" and torch.cuda.is_available():
             continue
         probe_id = secrets.token_hex(8)
         try:
-            capacity = parse_size(config.capacity)  # type: ignore[attr-defined]
+            capacity = parse_size(config.capacity)
             if name == "disk":
                 slots = slots_for(capacity, DiskTier.slot_bytes_for(_PROBE_LAYOUT), name)
-                tier = DiskTier.create(_PROBE_LAYOUT, slots, config.path, probe_id)  # type: ignore[attr-defined]
+                tier = DiskTier.create(_PROBE_LAYOUT, slots, config.path, probe_id)
             else:
                 slots = slots_for(capacity, _PROBE_LAYOUT.page_bytes, name)
                 make = HostTier.create if name == "host" else DeviceTier.create
