@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _Tokenizer
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
 
@@ -15,7 +18,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -34,7 +38,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """The text of `token_ids`; pad, bos and eos have no text (the options change nothing)."""
         data = bytes(t - self.offset for t in token_ids if self.offset <= t < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
@@ -51,11 +57,17 @@ class HFTokenizer:
         self._tok = _Tokenizer.from_file(str(path))
         self.eos_token_ids = eos_token_ids
 
+    @property
+    def backend(self) -> _Tokenizer:
+        """The `tokenizers.Tokenizer` itself (vocabulary, special tokens, `to_str()`)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(directory: str | Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer | None:
