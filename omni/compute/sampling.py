@@ -48,17 +48,22 @@ class RequestSamplingState:
     stop checks need the parameters. Batches come and go around it (`TokenSamplingState`).
     """
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = (), *,
+                 eos_token_ids: Collection[int] = (), constraint: Any = None,
+                 logit_processor: Any = None) -> None:
         self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.constraint = constraint
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.output_token_ids: list[int] = []  # appended by TokenSampler.step
         self.finish_reason: FinishReason | None = "length" if params.max_new_tokens == 0 else None
         self.matched_stop: int | str | None = None  # the stop token id or string that matched
         self.generator = torch.Generator()
-        if params.seed is None:
+        seed = params.sampling_seed if params.sampling_seed is not None else params.seed
+        if seed is None:
             self.generator.seed()  # a non-deterministic seed from the OS
         else:
-            self.generator.manual_seed(params.seed % 2**64)
+            self.generator.manual_seed(seed % 2**64)
         self._uniforms: list[float] = []
 
     def __repr__(self) -> str:
@@ -95,6 +100,8 @@ class RequestSamplingState:
             stop: tuple[str, ...] = params.stop  # type: ignore[assignment]
             hits = [(text_so_far.find(s), s) for s in stop if s in text_so_far]
             reason, matched = ("stop", min(hits)[1]) if hits else (None, None)
+        if reason is None and self.constraint is not None and self.constraint.is_terminated():
+            reason, matched = "stop", new_token
         self.finish_reason, self.matched_stop = reason, matched
         return reason
 
@@ -202,6 +209,7 @@ class TokenSamplingState:
         # top-k may need more and widens it, for later steps too (distributions change slowly)
         open_top_p = any(p.top_p < 1.0 and p.top_k == -1 for p in sampled)
         self.sort_width = max([256 if open_top_p else 1] + [p.top_k for p in sampled])
+        self.constrained = [i for i, r in enumerate(self.requests) if r.constraint is not None]
         self._vocab_size: int | None = None
         self._columns: _Columns | None = None
         self._penalties: _PenaltyTables | None = None
@@ -256,6 +264,8 @@ class TokenSamplingState:
         token_ids = tokens.tolist()
         for request, token_id in zip(self.requests, token_ids, strict=True):
             request.output_token_ids.append(token_id)
+            if request.constraint is not None:
+                request.constraint.accept(token_id)
         if self._penalties is not None:
             self._penalties.record(tokens)
         return token_ids
@@ -285,11 +295,13 @@ class TokenSampler:
         """
         cols = state.columns(output)
         self.num_steps += 1
-        if state.all_greedy and not state.any_penalty:
+        if state.all_greedy and not state.any_penalty and not state.constrained:
             self.num_fast_steps += 1
             tokens = output.argmax(dim=-1)
         else:
             scores = state.penalised(output)
+            if state.constrained:
+                _apply_constraints(scores, state)
             greedy = scores.argmax(dim=-1) if state.any_greedy else None
             if greedy is not None and state.all_greedy:
                 tokens = greedy
@@ -362,6 +374,22 @@ def _top_threshold(weights: torch.Tensor, state: TokenSamplingState,
             last = ranked.gather(1, num_kept - 1)
             return torch.maximum(threshold, torch.where(cols.top_p_on, last, 0.0))
         state.sort_width = min(width * 8, vocab_size)
+
+
+def _apply_constraints(scores: torch.Tensor, state: TokenSamplingState) -> None:
+    """In place: tokens a row's constraint forbids get -inf; a row allowed none gets EOS."""
+    rows = state.constrained
+    bitmask = torch.full((len(rows), (scores.shape[1] + 31) // 32), -1, dtype=torch.int32)
+    for i, row in enumerate(rows):
+        state.requests[row].constraint.fill_bitmask(bitmask, i)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)
+    allowed = allowed[:, : scores.shape[1]]
+    for i, row in enumerate(rows):
+        if not bool(allowed[i].any()):
+            allowed[i, list(state.requests[row].eos_token_ids)] = True
+    index = torch.tensor(rows)
+    scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,

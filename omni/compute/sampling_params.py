@@ -90,6 +90,17 @@ class SamplingParams:
     stop_token_ids: Collection[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    sampling_seed: int | None = None
+    n: int = 1
+    stop_regex: str | Sequence[str] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         for name, (accepts, accepted) in _RANGES.items():
@@ -103,6 +114,18 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.seed is not None:
             object.__setattr__(self, "seed", _check_number("seed", self.seed, integral=True))
+        if self.sampling_seed is not None:
+            object.__setattr__(self, "sampling_seed",
+                               _check_number("sampling_seed", self.sampling_seed, integral=True))
+        if _check_number("n", self.n, integral=True) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+        if self.stream_interval is not None and _check_number(
+                "stream_interval", self.stream_interval, integral=True) < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval!r}")
+        stop_regex = self.stop_regex
+        stop_regex = () if stop_regex is None else (
+            (stop_regex,) if isinstance(stop_regex, str) else tuple(stop_regex))
+        object.__setattr__(self, "stop_regex", stop_regex)
 
     @property
     def is_greedy(self) -> bool:
@@ -119,6 +142,7 @@ class SamplingParams:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["stop"] = list(self.stop)  # type: ignore[arg-type]
         data["stop_token_ids"] = sorted(self.stop_token_ids)  # type: ignore[type-var]
+        data["stop_regex"] = list(self.stop_regex)  # type: ignore[arg-type]
         return data
 
     @classmethod

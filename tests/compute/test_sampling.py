@@ -117,8 +117,8 @@ def test_to_dict_round_trips_through_json():
 
 
 def test_from_dict_rejects_unknown_keys_by_name_and_non_mappings():
-    with pytest.raises(ValueError, match=r"'bogus', 'n'"):
-        SamplingParams.from_dict({"temperature": 0.5, "n": 2, "bogus": 1})
+    with pytest.raises(ValueError, match=r"'bogus', 'nn'"):
+        SamplingParams.from_dict({"temperature": 0.5, "nn": 2, "bogus": 1})
     with pytest.raises(ValueError, match="mapping"):
         SamplingParams.from_dict([("temperature", 0.5)])  # type: ignore[arg-type]
 
