@@ -376,20 +376,26 @@ def _top_threshold(weights: torch.Tensor, state: TokenSamplingState,
         state.sort_width = min(width * 8, vocab_size)
 
 
+_BITS = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32,
+                                                                           dtype=torch.int32))
+
+
 def _apply_constraints(scores: torch.Tensor, state: TokenSamplingState) -> None:
     """In place: tokens a row's constraint forbids get -inf; a row allowed none gets EOS."""
-    rows = state.constrained
-    bitmask = torch.full((len(rows), (scores.shape[1] + 31) // 32), -1, dtype=torch.int32)
+    rows, (b, v) = state.constrained, scores.shape
+    bitmask = torch.full((len(rows), (v + 31) // 32), -1, dtype=torch.int32)
     for i, row in enumerate(rows):
         state.requests[row].constraint.fill_bitmask(bitmask, i)
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)
-    allowed = allowed[:, : scores.shape[1]]
-    for i, row in enumerate(rows):
-        if not bool(allowed[i].any()):
-            allowed[i, list(state.requests[row].eos_token_ids)] = True
-    index = torch.tensor(rows)
-    scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
+    blocked = torch.bitwise_and(bitmask.unsqueeze(-1), _BITS).eq(0).view(len(rows), -1)[:, :v]
+    nothing = blocked.all(dim=1)
+    if bool(nothing.any()):
+        for i in nothing.nonzero().flatten().tolist():
+            blocked[i, list(state.requests[rows[i]].eos_token_ids)] = False
+    if len(rows) == b:
+        scores.masked_fill_(blocked, float("-inf"))
+    else:
+        index = torch.tensor(rows)
+        scores[index] = scores[index].masked_fill(blocked, float("-inf"))
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,
