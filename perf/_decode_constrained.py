@@ -77,8 +77,9 @@ async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
     ratio = ratios.median
     return claim(unit="decode tokens/s", target=TARGET, measured=json_rate,
                  baseline=free_rate, ratio=ratio, passed=ratio >= TARGET,
-                 batch=len(prompts), round_ratios=ratios.to_json(3), tokens_per_call={"json": tokens[f"json_{new_tokens}"],
-                                                      "free": tokens[f"free_{new_tokens}"]},
+                 batch=len(prompts), round_ratios=ratios.to_json(3),
+                 tokens_per_call={"json": tokens[f"json_{new_tokens}"],
+                                  "free": tokens[f"free_{new_tokens}"]},
                  note=("greedy, ignore_eos; measured: with json_schema (a constrained request "
                        "ends when its JSON is complete, so its tokens are counted), baseline: "
                        "the same requests without it; tokens/s = (tokens - batch) / "
