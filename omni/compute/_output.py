@@ -1,5 +1,5 @@
-"""A generation's output on SGLang's terms: stop regexes, the text's stop trimming and decode
-options, the seeds of n samples, and when a stream hands its tokens over.
+"""A generation's output on SGLang's terms: the text's stop trimming and decode options, the
+seeds of n samples, and when a stream hands its tokens over.
 
 Kept apart from the engine so that each rule is a small pure function tested on its own.
 """
@@ -7,47 +7,10 @@ Kept apart from the engine so that each rule is a small pure function tested on 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["compile_stop_regex", "output_text", "sample_params", "search_stop_regex",
-           "stream_due"]
-
-MAX_STOP_REGEX_LEN = 256  # bytes per pattern, as SGLang
-MAX_STOP_REGEX_COUNT = 32  # patterns per request, as SGLang
-
-
-def compile_stop_regex(patterns: Sequence[str] | str | None) -> tuple[re.Pattern[str], ...]:
-    """The request's `stop_regex` patterns, compiled.
-
-    Raises:
-        ValueError: more than 32 patterns, one over 256 bytes, or one that does not compile
-            (naming `stop_regex` and the pattern).
-    """
-    items = () if not patterns else (patterns,) if isinstance(patterns, str) else patterns
-    if len(items) > MAX_STOP_REGEX_COUNT:
-        raise ValueError(f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns are allowed, "
-                         f"got {len(items)}")
-    compiled = []
-    for pattern in items:
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"stop_regex must hold non-empty strings, got {pattern!r}")
-        if len(pattern.encode()) > MAX_STOP_REGEX_LEN:
-            raise ValueError(f"stop_regex {pattern!r} is over {MAX_STOP_REGEX_LEN} bytes")
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as exc:
-            raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {exc}") from None
-    return tuple(compiled)
-
-
-def search_stop_regex(patterns: Sequence[re.Pattern[str]], text: str) -> str | None:
-    """The first pattern (in the request's order) that `re.search` finds in `text`, or None."""
-    for pattern in patterns:
-        if pattern.search(text):
-            return pattern.pattern
-    return None
+__all__ = ["output_text", "sample_params", "stream_due"]
 
 
 def output_text(tokenizer: Any, token_ids: Sequence[int], params: Any,

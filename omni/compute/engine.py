@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,13 +24,7 @@ import torch
 import trio
 
 from omni.compute._batch import BatchKV
-from omni.compute._output import (
-    compile_stop_regex,
-    output_text,
-    sample_params,
-    search_stop_regex,
-    stream_due,
-)
+from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
 from omni.compute.models import DecoderLM, load_pretrained, tiny_model
@@ -106,8 +99,6 @@ class _Request:
     streaming: bool = False  # its caller takes each token as it comes
     stored_pages: int = 0
     num_sent: int = 0  # tokens a stream handed over
-    stop_regex: tuple[re.Pattern[str], ...] = ()
-    matched_stop: int | str | None = None  # what ended it (SGLang trims the text by it)
     forks: list[_Request] = field(default_factory=list)  # samples 2..n: rows forked at prefill
 
     @property
@@ -301,20 +292,19 @@ class TorchEngine:
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "
                              f"decodes {self.max_batch} at most (max_batch)")
-        stop_regex = compile_stop_regex(params.stop_regex)
         tokens = self.prepare(prompt)
         grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
-        samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started,
-                            stop_regex=stop_regex) for i in range(params.n)]
+        samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started)
+                   for i in range(params.n)]
         for sample in samples:
             constraint = None
             if grammar is not None and self._grammars is not None:
                 constraint = self._grammars.constraint(grammar[1], grammar[0])
             sample.sampling = RequestSamplingState(
                 sample.params, tokens.token_ids, eos_token_ids=self._eos_ids(),
-                constraint=constraint)
+                constraint=constraint, context_length=self.config.max_position_embeddings)
         request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
@@ -383,7 +373,8 @@ class TorchEngine:
         tokens = list(r.output)
         text = None
         if self.tokenizer is not None:
-            text = output_text(self.tokenizer, tokens, r.params, r.matched_stop)
+            matched = None if r.sampling is None else r.sampling.matched_stop
+            text = output_text(self.tokenizer, tokens, r.params, matched)
         first = (r.first_token_at or time.perf_counter()) - r.started
         return GenerateResult(tokens, text, len(r.tokens), r.cached_tokens, r.finish_reason,
                               first)
@@ -512,18 +503,12 @@ class TorchEngine:
     def _finish_or_continue(self, r: _Request, token: int) -> None:
         r.output.append(token)
         text = None
-        if (r.params.stop or r.stop_regex) and self.tokenizer is not None:
-            # SGLang matches stops in the text with special tokens kept
+        if (r.params.stop or r.params.stop_regex) and self.tokenizer is not None:
+            # SGLang matches stop strings and regexes in the text with special tokens kept
             text = self.tokenizer.decode(r.output, skip_special_tokens=False)
-        # a stop regex first: SGLang checks text stops before stop tokens and the length
-        matched = None if text is None else search_stop_regex(r.stop_regex, text)
-        if matched is not None:
-            reason = "stop"
-        else:
-            reason = r.sampling.check_stop(token, text, self._eos_ids())
-            matched = r.sampling.matched_stop
+        reason = r.sampling.check_stop(token, text, self._eos_ids())
         if reason is not None:
-            r.finish_reason, r.matched_stop = reason, matched
+            r.finish_reason = reason
             self._drop(r)
 
     def _drop(self, r: _Request) -> None:

@@ -6,6 +6,7 @@ one batch composition's tensors in `TokenSamplingState`); a diffusion sampler is
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -50,10 +51,11 @@ class RequestSamplingState:
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = (), *,
                  eos_token_ids: Collection[int] = (), constraint: Any = None,
-                 logit_processor: Any = None) -> None:
+                 logit_processor: Any = None, context_length: int | None = None) -> None:
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
         self.constraint = constraint
+        self.context_length = context_length
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.output_token_ids: list[int] = []  # appended by TokenSampler.step
         self.finish_reason: FinishReason | None = "length" if params.max_new_tokens == 0 else None
@@ -91,7 +93,9 @@ class RequestSamplingState:
         with `truncate_at_stop`); else None. Also sets `finish_reason` and `matched_stop`.
         """
         params, reason, matched = self.params, None, None
-        if len(self.output_token_ids) >= params.max_new_tokens:
+        if len(self.output_token_ids) >= params.max_new_tokens or (
+                self.context_length is not None and len(self.prompt_token_ids)
+                + len(self.output_token_ids) >= self.context_length):
             reason = "length"
         elif new_token in params.stop_token_ids or (
                 not params.ignore_eos and new_token in eos_token_ids):
@@ -100,6 +104,10 @@ class RequestSamplingState:
             stop: tuple[str, ...] = params.stop  # type: ignore[assignment]
             hits = [(text_so_far.find(s), s) for s in stop if s in text_so_far]
             reason, matched = ("stop", min(hits)[1]) if hits else (None, None)
+            for pattern in params.stop_regex if reason is None else ():  # type: ignore[union-attr]
+                if re.search(pattern, text_so_far):
+                    reason, matched = "stop", pattern
+                    break
         if reason is None and self.constraint is not None and self.constraint.is_terminated():
             reason, matched = "stop", new_token
         self.finish_reason, self.matched_stop = reason, matched

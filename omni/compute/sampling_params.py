@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -125,6 +126,11 @@ class SamplingParams:
         stop_regex = self.stop_regex
         stop_regex = () if stop_regex is None else (
             (stop_regex,) if isinstance(stop_regex, str) else tuple(stop_regex))
+        for pattern in stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {exc}") from exc
         object.__setattr__(self, "stop_regex", stop_regex)
 
     @property

@@ -255,10 +255,11 @@ async def test_stop_regex_ends_at_the_token_that_completes_the_match(reference):
 
 
 async def test_no_stop_trim_keeps_the_stop_token_and_the_stop_string(reference):
-    free = (await reference.generate("trim or keep", GREEDY)).token_ids
+    free = (await reference.generate("trim or keep", SamplingParams(
+        max_new_tokens=12, temperature=0))).token_ids
+    assert len(free) == 12  # no EOS in the way
     tok = ByteTokenizer()
-    by_token = dict(max_new_tokens=12, temperature=0, ignore_eos=True,
-                    stop_token_ids=[free[5]])
+    by_token = dict(max_new_tokens=12, temperature=0, stop_token_ids=[free[5]])
     k = free.index(free[5]) + 1
     trimmed = await reference.generate("trim or keep", SamplingParams(**by_token))
     kept = await reference.generate("trim or keep", SamplingParams(**by_token,
@@ -269,7 +270,7 @@ async def test_no_stop_trim_keeps_the_stop_token_and_the_stop_string(reference):
     k = first_match(free, lambda text: stop in text)
     text = tok.decode(free[:k])
     at = text.find(stop)
-    by_string = dict(max_new_tokens=12, temperature=0, ignore_eos=True, stop=stop)
+    by_string = dict(max_new_tokens=12, temperature=0, stop=stop)
     trimmed = await reference.generate("trim or keep", SamplingParams(**by_string))
     kept = await reference.generate("trim or keep", SamplingParams(**by_string,
                                                                    no_stop_trim=True))

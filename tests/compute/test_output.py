@@ -1,15 +1,9 @@
 """A generation's output on SGLang's terms: stop trimming, decode options, n-sample seeds, stream
-hand-over, stop_regex limits (each rule from SGLang 0.5's detokenizer, Req and output streamer)."""
+hand-over (each rule from SGLang 0.5's detokenizer, Req and output streamer)."""
 
 import pytest
 
-from omni.compute._output import (
-    compile_stop_regex,
-    output_text,
-    sample_params,
-    search_stop_regex,
-    stream_due,
-)
+from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.sampling import SamplingParams
 
 
@@ -65,15 +59,3 @@ def test_sample_i_is_seeded_sampling_seed_plus_i():
 ])
 def test_stream_due_follows_sglang_s_stream_interval(sent, made, interval, finished, due):
     assert stream_due(sent, made, interval, finished) is due
-
-
-def test_stop_regex_limits_and_search_order():
-    patterns = compile_stop_regex([r"b+", r"a"])
-    assert search_stop_regex(patterns, "xab") == "b+" and search_stop_regex(patterns, "x") is None
-    assert compile_stop_regex(None) == () and len(compile_stop_regex("a")) == 1
-    with pytest.raises(ValueError, match="at most 32 stop_regex"):
-        compile_stop_regex(["a"] * 33)
-    with pytest.raises(ValueError, match="over 256 bytes"):
-        compile_stop_regex(["a" * 257])
-    with pytest.raises(ValueError, match="not a valid regex"):
-        compile_stop_regex(["[a"])
