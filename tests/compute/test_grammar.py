@@ -215,3 +215,21 @@ def test_importing_omni_compute_does_not_import_xgrammar():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_n_constrained_samples_each_follow_the_grammar_from_one_prefill():
+    engine = make_engine(ByteTokenizer())
+    params = dict(max_new_tokens=30, temperature=1.0, regex=REGEX)
+    result = await engine.generate("Answer: ", SamplingParams(n=5, sampling_seed=20, **params))
+    assert engine.stats().num_prefills == 1 and len(result.samples) == 5
+    for i, sample in enumerate(result.samples):  # each sample has its own matcher
+        assert re.fullmatch(REGEX, sample.text)
+        alone = await engine.generate("Answer: ", SamplingParams(sampling_seed=20 + i, **params))
+        assert sample.token_ids == alone.token_ids
+
+
+async def test_a_grammar_needs_a_tokenizer():
+    model, config = tiny_model(seed=0)
+    engine = TorchEngine(model, config)
+    with pytest.raises(ValueError, match="regex needs a tokenizer"):
+        await engine.generate([5, 6], SamplingParams(regex="a"))
