@@ -15,9 +15,9 @@ per round, then the median over rounds. Tokens/s of the whole call (batch x N / 
 reported too. The four calls of a round run in alternating order. Target: ours >= 1.0x theirs
 in decode tokens/s, for every model and batch size. Tokens must be equal (greedy).
 
-Constrained decoding (`constrained`): the tiny model with the byte tokenizer, decode tokens/s
-with a JSON schema vs the same requests without one, per batch size (perf/_decode_constrained.py).
-Target: >= 0.9x.
+Constrained decoding (`constrained`): the tiny model with the byte tokenizer, decode tokens per
+CPU second of the process with a JSON schema vs the same requests without one, per batch size
+(perf/_decode_constrained.py). Target: >= 0.9x.
 
 Models: "tiny" (`tiny_config()`: hidden 64, 2 layers: per-step overhead dominates) and
 "small" (hidden 256, 4 layers, MLP 768: the matmuls weigh more). Torch threads: the default.
