@@ -106,10 +106,15 @@ async def measure_constrained(seed: int, batch_sizes: tuple[int, ...], new_token
     engine = TorchEngine(model, config, tokenizer=ByteTokenizer(), model_id="tiny-json")
     generator = torch.Generator().manual_seed(seed)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "zeta"]
-    cases = []
-    for batch in batch_sizes:
-        prompts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (12,),
-                                                                 generator=generator))
-                   + "\nAs JSON:" for _ in range(batch)]
-        cases.append(await _case(engine, prompts, new_tokens, repeats))
-    return {"model": "tiny", "tokenizer": "bytes", "schema": SCHEMA, "cases": cases}
+    cases, threads = [], torch.get_num_threads()
+    # one torch thread: no thread spins (burning CPU time) while another waits for a core
+    torch.set_num_threads(1)
+    try:
+        for batch in batch_sizes:
+            prompts = [" ".join(words[int(i)] for i in torch.randint(
+                0, len(words), (12,), generator=generator)) + "\nAs JSON:" for _ in range(batch)]
+            cases.append(await _case(engine, prompts, new_tokens, repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return {"model": "tiny", "tokenizer": "bytes", "schema": SCHEMA, "torch_threads": 1,
+            "cases": cases}

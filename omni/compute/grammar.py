@@ -127,14 +127,14 @@ class GrammarConstraint:
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled `token_id` (nothing once terminated)."""
-        if self.is_terminated():
+        if self.rejected_token is not None or self._matcher.is_terminated():
             return
-        if not self._matcher.accept_token(int(token_id)):
-            log.warning("token %d is outside the request's %s; the request ends",
-                        token_id, self.kind)
-            self.rejected_token = int(token_id)
+        if self._matcher.accept_token(token_id):
+            self.num_accepted += 1
             return
-        self.num_accepted += 1
+        log.warning("token %d is outside the request's %s; the request ends", token_id,
+                    self.kind)
+        self.rejected_token = token_id
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete (its stop token accepted) or was broken."""

@@ -11,6 +11,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+import numpy as np
 import torch
 
 from omni.compute.sampling_params import GREEDY_TEMPERATURE, FinishReason, SamplingParams
@@ -384,21 +385,19 @@ def _top_threshold(weights: torch.Tensor, state: TokenSamplingState,
         state.sort_width = min(width * 8, vocab_size)
 
 
-_BITS = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32), torch.arange(32,
-                                                                           dtype=torch.int32))
-
-
 def _apply_constraints(scores: torch.Tensor, state: TokenSamplingState) -> None:
-    """In place: tokens a row's constraint forbids get -inf; a row allowed none gets EOS."""
+    """In place: tokens a row's constraint forbids get -inf; a row allowed none gets EOS.
+
+    The bitmask is unpacked with numpy: on a few rows its ops cost a fraction of torch's.
+    """
     rows, (b, v) = state.constrained, scores.shape
     bitmask = torch.full((len(rows), (v + 31) // 32), -1, dtype=torch.int32)
     for i, row in enumerate(rows):
         state.requests[row].constraint.fill_bitmask(bitmask, i)
-    blocked = torch.bitwise_and(bitmask.unsqueeze(-1), _BITS).eq(0).view(len(rows), -1)[:, :v]
-    nothing = blocked.all(dim=1)
-    if bool(nothing.any()):
-        for i in nothing.nonzero().flatten().tolist():
-            blocked[i, list(state.requests[rows[i]].eos_token_ids)] = False
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
+    for i in np.flatnonzero(~allowed.any(axis=1)):
+        allowed[i, list(state.requests[rows[i]].eos_token_ids)] = 1
+    blocked = torch.from_numpy(allowed == 0)
     if len(rows) == b:
         scores.masked_fill_(blocked, float("-inf"))
     else:
