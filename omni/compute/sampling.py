@@ -388,21 +388,25 @@ def _top_threshold(weights: torch.Tensor, state: TokenSamplingState,
 def _apply_constraints(scores: torch.Tensor, state: TokenSamplingState) -> None:
     """In place: tokens a row's constraint forbids get -inf; a row allowed none gets EOS.
 
-    The bitmask is unpacked with numpy: on a few rows its ops cost a fraction of torch's.
+    On the CPU the bitmask is unpacked and applied with numpy: on a few rows its ops cost a
+    fraction of torch's dispatch.
     """
     rows, (b, v) = state.constrained, scores.shape
-    bitmask = torch.full((len(rows), (v + 31) // 32), -1, dtype=torch.int32)
+    bitmask = np.full((len(rows), (v + 31) // 32), -1, dtype=np.int32)
+    view = torch.from_numpy(bitmask)
     for i, row in enumerate(rows):
-        state.requests[row].constraint.fill_bitmask(bitmask, i)
-    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
-    for i in np.flatnonzero(~allowed.any(axis=1)):
-        allowed[i, list(state.requests[rows[i]].eos_token_ids)] = 1
-    blocked = torch.from_numpy(allowed == 0)
-    if len(rows) == b:
-        scores.masked_fill_(blocked, float("-inf"))
+        state.requests[row].constraint.fill_bitmask(view, i)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :v]
+    if not bitmask.any(axis=1).all():  # a row allowed nothing: it takes EOS
+        for i in np.flatnonzero(~allowed.any(axis=1)):
+            allowed[i, list(state.requests[rows[i]].eos_token_ids)] = 1
+    blocked = allowed == 0
+    if scores.device.type == "cpu" and len(rows) == b:
+        scores.numpy()[blocked] = -np.inf
     else:
-        index = torch.tensor(rows)
-        scores[index] = scores[index].masked_fill(blocked, float("-inf"))
+        index = torch.tensor(rows, device=scores.device)
+        mask = torch.from_numpy(blocked).to(scores.device)
+        scores[index] = scores[index].masked_fill(mask, float("-inf"))
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,
