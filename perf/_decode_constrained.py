@@ -1,15 +1,18 @@
 """`perf/decode.py`'s constrained case: decode tokens/s with a JSON schema vs without, same run.
 
-One `TorchEngine` (the tiny model and the byte tokenizer, no KV store) serves both sides, with
-the same prompts and greedy parameters; the constrained side adds ``json_schema`` (compiled
-once in the warm-up; its matcher fills one token bitmask per row per step, which the sampler
-applies). Decode rate = (tokens - batch) / (T(N) - T(1)) per round, as for the other cases,
-the four calls of a round in alternating order, then the median over rounds. T is the CPU
-time of the process (`time.process_time`, all its threads): on a shared machine, wall-clock
-time also counts the time other processes hold the cores, which swamps a difference of a few
-percent; wall-clock rates are recorded beside. Target: constrained >= 0.9x unconstrained, per
-batch size.
-"""
+One `TorchEngine` per model (decode.py's models, the byte tokenizer, no KV store) serves both
+sides, with the same prompts and greedy parameters; the constrained side adds ``json_schema``
+(compiled once in the warm-up; its matcher fills one token bitmask per row per step, which the
+sampler applies). On the tiny model a step costs well under a millisecond, so the mask's fixed
+cost per step weighs most there; the small model shows it against more arithmetic.
+
+Decode rate = (tokens - batch) / (T(N) - T(1)) per round, as for the other cases, the four
+calls of a round in alternating order, then the median over rounds. T is the CPU time of the
+process (`time.process_time`, all its threads; torch runs one thread here, so that no thread
+spins while another waits for a core): on a shared machine, wall-clock time also counts the
+time other processes hold the cores, which swamps a difference of a few percent; wall-clock
+rates are recorded beside. Target: constrained >= 0.9x unconstrained, per model and batch
+size."""
 
 from __future__ import annotations
 
@@ -99,22 +102,25 @@ async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
                        "over rounds (wall-clock rates recorded beside)"))
 
 
-async def measure_constrained(seed: int, batch_sizes: tuple[int, ...], new_tokens: int,
+async def measure_constrained(seed: int, models: dict[str, dict[str, int]],
+                              batch_sizes: tuple[int, ...], new_tokens: int,
                               repeats: int) -> dict[str, Any]:
-    """The constrained-decoding claim for each batch size, on the tiny model."""
-    model, config = tiny_model(seed=seed)
-    engine = TorchEngine(model, config, tokenizer=ByteTokenizer(), model_id="tiny-json")
+    """The constrained-decoding claim for each model (`tiny_model` overrides) and batch size."""
     generator = torch.Generator().manual_seed(seed)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "zeta"]
     cases, threads = [], torch.get_num_threads()
     # one torch thread: no thread spins (burning CPU time) while another waits for a core
     torch.set_num_threads(1)
     try:
-        for batch in batch_sizes:
-            prompts = [" ".join(words[int(i)] for i in torch.randint(
-                0, len(words), (12,), generator=generator)) + "\nAs JSON:" for _ in range(batch)]
-            cases.append(await _case(engine, prompts, new_tokens, repeats))
+        for name, overrides in models.items():
+            model, config = tiny_model(seed=seed, **overrides)
+            engine = TorchEngine(model, config, tokenizer=ByteTokenizer(), model_id=name)
+            for batch in batch_sizes:
+                prompts = [" ".join(words[int(i)] for i in torch.randint(
+                    0, len(words), (12,), generator=generator)) + "\nAs JSON:"
+                    for _ in range(batch)]
+                case = await _case(engine, prompts, new_tokens, repeats)
+                cases.append({"model": name, **case})
     finally:
         torch.set_num_threads(threads)
-    return {"model": "tiny", "tokenizer": "bytes", "schema": SCHEMA, "torch_threads": 1,
-            "cases": cases}
+    return {"tokenizer": "bytes", "schema": SCHEMA, "torch_threads": 1, "cases": cases}

@@ -15,8 +15,8 @@ per round, then the median over rounds. Tokens/s of the whole call (batch x N / 
 reported too. The four calls of a round run in alternating order. Target: ours >= 1.0x theirs
 in decode tokens/s, for every model and batch size. Tokens must be equal (greedy).
 
-Constrained decoding (`constrained`): the tiny model with the byte tokenizer, decode tokens per
-CPU second of the process with a JSON schema vs the same requests without one, per batch size
+Constrained decoding (`constrained`): each model with the byte tokenizer, decode tokens per CPU
+second of the process with a JSON schema vs the same requests without one, per batch size
 (perf/_decode_constrained.py). Target: >= 0.9x.
 
 Models: "tiny" (`tiny_config()`: hidden 64, 2 layers: per-step overhead dominates) and
@@ -232,8 +232,9 @@ async def measure(params: Params) -> dict[str, Any]:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="omni-decode-") as tmp:
         models = [await measure_model(name, params, Path(tmp)) for name in params.models]
-    constrained = await measure_constrained(params.seed, params.batch_sizes, params.new_tokens,
-                                            params.repeats)
+    constrained = await measure_constrained(
+        params.seed, {name: MODELS[name] for name in params.models}, params.batch_sizes,
+        params.new_tokens, params.repeats)
     import transformers
 
     cases = [c for m in models for c in m["cases"]]

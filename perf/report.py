@@ -354,8 +354,8 @@ KNOWN: tuple[Known, ...] = (
                      f"{fig(med(_case(k)[1]['transformers']))} tokens/s")),
     Known("decode", "constrained.cases[*]",
           lambda k: (f"constrained decoding (a JSON schema through xgrammar) vs free decoding, "
-                     f"same engine and requests: tiny model, byte tokenizer, batch "
-                     f"{k.c['batch']}"),
+                     f"same engine and requests: {k.c['model']} model, byte tokenizer, "
+                     f"batch {k.c['batch']}"),
           lambda k: f"≥ {k.c['target']:g}× the free decode rate",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} tokens per CPU second)",
           lambda k: f"free: {fig(med(k.c['baseline']))} tokens per CPU second"),
