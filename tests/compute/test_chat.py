@@ -72,6 +72,38 @@ STRICT = """{% set ns = namespace(turns=0) %}
 {% if add_generation_prompt %}
 <|im_start|>assistant
 {% endif %}"""
+# Qwen3's kind of template: reversed messages, string methods, tool calls, a kwarg switch.
+REASONING = """{%- set ns = namespace(last_user=messages|length - 1, found=false) %}
+{%- for message in messages[::-1] %}
+    {%- if not ns.found and message.role == 'user' and not message.content.startswith('<r>') %}
+        {%- set ns.found = true %}
+        {%- set ns.last_user = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == 'assistant' %}
+        {%- set reasoning = message.reasoning_content if message.reasoning_content is string
+                            else content.split('</think>')[0].split('<think>')[-1].strip('\n') %}
+        {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if loop.index0 > ns.last_user %}{{- '<think>' + reasoning + '</think>' }}{%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls or [] %}
+            {{- '\n<tool_call>' + {'name': call.function.name,
+                                    'arguments': call.function.arguments} | tojson }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Hello world, how are you today?"},
             {"role": "assistant", "content": "The quick brown fox."},
@@ -232,6 +264,29 @@ def test_rendered_text_and_ids_equal_transformers(tmp_path: Path, template: str,
         messages, return_dict=False, **kwargs)
     if template == LLAMA3:
         assert text.startswith("<|endoftext|><|start_header_id|>system")
+
+
+@pytest.mark.parametrize("enable_thinking", [None, False])
+def test_reasoning_template_with_tool_calls_equals_transformers(tmp_path: Path,
+                                                                enable_thinking: bool | None,
+                                                                ) -> None:
+    """A Qwen3-style template (string methods, reversed messages, tool calls, reasoning under
+    `reasoning` aliased to `reasoning_content`, an `enable_thinking` switch) renders as
+    transformers renders it; None-valued keys are dropped before rendering."""
+    directory = save_tokenizer(tmp_path, REASONING)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": "é"}}}
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd</think>\n\nLet me add.",
+                 "tool_calls": [call]},
+                {"role": "tool", "content": "4", "tool_calls": None},
+                {"role": "assistant", "content": "Four.", "reasoning": "easy"},
+                {"role": "user", "content": "<r>thanks"}]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    expected = AutoTokenizer.from_pretrained(directory).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    text = load_tokenizer(directory).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert text == expected and "<think>easy</think>Four." in text
 
 
 def test_template_exceptions_and_bad_messages_are_value_errors(tmp_path: Path) -> None:
