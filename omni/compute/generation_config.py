@@ -10,7 +10,8 @@ Requests that pass no `SamplingParams` sample as the checkpoint asks, as SGLang 
   not transformers' own fallbacks (e.g. its top_k of 50).
 - `max_new_tokens`, else `max_length` minus the prompt (at least 1 token, as transformers'
   length check); neither: `SamplingParams`' default (128 tokens, not transformers' legacy 20).
-- `eos_token_id` (an id or a list) ends generation, as transformers' `generate` reads it.
+- `eos_token_id` (an id or a list) ends generation, as transformers' `generate` reads it
+  (see `resolve_eos_token_ids` for a file without one).
 """
 
 from __future__ import annotations
@@ -112,8 +113,12 @@ def load_generation_defaults(directory: str | Path) -> GenerationDefaults | None
 
 def resolve_eos_token_ids(defaults: GenerationDefaults | None, config_eos: tuple[int, ...],
                           tokenizer_eos: int | None = None) -> tuple[int, ...]:
-    """The ids that end generation: `generation_config.json`'s when it names any (transformers'
-    `generate`), else config.json's, else the tokenizer's `eos_token`."""
+    """The ids that end generation: `generation_config.json`'s when it names any (as
+    transformers' `generate`), else config.json's, else the tokenizer's `eos_token`.
+
+    Where the file exists but names none, transformers would never stop at an EOS; falling
+    back (as SGLang, which also reads config.json's) keeps such a checkpoint's answers finite.
+    """
     if defaults is not None and defaults.eos_token_ids:
         return defaults.eos_token_ids
     if config_eos:

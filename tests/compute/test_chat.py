@@ -214,6 +214,17 @@ async def test_generation_config_defaults_and_eos_list_are_used(tmp_path: Path) 
     assert result.token_ids == hf_chat(directory, MESSAGES)
 
 
+async def test_generation_config_max_length_counts_the_prompt(tmp_path: Path) -> None:
+    """max_length in generation_config.json caps prompt + answer, as in transformers."""
+    directory = save_checkpoint(tmp_path, "qwen3")
+    num_prompt = len(TorchEngine.from_pretrained(directory).chat_prompt(MESSAGES))
+    GenerationConfig(do_sample=False, max_length=num_prompt + 6, eos_token_id=2).save_pretrained(
+        directory)
+    result = await TorchEngine.from_pretrained(directory).chat(MESSAGES)
+    assert len(result.token_ids) == 6 and result.finish_reason == "length"
+    assert result.token_ids == hf_chat(directory, MESSAGES)
+
+
 def test_generation_defaults_read_like_sglang_model_defaults() -> None:
     """do_sample: the file's knobs (top_k 0 = off); absent knobs keep SamplingParams' defaults;
     max_length counts the prompt; greedy otherwise; wrong values name the file."""
