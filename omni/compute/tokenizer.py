@@ -4,7 +4,7 @@ with its special tokens and chat template."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,7 +13,10 @@ from omni.compute.chat import ChatTemplate, load_chat_templates
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as _Tokenizer
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "special_tokens_of"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "add_missing_special_tokens",
+           "load_tokenizer", "special_tokens_of"]
+
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
 class Tokenizer(Protocol):
@@ -63,16 +66,22 @@ class HFTokenizer:
             transformers' `generate` does; None: the `eos_token`'s id, if any).
         special_tokens: named special tokens, e.g. ``{"bos_token": "<s>", "eos_token": "</s>"}``
             (transformers' `special_tokens_map`); chat templates see them as variables.
+        added_tokens: tokenizer_config.json's `added_tokens_decoder` (id -> AddedToken dict).
+            As transformers does, its entries and any named special token missing from
+            tokenizer.json are added to the vocabulary, with their `special` flag (which
+            `decode(skip_special_tokens=True)` drops).
         chat_template: the checkpoint's `ChatTemplate` (None: it has none).
     """
 
     def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] | None = None, *,
                  special_tokens: Mapping[str, str] | None = None,
+                 added_tokens: Mapping[str, Mapping[str, Any]] | None = None,
                  chat_template: ChatTemplate | None = None):
         from tokenizers import Tokenizer as _Tokenizer
 
         self._tok = _Tokenizer.from_file(str(path))
         self.special_tokens = dict(special_tokens or {})
+        add_missing_special_tokens(self._tok, added_tokens, self.special_tokens.values())
         self.chat_template = chat_template
         if eos_token_ids is None:
             eos = self.eos_token_id
@@ -160,7 +169,9 @@ def load_tokenizer(directory: str | Path,
     special = special_tokens_of(config, _read_json_object(root / "special_tokens_map.json"))
     templates = load_chat_templates(root, config)
     template = None if templates is None else ChatTemplate(templates, special)
+    added = config.get("added_tokens_decoder")
     return HFTokenizer(root / "tokenizer.json", eos_token_ids, special_tokens=special,
+                       added_tokens=added if isinstance(added, Mapping) else None,
                        chat_template=template)
 
 
@@ -183,6 +194,30 @@ def special_tokens_of(config: Mapping[str, Any],
         if isinstance(content, str):
             tokens[key] = content
     return tokens
+
+
+def add_missing_special_tokens(backend: _Tokenizer,
+                               added_tokens: Mapping[str, Mapping[str, Any]] | None,
+                               named: Iterable[str]) -> None:
+    """Add to `backend` what transformers adds when it loads a tokenizer: the entries of
+    `added_tokens_decoder` it lacks (or holds with other flags, e.g. not special), in id order,
+    then the named special tokens that are not in its vocabulary at all."""
+    from tokenizers import AddedToken
+
+    present = {t.content: t for t in backend.get_added_tokens_decoder().values()}
+    entries = sorted((added_tokens or {}).items(), key=lambda item: int(item[0]))
+    for _, entry in entries:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("content"), str):
+            continue
+        flags = {k: bool(entry[k]) for k in _ADDED_TOKEN_FLAGS if k in entry}
+        token = AddedToken(entry["content"], **flags)
+        old = present.get(token.content)
+        if old is not None and all(getattr(old, k) == getattr(token, k)
+                                   for k in _ADDED_TOKEN_FLAGS):
+            continue
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    missing = [t for t in dict.fromkeys(named) if backend.token_to_id(t) is None]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
 
 def _read_json_object(file: Path) -> dict[str, Any]:

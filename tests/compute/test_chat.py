@@ -401,3 +401,29 @@ def test_special_tokens_ids_and_decoding(tmp_path: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
     assert load_tokenizer(directory).special_tokens == {"eos_token": "<|im_end|>"}
+
+
+def test_added_tokens_decoder_and_missing_named_tokens_join_the_vocabulary(tmp_path: Path) -> None:
+    """As transformers loads them: tokenizer_config.json's added_tokens_decoder marks a plain
+    added token special and appends a new one; a named special token missing from
+    tokenizer.json (bos "<s>") is appended too. Ids, encoding and decoding then agree."""
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_str(trained_tokenizer_json())
+    tok.add_tokens([AddedToken("<tool>", special=False, normalized=False)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>").save_pretrained(tmp_path)
+    tool_id = tok.token_to_id("<tool>")
+    flags = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+             "special": True}
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(tool_id): {"content": "<tool>", **flags},
+                                      "9999": {"content": "<new>", **flags}}
+    config["bos_token"] = "<s>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    text = "hi<tool>x<new><s>"
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ids[-4] == tool_id and ids[-2:] == [tool_id + 1, tool_id + 2]
+    assert ours.bos_token_id == theirs.bos_token_id == tool_id + 2
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "hix"
