@@ -72,3 +72,23 @@ def test_added_tokens_decoder_and_missing_named_tokens_join_the_vocabulary(tmp_p
     assert ids[-4] == tool_id and ids[-2:] == [tool_id + 1, tool_id + 2]
     assert ours.bos_token_id == theirs.bos_token_id == tool_id + 2
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "hix"
+
+
+def test_add_bos_token_in_the_config_does_not_override_tokenizer_json(tmp_path: Path) -> None:
+    """transformers 5 drops tokenizer_config.json's add_bos_token when tokenizer.json exists:
+    the post-processor alone decides, with or without it, and chat prompts never get a BOS."""
+    directory = save_tokenizer(tmp_path, bos_token="<|endoftext|>")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "add_bos_token": True}))
+    for post_processor in (None, processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])):
+        backend = Tokenizer.from_str(trained_tokenizer_json())
+        backend.post_processor = post_processor
+        backend.save(str(directory / "tokenizer.json"))
+        ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+        assert ours.encode("Hello", add_special_tokens=True) == theirs("Hello").input_ids
+        assert (ours.encode("Hello", add_special_tokens=True)[0] == 0) == (
+            post_processor is not None)
+        assert ours.apply_chat_template(MESSAGES) == theirs.apply_chat_template(
+            MESSAGES, return_dict=False)
