@@ -92,8 +92,10 @@ class ChatTemplate:
             return template.render(messages=chat, tools=_plain(_checked_items("tools", tools)),
                                    documents=_plain(_checked_items("documents", documents)),
                                    add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as exc:
+        except jinja2.TemplateError as exc:  # raise_exception(...), undefined, sandbox
             raise ValueError(f"the chat template failed: {exc.message or exc}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError) as exc:  # e.g. str + list
+            raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
 
     def __repr__(self) -> str:
         return f"<ChatTemplate {', '.join(sorted(self.templates))}>"

@@ -143,6 +143,9 @@ def test_template_exceptions_and_bad_messages_are_value_errors(tmp_path: Path) -
         tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="The system message must come first"):
         tokenizer.apply_chat_template([MESSAGES[1], MESSAGES[0]])
+    chatml = load_tokenizer(save_tokenizer(tmp_path / "chatml"))
+    with pytest.raises(ValueError, match="the chat template failed: TypeError"):
+        chatml.apply_chat_template([{"role": "user", "content": [{"type": "text"}]}])
     bad = [("hello", "messages must be a list of dicts, got str"),
            ([], "messages is empty"),
            (["hi"], r"messages\[0\] must be a dict"),
