@@ -68,7 +68,9 @@ class GenerationDefaults:
         eos = data.get("eos_token_id")
         eos_ids = None if eos is None else _token_ids(eos)
         values = {name: data.get(name) for name in (*_KNOBS, "max_new_tokens", "max_length")}
-        return cls(do_sample=data.get("do_sample", False), eos_token_ids=eos_ids, **values)
+        do_sample = data.get("do_sample")
+        return cls(do_sample=False if do_sample is None else do_sample, eos_token_ids=eos_ids,
+                   **values)
 
     def sampling_params(self, num_prompt_tokens: int = 0) -> SamplingParams:
         """The `SamplingParams` of a request without its own, for a prompt of that length.
