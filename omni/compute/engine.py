@@ -1,4 +1,4 @@
-"""`TorchEngine`: the reference engine: a Llama/Qwen2 decoder on Omni's paged KV store.
+"""`TorchEngine`: the reference engine: a Llama/Qwen2/Qwen3 decoder on Omni's paged KV store.
 
 A request's prompt is flattened to token ids (media at placeholder positions) and cut into
 page keys. Prefill reads the longest cached prefix from the store under a lease, computes only
@@ -23,6 +23,7 @@ import torch
 import trio
 
 from omni.compute._batch import BatchKV
+from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.models import DecoderLM, load_pretrained, tiny_model
 from omni.compute.prompt import Prompt, PromptTokens, as_prompt, tokenize
@@ -33,7 +34,7 @@ from omni.compute.sampling import (
     TokenSamplingState,
     truncate_at_stop,
 )
-from omni.compute.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from omni.compute.tokenizer import ByteTokenizer, Tokenizer
 from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
 
 __all__ = ["GenerateResult", "TokenStream", "TorchEngine"]
@@ -113,8 +114,8 @@ class TokenStream:
         await self._tokens.aclose()
 
 
-class TorchEngine:
-    """A decoder of the Llama / Qwen2 family serving from Omni's KV store.
+class TorchEngine(ChatMixin):
+    """A decoder of the Llama / Qwen2 / Qwen3 family serving from Omni's KV store.
 
     Args:
         model: the `DecoderLM`; `config` its `DecoderConfig`.
@@ -123,6 +124,10 @@ class TorchEngine:
             model's KV layout for `page_size`.
         model_id: part of every page key, so that models never share pages.
         max_batch: requests decoded together at most.
+
+    Conversations: `chat`, `chat_stream`, `chat_prompt` (the checkpoint's chat template);
+    `generation_defaults` (from generation_config.json, see `from_pretrained`) gives the
+    sampling of requests that pass no params (`default_params`).
     """
 
     def __init__(self, model: DecoderLM, config: Any, *, tokenizer: Tokenizer | None = None,
@@ -170,14 +175,22 @@ class TorchEngine:
                         **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
 
+        With it come the tokenizer (tokenizer.json, its special tokens and chat template, for
+        `chat`), and generation_config.json: its sampling settings become the default of
+        requests without params (see `omni.compute.generation_config`) and its EOS ids end
+        generation (else config.json's, else the tokenizer's `eos_token`).
+
         Raises:
             ValueError: no such directory, no config.json or weights, an unsupported
-                architecture, weights that do not fit the config.
+                architecture, weights that do not fit the config, an unreadable
+                tokenizer_config.json / generation_config.json, an invalid chat template.
         """
         model, config = load_pretrained(path, dtype=dtype)
-        tokenizer = load_tokenizer(path, tuple(config.eos_token_ids))
-        return cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
-                   model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+        tokenizer, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids))
+        engine = cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
+                     model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+        engine.generation_defaults = defaults
+        return engine
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -237,8 +250,8 @@ class TorchEngine:
             self._forget(request)
 
     async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
-        params = params if params is not None else SamplingParams()
         tokens = self.prepare(prompt)
+        params = params if params is not None else self.default_params(len(tokens))
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         request = _Request(tokens, params, self.page_keys(tokens.token_ids, spans), spans,
                            started=time.perf_counter())
