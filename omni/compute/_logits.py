@@ -52,7 +52,9 @@ class Columns:
                           for (p, _), on in zip(rows, top_k_on, strict=True)], torch.int64),
             top_k_on=column(top_k_on, torch.bool),
             top_p=column([p.top_p for p, _ in rows]),
-            top_p_on=column([p.top_p < 1.0 and not g for p, g in rows], torch.bool),
+            # SGLang's torch sampler applies top-p to every row it filters, even at 1.0,
+            # where float rounding of the cumulative sum can drop the least likely tail
+            top_p_on=column([p.filters and not g for p, g in rows], torch.bool),
             min_p=column([0.0 if g else p.min_p for p, g in rows]),
         )
 
@@ -157,7 +159,7 @@ def filter_probs_(probs: torch.Tensor, cols: Columns, flags: Any, spare: torch.T
     likely than min_p x the most likely goes. Ties at the cut are broken as a stable sort does
     (lower token id first), which is what SGLang's sort gives on CUDA.
     """
-    if flags.any_top_k or flags.any_top_p:
+    if flags.any_top_k or flags.any_top_p or flags.any_min_p:
         num_kept, cut = _cut(probs, cols, flags)
         torch.ge(probs, cut, out=keep)
         num_ge = keep.sum(dim=-1, keepdim=True)
@@ -176,22 +178,23 @@ def _cut(probs: torch.Tensor, cols: Columns, flags: Any) -> tuple[torch.Tensor, 
     """(how many tokens top-k and top-p keep, the probability of the last one), each [B, 1].
 
     Reads the `flags.sort_width` largest probabilities of each row, widening that prefix (x8)
-    while a top-p row without top-k keeps all of it. The prefix of a sort holds the same
+    while a row without top-k keeps all of it and (top-p below 1, or its last value at least
+    min_p x the top) tokens beyond it may be kept. The prefix of a sort holds the same
     values as the full sort and CPU cumsum is sequential, so a row's cut does not depend on
     the width the other rows ask for.
     """
     vocab_size = probs.shape[-1]
-    open_top_p = cols.top_p_on & ~cols.top_k_on
+    open_rows = cols.top_p_on & ~cols.top_k_on
     while True:
         width = min(flags.sort_width, vocab_size)
         ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
                   else probs.topk(width, dim=-1).values)  # [B, width], descending
         num_kept = torch.minimum(cols.top_k, torch.tensor(width, device=probs.device))
-        if flags.any_top_p:
-            mass_before = ranked.cumsum(dim=-1) - ranked
-            within = (mass_before <= cols.top_p) | ~cols.top_p_on
-            num_kept = torch.minimum(num_kept, within.sum(dim=-1, keepdim=True))
-        if width == vocab_size or not bool((open_top_p & (num_kept == width)).any()):
+        mass_before = ranked.cumsum(dim=-1) - ranked
+        within = (mass_before <= cols.top_p) | ~cols.top_p_on
+        num_kept = torch.minimum(num_kept, within.sum(dim=-1, keepdim=True))
+        more = (cols.top_p < 1.0) | (ranked[:, -1:] >= ranked[:, :1] * cols.min_p)
+        if width == vocab_size or not bool((open_rows & more & (num_kept == width)).any()):
             on = cols.top_k_on | cols.top_p_on  # rows with neither keep everything
             cut = torch.where(on, ranked.gather(1, num_kept - 1), 0.0)
             return torch.where(on, num_kept, vocab_size), cut

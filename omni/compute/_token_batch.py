@@ -79,10 +79,10 @@ class TokenSamplingState:
         self.any_processor = any(r.logit_processor is not None for r in self.requests)
         self.any_transform = (self.any_penalty or self.any_min_new or self.any_bias
                               or self.any_constraint or self.any_processor)
-        # top-k / top-p read each row's `sort_width` largest probabilities; a top-p row without
-        # top-k may need more and widens it, for later steps too (distributions change slowly)
-        open_top_p = any(p.top_p < 1.0 and p.top_k == -1 for p in sampled)
-        self.sort_width = max([256 if open_top_p else 1] + [p.top_k for p in sampled])
+        # the filters read each row's `sort_width` largest probabilities; a row without top-k
+        # may need more and widens it, for later steps too (distributions change slowly)
+        open_rows = any(p.filters and p.top_k == -1 for p in sampled)
+        self.sort_width = max([256 if open_rows else 1] + [p.top_k for p in sampled])
         self._vocab_size: int | None = None
         self._columns: Columns | None = None
         self._penalties: PenaltyTables | None = None

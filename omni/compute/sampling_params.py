@@ -317,6 +317,11 @@ class SamplingParams:
         return (self.repetition_penalty, self.frequency_penalty, self.presence_penalty) != (1, 0, 0)
 
     @property
+    def filters(self) -> bool:
+        """True when top-k, top-p or min-p is on (SGLang's sampler then filters the row)."""
+        return self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
     def grammar(self) -> tuple[str, str] | None:
         """The output constraint as (field name, value), or None when the output is free."""
         return next(((n, getattr(self, n)) for n in _GRAMMARS if getattr(self, n)), None)
