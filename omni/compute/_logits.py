@@ -156,8 +156,10 @@ def filter_probs_(probs: torch.Tensor, cols: Columns, flags: Any, spare: torch.T
 
     As `top_k_top_p_min_p_sampling_from_probs_torch`: in a descending sort, position i is
     kept when i < top_k and the mass before it (cumsum - p) is <= top_p; then a token less
-    likely than min_p x the most likely goes. Ties at the cut are broken as a stable sort does
-    (lower token id first), which is what SGLang's sort gives on CUDA.
+    likely than min_p x the most likely goes. Ties at the cut go to the lower token id, the
+    order of a stable descending sort. (SGLang calls `torch.sort` without `stable=True`, which
+    promises no order among ties; on CPU it keeps id order for rows of up to 16 tokens, which
+    is where the conformance table's tie rows were checked against it.)
     """
     if flags.any_top_k or flags.any_top_p or flags.any_min_p:
         num_kept, cut = _cut(probs, cols, flags)

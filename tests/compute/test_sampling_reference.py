@@ -1,8 +1,8 @@
 """TokenSampler's filters against a plain restatement of SGLang's torch sampler (hypothesis).
 
 `reference` restates `top_k_top_p_min_p_sampling_from_probs_torch` (sglang/srt/layers/
-sampler.py) with a stable sort, so ties go to the lower token id: the order SGLang's sort
-gives on CUDA (and on CPU for rows of up to 16 tokens).
+sampler.py) with a stable sort, so ties go to the lower token id: Omni's documented order
+(SGLang's unstable `torch.sort` keeps it on CPU for rows of up to 16 tokens).
 """
 
 import torch
