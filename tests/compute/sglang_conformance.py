@@ -1,7 +1,7 @@
 """SGLang 0.5.23's sampling decisions, one fact per row, with the source each comes from.
 
 `PARAM_ROWS`: a request's sampling parameters and whether SGLang's
-``SamplingParams(**params)`` -> ``normalize(tokenizer)`` -> ``verify(VOCAB_SIZE)`` accepts
+``SamplingParams(**params)`` -> ``normalize()`` -> ``verify(VOCAB_SIZE)`` accepts
 them (``sglang``), Omni's decision where Omni is stricter (``omni``, listed in the
 `SamplingParams` docstring), and normalised values both must show (``values``; a top_k of -1
 is SGLang's TOP_K_ALL).

@@ -1,7 +1,8 @@
 """Check the conformance table against SGLang's own code (needs an importable `sglang`).
 
 ``python -m tests.compute.sglang_oracle`` feeds every row of tests/compute/sglang_conformance.py
-to SGLang 0.5.23: parameter rows to ``SamplingParams(**p)`` -> ``normalize(tokenizer)`` ->
+to SGLang 0.5.23: parameter rows to ``SamplingParams(**p)`` -> ``normalize(None)`` (a
+stand-in tokenizer where stop strings, stop regexes or min_new_tokens need one) ->
 ``verify(VOCAB_SIZE)`` (and, for rows Omni accepts, Omni's `to_sglang_params` output too);
 sampling rows through SGLang's penalizers (penaltylib, accumulated as
 ``SamplingBatchInfo.update_penalties`` does), ``SamplingBatchInfo.apply_logits_bias``, the
@@ -43,13 +44,24 @@ class _Tokenizer:
         return list(text.encode("utf-8"))
 
 
+def _needs_tokenizer(params: dict[str, Any]) -> bool:
+    """Stop strings, stop regexes and min_new_tokens need SGLang's tokenizer
+    (`raise_if_tokenizer_required`): `normalize(None)` refuses them."""
+    return bool(params.get("stop") or params.get("stop_regex")
+                or (params.get("min_new_tokens") or 0) > 0)
+
+
 def sglang_accepts(params: dict[str, Any]) -> tuple[bool, Any]:
-    """SGLang's decision on `params`, and its normalised SamplingParams when accepted."""
+    """SGLang's decision on `params`, and its normalised SamplingParams when accepted.
+
+    ``normalize(None)`` (no tokenizer), except for the features that need one, which are
+    normalised with a stand-in tokenizer, as a server with a tokenizer does.
+    """
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     try:
         sp = SamplingParams(**params)
-        sp.normalize(_Tokenizer())
+        sp.normalize(_Tokenizer() if _needs_tokenizer(params) else None)
         sp.verify(VOCAB_SIZE)
     except Exception:  # SGLang raises ValueError, TypeError or re.error
         return False, None

@@ -160,3 +160,20 @@ def test_penalty_tables_rebuilt_from_history_equal_the_incremental_ones():
             repetition_penalty=1.3, temperature=0.8)) for s in (1, 2)]
 
     assert run(requests(), logits, 12) == run(requests(), logits, 12, rebuild=True)
+
+
+def test_bitmask_application_equals_xgrammars_own():
+    """Omni's mask for the constrained rows equals xgrammar.apply_token_bitmask_inplace."""
+    import xgrammar  # the grammar extra, which `make` installs
+
+    from omni.compute._logits import apply_bitmask_
+
+    gen = torch.Generator().manual_seed(3)
+    for vocab_size in (32, 70, 1000):
+        words = (vocab_size + 31) // 32
+        logits = torch.randn(4, vocab_size, generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), generator=gen, dtype=torch.int32)
+        expected = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2, 3])
+        apply_bitmask_(logits, bitmask, torch.tensor([0, 2, 3]), [torch.tensor([0])] * 3)
+        assert torch.equal(logits, expected)
