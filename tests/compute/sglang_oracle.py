@@ -225,8 +225,38 @@ def check_random_row(row: dict[str, Any], sampler: Any) -> list[str]:
             f"max difference {float((omni - dist).abs().max()):.2e}"]
 
 
+def random_param_dicts(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Parameter dicts mixing each field's boundary values (from the table's rows)."""
+    import random
+
+    pool: dict[str, list[Any]] = {}
+    for row in PARAM_ROWS:
+        for name, value in row["params"].items():
+            if name not in ("seed", "beam_width"):
+                pool.setdefault(name, []).append(value)
+    rng = random.Random(seed)
+    return [{name: rng.choice(values) for name, values in rng.sample(sorted(pool.items()), 4)}
+            for _ in range(count)]
+
+
+def check_random_params(params: dict[str, Any]) -> list[str]:
+    """What Omni accepts, SGLang accepts, also as Omni's `to_sglang_params` output."""
+    from omni.compute.sampling_params import SamplingParams
+    from omni.compute.sglang_backend import to_sglang_params
+
+    try:
+        omni = SamplingParams.from_dict(params).verify(VOCAB_SIZE)
+    except ValueError:
+        return []
+    problems = [] if sglang_accepts(params)[0] else ["Omni accepts what SGLang rejects"]
+    if not sglang_accepts(to_sglang_params(omni))[0]:
+        problems.append("SGLang rejects Omni's to_sglang_params output")
+    return problems
+
+
 def run(num_random: int = 300) -> tuple[int, list[str]]:
-    """(rows checked, one line per disagreement): the table, then `num_random` random rows."""
+    """(rows checked, one line per disagreement): the table, then `num_random` random sampling
+    rows and as many random parameter dicts."""
     sampler, failures = load_torch_sampler(), []
     for row in PARAM_ROWS:
         failures += [f"params {row['params']!r}: {p}" for p in check_param_row(row)]
@@ -236,7 +266,9 @@ def run(num_random: int = 300) -> tuple[int, list[str]]:
     for i, row in enumerate(random_rows(num_random)):
         failures += [f"random row {i} {row['params']}: {p}"
                      for p in check_random_row(row, sampler)]
-    return len(PARAM_ROWS) + len(SAMPLING_ROWS) + num_random, failures
+    for params in random_param_dicts(num_random):
+        failures += [f"random params {params!r}: {p}" for p in check_random_params(params)]
+    return len(PARAM_ROWS) + len(SAMPLING_ROWS) + 2 * num_random, failures
 
 
 def main() -> int:
