@@ -190,14 +190,15 @@ class SamplingParams:
 
     | input | SGLang | Omni |
     | --- | --- | --- |
-    | a bool, str or float for an int field, a bool or str for a float field | coerced | rejected |
+    | a bool for a number field, a float for an int field (`top_k=2.0`) | accepted | rejected |
+    | a grammar that is not a string, a float `logit_bias` key (`5.0`) | accepted | rejected |
     | `n` < 1, `stream_interval` < 1 | not checked | rejected |
     | an empty string in `stop` / `stop_regex` | accepted (ends at once) | rejected |
     | a `stop_regex` `re.compile` rejects but `sre_parse` parses | accepted | rejected |
     | `stop_token_ids` entries that are not ints (`"3"`, `3.0`, `True`) | `int(t)` | rejected |
     | a NaN or +inf `logit_bias` value | accepted (NaN logits) | rejected |
     | a non-bool for `ignore_eos` and the other flags | truthiness | rejected |
-    | `custom_params` values outside SGLang's CustomParamValue | not checked | rejected |
+    | `custom_params` not a str-keyed dict of SGLang's CustomParamValue | not checked | rejected |
     | `beam_width`, `watermark` (in `from_dict`) | served | rejected as unsupported |
 
     Raises:

@@ -71,6 +71,8 @@ PARAM_ROWS: list[dict[str, Any]] = [
     _param({"temperature": _INF}, False, VERIFY),
     _param({"temperature": None}, True, POST_INIT, values={"temperature": 1.0}),
     _param({"temperature": True}, True, VERIFY, omni=False),
+    _param({"temperature": "1"}, False, POST_INIT),
+    _param({"top_k": "5"}, False, VERIFY),
     # top_p
     _param({"top_p": 0.0}, False, VERIFY),
     _param({"top_p": 1e-9}, True, VERIFY),
@@ -142,11 +144,14 @@ PARAM_ROWS: list[dict[str, Any]] = [
     _param({"logit_bias": {" 5": 1.0}}, True, VERIFY),
     _param({"logit_bias": {"5": -_INF}}, True, VERIFY),
     _param({"logit_bias": {"5": _NAN}}, True, VERIFY, omni=False),
+    _param({"logit_bias": {5: 1.0}}, True, VERIFY),
+    _param({"logit_bias": {5.0: 1.0}}, True, VERIFY, omni=False),
     # grammars
     _param({"json_schema": "{}", "regex": "a"}, False, VERIFY),
     _param({"regex": "a", "ebnf": "root ::= 'a'"}, False, VERIFY),
     _param({"json_schema": "", "regex": "a+"}, True, POST_INIT, values={"json_schema": None}),
     _param({"structural_tag": "{}"}, True, VERIFY),
+    _param({"json_schema": {"type": "object"}}, True, VERIFY, omni=False),
     # flags, stream_interval, custom_params
     _param({"skip_special_tokens": None, "no_stop_trim": None}, True, POST_INIT,
            values={"skip_special_tokens": True, "no_stop_trim": False}),
@@ -156,6 +161,7 @@ PARAM_ROWS: list[dict[str, Any]] = [
     _param({"stream_interval": 0}, True, VERIFY, omni=False),
     _param({"custom_params": {"budget": 3, "ids": [1, 2], "m": {"a": None}}}, True, VERIFY),
     _param({"custom_params": {"__sglang_reasoning_end_token_ids": [5]}}, True, VERIFY),
+    _param({"custom_params": "x"}, True, VERIFY, omni=False),
     _param({"custom_params": {"__sglang_reasoning_end_token_ids": []}}, False, VERIFY),
     _param({"custom_params": {"__sglang_reasoning_end_token_ids": [VOCAB_SIZE]}}, False,
            VERIFY),
