@@ -147,7 +147,19 @@ class TokenSamplingState:
             scores.add_(self._bias)
         if self._processors is not None:
             self._processors.apply_(scores)
+        if self.any_min_new or self.any_constraint or self.any_bias or self.any_processor:
+            self._rescue_dead_rows(scores)
         return scores
+
+    def _rescue_dead_rows(self, scores: torch.Tensor) -> None:
+        """A row whose every logit is -inf (say a grammar that allows only EOS while
+        min_new_tokens masks it) takes its EOS / stop ids instead of turning into NaN
+        (with none, any token)."""
+        dead = torch.nonzero(scores.amax(dim=-1) == -math.inf).flatten().tolist()
+        for row in dead:
+            ids = self._stop_ids(row).to(scores.device)
+            scores[row] = -math.inf if len(ids) else 0.0
+            scores[row, ids] = 0.0
 
     def _stop_ids(self, row: int) -> torch.Tensor:
         """The row's EOS and stop token ids inside the vocabulary (cached per composition)."""

@@ -113,6 +113,17 @@ def test_a_constraint_that_allows_nothing_takes_eos_without_nan():
     assert probs[EOS] == 1.0 and not torch.isnan(probs).any()
 
 
+def test_a_grammar_allowing_only_eos_during_min_new_tokens_still_takes_eos():
+    request = RequestSamplingState(SamplingParams(min_new_tokens=3), eos_token_ids=[EOS],
+                                   constraint=Sequence([EOS]))
+    probs = TokenSampler().probs(torch.randn(1, 40), TokenSamplingState([request]))[0]
+    assert probs[EOS] == 1.0 and not torch.isnan(probs).any()
+    request = RequestSamplingState(SamplingParams(logit_bias={str(t): -math.inf
+                                                              for t in range(4)}))
+    probs = TokenSampler().probs(torch.randn(1, 4), TokenSamplingState([request]))[0]
+    assert torch.allclose(probs, torch.full((4,), 0.25))  # no EOS known: any token
+
+
 def test_constraints_are_protocols():
     assert isinstance(Sequence([1]), TokenConstraint)
 
