@@ -12,13 +12,12 @@ import json
 import math
 import numbers
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Literal
 
 __all__ = ["GREEDY_TEMPERATURE", "MAX_STOP_COUNT", "MAX_STOP_REGEX_BYTES", "FinishReason",
-           "SamplingParams"]
+           "FrozenMapping", "SamplingParams"]
 
 FinishReason = Literal["length", "stop"]
 GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples greedily
@@ -40,6 +39,34 @@ _BOOLS = {"ignore_eos": False, "skip_special_tokens": True,
 _GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 _UNSUPPORTED = frozenset({"beam_width", "watermark"})  # SGLang fields Omni does not serve
 _REASONING_KEY = "__sglang_reasoning_end_token_ids"  # SGLang checks it in verify()
+
+
+class FrozenMapping(Mapping[str, Any]):
+    """A read-only dict for `logit_bias` and `custom_params`.
+
+    Why: `SamplingParams` is frozen and hashable, and it crosses processes (pickle), which
+    a `types.MappingProxyType` cannot do. Equal to a dict with the same items.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self._data, sort_keys=True))
 
 
 def _check_number(name: str, value: object, *, integral: bool) -> Any:
@@ -127,7 +154,7 @@ def _normalise_logit_bias(bias: object) -> Mapping[str, float] | None:
                              f"got {value!r}")
         out.pop(str(token_id), None)
         out[str(token_id)] = float(value)
-    return MappingProxyType(out)
+    return FrozenMapping(out)
 
 
 def _is_json_scalar(value: object) -> bool:
@@ -155,12 +182,7 @@ def _normalise_custom_params(params: object) -> Mapping[str, Any] | None:
             and all(type(t) is int and t >= 0 for t in ids)):
         raise ValueError(f"custom_params[{_REASONING_KEY!r}] must be a non-empty list of at "
                          f"most 32 token ids, got {ids!r}")
-    return MappingProxyType(json.loads(json.dumps(dict(params))))
-
-
-def _frozen(value: object) -> object:
-    """A hashable stand-in for a field value (mappings as canonical JSON)."""
-    return json.dumps(dict(value), sort_keys=True) if isinstance(value, Mapping) else value
+    return FrozenMapping(json.loads(json.dumps(dict(params))))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -303,9 +325,6 @@ class SamplingParams:
         if len(set_grammars) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf, structural_tag can be "
                              f"set, got {', '.join(set_grammars)}")
-
-    def __hash__(self) -> int:
-        return hash(tuple(_frozen(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
     @property
     def is_greedy(self) -> bool:

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -104,6 +105,12 @@ def test_params_are_frozen_keyword_only_and_hashable():
     with pytest.raises(TypeError):
         SamplingParams(128)  # type: ignore[misc]
     assert hash(p) == hash(SamplingParams(top_k=5))
+    rich = SamplingParams(logit_bias={"1": 2}, custom_params={"ids": [1, 2]}, stop="x")
+    assert hash(rich) == hash(SamplingParams(logit_bias={1: 2.0}, custom_params={"ids": [1, 2]},
+                                             stop=["x"]))
+    assert pickle.loads(pickle.dumps(rich)) == rich and rich.logit_bias == {"1": 2.0}
+    with pytest.raises(TypeError):
+        rich.logit_bias["1"] = 3.0  # type: ignore[index]
 
 
 def test_is_greedy_for_temperature_below_sglang_epsilon_or_top_k_one():
