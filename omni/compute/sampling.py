@@ -103,12 +103,19 @@ class RequestSamplingState:
         logit_processor: a custom logit processor, or None.
         context_length: the model's context: the request ends with "length" once prompt and
             output fill it (SGLang's bound, which also gives `max_new_tokens=None` its end).
+        vocab_size: the model's vocabulary, for SGLang's `verify(vocab_size)` checks.
+
+    Raises:
+        ValueError: `params` fails `params.verify(vocab_size)` (a logit_bias token id outside
+            the vocabulary), so a bad request fails before it joins a batch.
     """
 
     def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = (), *,
                  eos_token_ids: Iterable[int] = (), constraint: TokenConstraint | None = None,
                  logit_processor: LogitProcessor | None = None,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, vocab_size: int | None = None) -> None:
+        if vocab_size is not None:
+            params.verify(vocab_size)
         self.params = params
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)

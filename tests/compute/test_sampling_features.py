@@ -74,6 +74,8 @@ def test_logit_bias_outside_the_vocabulary_raises_value_error():
         TokenSampler().step(torch.zeros(1, 3), state)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={"3": 1.0}).verify(3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        RequestSamplingState(SamplingParams(logit_bias={"3": 1.0}), vocab_size=3)
 
 
 def test_min_new_tokens_masks_eos_and_stop_ids_until_reached():
