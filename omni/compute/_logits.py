@@ -150,7 +150,7 @@ def apply_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
     scores.index_copy_(0, rows, selected)
 
 
-def filter_probs_(probs: torch.Tensor, cols: Columns, flags: Any, spare: torch.Tensor,
+def filter_probs_(probs: torch.Tensor, cols: Columns, flags: Any,
                   keep: torch.Tensor) -> torch.Tensor:
     """Zero what top-k, top-p and min-p drop, in place on softmax `probs` [B, V].
 

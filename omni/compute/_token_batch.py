@@ -270,4 +270,4 @@ def _probs(scores: torch.Tensor, state: TokenSamplingState, cols: Columns) -> to
     second scratch buffer; `scores` is overwritten."""
     _, probs, keep = state.scratch()
     torch.softmax(scores.div_(cols.temperature), dim=-1, out=probs)
-    return filter_probs_(probs, cols, state, scores, keep)
+    return filter_probs_(probs, cols, state, keep)
