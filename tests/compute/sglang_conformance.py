@@ -6,6 +6,8 @@ them (``sglang``), Omni's decision where Omni is stricter (``omni``, listed in t
 `SamplingParams` docstring), and normalised values both must show (``values``; a top_k of -1
 is SGLang's TOP_K_ALL).
 
+`STOP_ROWS`: when a request ends (``reason``, ``matched``) after its last output token.
+
 `SAMPLING_ROWS`: logits (or probabilities, whose float32 logs are the logits), the request's
 params, prompt, output so far and EOS ids, and SGLang's result: ``scores``, the logits after
 penalties / min_new_tokens / logit_bias, and ``kept``, the token ids that top-k / top-p /
@@ -229,6 +231,36 @@ SAMPLING_ROWS: list[dict[str, Any]] = [
             output=(3, 3), kept=[0, 1, 2, 3]),
     _sample(MIN_NEW, logits=[2, 1, 0, 0], eos=(0,), min_new_tokens=1, ignore_eos=True,
             temperature=0.0, scores=[-_INF, 1, 0, 0], kept=[1]),
+]
+
+
+FINISH = "sglang/srt/managers/schedule_batch.py:Req.update_finish_state"
+
+
+def _stop(output: bytes | list[int], reason: str | None, matched: int | str | None = None, *,
+          eos: tuple[int, ...] = (), terminated: bool = False, **params: Any) -> dict[str, Any]:
+    return {"params": params, "output": list(output), "eos": list(eos),
+            "terminated": terminated, "reason": reason, "matched": matched, "source": FINISH}
+
+
+# `output` is token ids that are bytes (the text is their UTF-8 decoding); one check after the
+# last token, as SGLang runs it after each decode step. In SGLang's order: stop strings (list
+# order), stop regexes, stop/EOS ids (ignore_eos ignores both), length, a terminated grammar.
+STOP_ROWS: list[dict[str, Any]] = [
+    _stop(b"ab\nEND", "stop", "END", stop=["END", "\n"]),
+    _stop(b"ab12", "stop", "[0-9]{2}", stop_regex=["[0-9]{2}"]),
+    _stop(b"ab12", "stop", "b1", stop=["b1"], stop_regex=["[0-9]{2}"]),
+    _stop(b"ax\x02", "stop", "x", eos=(2,), stop=["x"]),
+    _stop(b"ab\x02", "stop", 2, eos=(2,), max_new_tokens=3),
+    _stop(b"abc", "length", None, eos=(2,), max_new_tokens=3),
+    _stop(b"ab", None, None, eos=(2,), max_new_tokens=3),
+    _stop(b"a\x02", None, None, eos=(2,), ignore_eos=True),
+    _stop(b"a\x05", None, None, stop_token_ids=[5], ignore_eos=True),
+    _stop(b"a\x05", "stop", 5, stop_token_ids=[5]),
+    _stop(b"ax", "stop", "x", stop=["x"], ignore_eos=True),
+    _stop(b"a", "stop", 97, terminated=True),
+    _stop(b"a", "length", None, terminated=True, max_new_tokens=1),
+    _stop(b"a\x02", "stop", 2, eos=(2,), terminated=True),
 ]
 
 

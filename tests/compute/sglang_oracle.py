@@ -26,6 +26,7 @@ import torch
 from tests.compute.sglang_conformance import (
     PARAM_ROWS,
     SAMPLING_ROWS,
+    STOP_ROWS,
     VOCAB_SIZE,
     expected_distribution,
     row_logits,
@@ -225,6 +226,71 @@ def check_random_row(row: dict[str, Any], sampler: Any) -> list[str]:
             f"max difference {float((omni - dist).abs().max()):.2e}"]
 
 
+_REQ_METHODS = ("finished", "update_finish_state", "_check_vocab_boundary_finish",
+                "_check_str_based_finish", "_check_token_based_finish",
+                "_cap_finished_len_at_max_new_tokens", "_locate_str_stop_finished_len",
+                "tail_str", "_stop_match_tail_len")
+
+
+def load_finish_check() -> type:
+    """A class with SGLang's `Req` finish methods and finish reasons, compiled from the
+    installed sglang/srt/managers/schedule_batch.py (that module's import needs torchvision)."""
+    import http
+    import logging
+    import re
+    import typing
+
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "srt/managers/schedule_batch.py"
+    tree = ast.parse(path.read_text())
+    reasons = [n for n in tree.body if isinstance(n, ast.ClassDef)
+               and (n.name == "BaseFinishReason" or n.name.startswith("FINISH"))]
+    req = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Req")
+    methods = [n for n in req.body if isinstance(n, ast.FunctionDef) and n.name in _REQ_METHODS]
+    assert len(methods) == len(_REQ_METHODS), "SGLang's Req changed"
+    namespace: dict[str, Any] = {**vars(typing), "re": re, "HTTPStatus": http.HTTPStatus,
+                                 "logger": logging.getLogger("sglang_oracle")}
+    module = ast.Module(body=[*reasons, ast.ClassDef(
+        name="Req", bases=[], keywords=[], body=methods, decorator_list=[])],
+        type_ignores=[])
+    exec(compile(ast.fix_missing_locations(module), str(path), "exec"), namespace)
+    return namespace["Req"]
+
+
+class _ByteTokenizer(_Tokenizer):
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8")
+
+
+class _Grammar:
+    def __init__(self, terminated: bool):
+        self.terminated = terminated
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+
+def check_stop_row(row: dict[str, Any], req_class: type) -> list[str]:
+    """Disagreements between the row's finish and SGLang's `Req.update_finish_state`."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(**row["params"])
+    sp.normalize(_ByteTokenizer())
+    req = req_class()
+    req.sampling_params, req.output_ids, req.eos_token_ids = sp, row["output"], set(row["eos"])
+    req.tokenizer, req.decoded_text, req.vocab_size = _ByteTokenizer(), "", 256
+    req.finished_reason = req.finished_len = req.to_finish = None
+    req.grammar = _Grammar(row["terminated"])
+    req.update_finish_state(1)
+    finish = req.finished_reason
+    reason = None if finish is None else "length" if hasattr(finish, "length") else "stop"
+    matched = getattr(finish, "matched", None)
+    if (reason, matched) == (row["reason"], row["matched"]):
+        return []
+    return [f"SGLang finishes with {reason!r} matching {matched!r}"]
+
+
 def random_param_dicts(count: int, seed: int = 0) -> list[dict[str, Any]]:
     """Parameter dicts mixing each field's boundary values (from the table's rows)."""
     import random
@@ -257,7 +323,7 @@ def check_random_params(params: dict[str, Any]) -> list[str]:
 def run(num_random: int = 300) -> tuple[int, list[str]]:
     """(rows checked, one line per disagreement): the table, then `num_random` random sampling
     rows and as many random parameter dicts."""
-    sampler, failures = load_torch_sampler(), []
+    sampler, req_class, failures = load_torch_sampler(), load_finish_check(), []
     for row in PARAM_ROWS:
         failures += [f"params {row['params']!r}: {p}" for p in check_param_row(row)]
     for row in SAMPLING_ROWS:
@@ -266,9 +332,12 @@ def run(num_random: int = 300) -> tuple[int, list[str]]:
     for i, row in enumerate(random_rows(num_random)):
         failures += [f"random row {i} {row['params']}: {p}"
                      for p in check_random_row(row, sampler)]
+    for row in STOP_ROWS:
+        label = f"stop {bytes(row['output'])!r} {row['params']}"
+        failures += [f"{label}: {p}" for p in check_stop_row(row, req_class)]
     for params in random_param_dicts(num_random):
         failures += [f"random params {params!r}: {p}" for p in check_random_params(params)]
-    return len(PARAM_ROWS) + len(SAMPLING_ROWS) + 2 * num_random, failures
+    return len(PARAM_ROWS) + len(SAMPLING_ROWS) + len(STOP_ROWS) + 2 * num_random, failures
 
 
 def main() -> int:

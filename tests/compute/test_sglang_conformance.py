@@ -13,6 +13,7 @@ from omni.compute.sglang_backend import to_sglang_params
 from tests.compute.sglang_conformance import (
     PARAM_ROWS,
     SAMPLING_ROWS,
+    STOP_ROWS,
     VOCAB_SIZE,
     expected_distribution,
     row_logits,
@@ -70,3 +71,27 @@ def test_issue_examples_hold_in_the_table():
     row = by_key[((2, 1, 0), "{'repetition_penalty': 2.0}", (0,))]
     probs = expected_distribution(row, 1.0)
     assert torch.allclose(probs, torch.tensor([0.665, 0.245, 0.090]), atol=5e-3)
+
+
+class _Terminated:
+    """A constraint that is complete."""
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = -1
+
+    def accept(self, token_id):
+        pass
+
+    def is_terminated(self):
+        return True
+
+
+@pytest.mark.parametrize("row", STOP_ROWS, ids=lambda r: f"{bytes(r['output'])!r}-{r['params']}")
+def test_stop_row_ends_the_request_as_sglang_does(row):
+    constraint = _Terminated() if row["terminated"] else None
+    request = RequestSamplingState(SamplingParams(**row["params"]), eos_token_ids=row["eos"],
+                                   constraint=constraint)
+    request.output_token_ids.extend(row["output"])
+    text = bytes(row["output"]).decode("utf-8")
+    assert request.check_stop(row["output"][-1], text) == row["reason"]
+    assert request.matched_stop == row["matched"]

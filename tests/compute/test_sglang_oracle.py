@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("sglang.srt.sampling.sampling_params")
 
 from tests.compute import sglang_oracle
-from tests.compute.sglang_conformance import PARAM_ROWS, SAMPLING_ROWS
+from tests.compute.sglang_conformance import PARAM_ROWS, SAMPLING_ROWS, STOP_ROWS
 
 
 def test_every_table_row_and_random_rows_agree_with_sglang():
     checked, failures = sglang_oracle.run(num_random=200)
     assert failures == []
-    assert checked == len(PARAM_ROWS) + len(SAMPLING_ROWS) + 400
+    assert checked == len(PARAM_ROWS) + len(SAMPLING_ROWS) + len(STOP_ROWS) + 400
