@@ -24,6 +24,7 @@ GREEDY_TEMPERATURE = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples
 MAX_STOP_COUNT = 32  # SGLang's MAX_STOP_COUNT, and MAX_STOP_REGEX_COUNT for stop_regex
 MAX_STOP_REGEX_BYTES = 256  # SGLang's MAX_STOP_REGEX_LEN, in UTF-8 bytes
 _SEED_RANGE = (-(2**63), 2**63 - 1)
+_TOP_K_ALL = 1 << 30  # SGLang's TOP_K_ALL: top_k off
 
 # field -> (default that None stands for, accepts the value?, the range as errors word it)
 _NUMBERS: dict[str, tuple[float, Callable[[float], bool], str]] = {
@@ -285,6 +286,8 @@ class SamplingParams:
             top_k = 1  # SGLang turns near-zero temperature into top_k = 1 before verify()
         elif not (top_k == -1 or top_k >= 1):
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {top_k!r}")
+        elif top_k == _TOP_K_ALL:
+            top_k = -1  # SGLang's own spelling of "off"
         self._set("top_k", top_k)
 
     def _set_lengths(self) -> None:

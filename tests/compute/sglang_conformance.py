@@ -87,7 +87,8 @@ PARAM_ROWS: list[dict[str, Any]] = [
     _param({"top_k": -1}, True, POST_INIT, values={"top_k": -1}),
     _param({"top_k": -2}, False, VERIFY),
     _param({"top_k": 1}, True, VERIFY, values={"top_k": 1}),
-    _param({"top_k": 1 << 30}, True, VERIFY),
+    _param({"top_k": 1 << 30}, True, VERIFY, values={"top_k": -1}),  # TOP_K_ALL: off
+    _param({"top_k": (1 << 30) + 1}, True, VERIFY, values={"top_k": (1 << 30) + 1}),
     _param({"top_k": None}, True, POST_INIT, values={"top_k": -1}),
     _param({"top_k": 2.0}, True, VERIFY, omni=False),
     # min_p
