@@ -255,7 +255,10 @@ class TorchEngine(ChatMixin):
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         request = _Request(tokens, params, self.page_keys(tokens.token_ids, spans), spans,
                            started=time.perf_counter())
-        request.sampling = RequestSamplingState(params, tokens.token_ids)
+        request.sampling = RequestSamplingState(
+            params, tokens.token_ids, context_length=self.config.max_position_embeddings,
+            eos_token_ids=getattr(self.tokenizer, "eos_token_ids", ()) or self.config.eos_token_ids,
+            vocab_size=self.config.vocab_size)
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
             await self.store.prefetch(usable, recompute_page_s=self._prefill_page_s)
