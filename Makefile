@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	@$(PIP) install "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PIP) install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
 	@# The grammar extra without triton (xgrammar needs it only for GPU kernels; ~1 GB on disk)
-	@$(PIP) install --no-deps "xgrammar>=0.1.25" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PIP) install apache-tvm-ffi pydantic 2>&1 | grep -v "^WARNING: Location" || true
+	@$(PIP) install --no-deps "xgrammar>=0.1.25" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, pytest_trio, xgrammar" || \
 		{ echo "install failed: see the pip output above"; exit 1; }
 	@touch $(STAMP)

@@ -3,8 +3,9 @@
 `Prompt` (text, images, audio) flattens to token ids whose page keys carry media digests;
 `SamplingParams` speaks SGLang's terms and any `Sampler` turns a forward pass into the next
 input (`TokenSampler` for tokens; a diffusion sampler for latents); `TorchEngine` is the
-reference engine serving a Llama / Qwen2 decoder from the KV store. Importing this package
-imports torch.
+reference engine serving a Llama / Qwen2 / Qwen3 decoder from the KV store (and chatting
+through a checkpoint's own chat template: `TorchEngine.chat`). Importing this package imports
+torch.
 """
 
 from omni.compute._diffusion_modules import FlowMatchEulerSampler

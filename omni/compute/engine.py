@@ -1,4 +1,4 @@
-"""`TorchEngine`: the reference engine: a Llama/Qwen2 decoder on Omni's paged KV store.
+"""`TorchEngine`: the reference engine: a Llama/Qwen2/Qwen3 decoder on Omni's paged KV store.
 
 A request's prompt is flattened to token ids (media at placeholder positions) and cut into
 page keys. Prefill reads the longest cached prefix from the store under a lease, computes only
@@ -24,6 +24,7 @@ import torch
 import trio
 
 from omni.compute._batch import BatchKV
+from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
@@ -35,7 +36,7 @@ from omni.compute.sampling import (
     TokenSampler,
     TokenSamplingState,
 )
-from omni.compute.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from omni.compute.tokenizer import ByteTokenizer, Tokenizer
 from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
 
 __all__ = ["EngineStats", "GenerateResult", "TokenStream", "TorchEngine"]
@@ -136,8 +137,8 @@ class TokenStream:
         await self._tokens.aclose()
 
 
-class TorchEngine:
-    """A decoder of the Llama / Qwen2 family serving from Omni's KV store.
+class TorchEngine(ChatMixin):
+    """A decoder of the Llama / Qwen2 / Qwen3 family serving from Omni's KV store.
 
     Args:
         model: the `DecoderLM`; `config` its `DecoderConfig`.
@@ -146,6 +147,10 @@ class TorchEngine:
             model's KV layout for `page_size`.
         model_id: part of every page key, so that models never share pages.
         max_batch: requests decoded together at most.
+
+    Conversations: `chat`, `chat_stream`, `chat_prompt` (the checkpoint's chat template);
+    `generation_defaults` (from generation_config.json, see `from_pretrained`) gives the
+    sampling of requests that pass no params (`default_params`).
     """
 
     def __init__(self, model: DecoderLM, config: Any, *, tokenizer: Tokenizer | None = None,
@@ -196,14 +201,22 @@ class TorchEngine:
                         **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
 
+        With it come the tokenizer (tokenizer.json, its special tokens and chat template, for
+        `chat`), and generation_config.json: its sampling settings become the default of
+        requests without params (see `omni.compute.generation_config`) and its EOS ids end
+        generation (else config.json's, else the tokenizer's `eos_token`).
+
         Raises:
             ValueError: no such directory, no config.json or weights, an unsupported
-                architecture, weights that do not fit the config.
+                architecture, weights that do not fit the config, an unreadable
+                tokenizer_config.json / generation_config.json, an invalid chat template.
         """
         model, config = load_pretrained(path, dtype=dtype)
-        tokenizer = load_tokenizer(path, tuple(config.eos_token_ids))
-        return cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
-                   model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+        tokenizer, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids))
+        engine = cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
+                     model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+        engine.generation_defaults = defaults
+        return engine
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -288,11 +301,11 @@ class TorchEngine:
             self._forget(request)
 
     async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
-        params = params if params is not None else SamplingParams()
+        tokens = self.prepare(prompt)
+        params = params if params is not None else self.default_params(len(tokens))
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "
                              f"decodes {self.max_batch} at most (max_batch)")
-        tokens = self.prepare(prompt)
         grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
@@ -303,8 +316,9 @@ class TorchEngine:
             if grammar is not None and self._grammars is not None:
                 constraint = self._grammars.constraint(grammar[1], grammar[0])
             sample.sampling = RequestSamplingState(
-                sample.params, tokens.token_ids, eos_token_ids=self._eos_ids(),
-                constraint=constraint, context_length=self.config.max_position_embeddings)
+                sample.params, tokens.token_ids, context_length=self.config.max_position_embeddings,
+                eos_token_ids=self._eos_ids(), vocab_size=self.config.vocab_size,
+                constraint=constraint)
         request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]

@@ -31,24 +31,15 @@ def _import_sglang() -> Any:
 
 
 def to_sglang_params(params: SamplingParams) -> dict[str, Any]:
-    """SGLang's ``sampling_params`` dict for `params` (only the fields SGLang knows)."""
-    out: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "min_p": params.min_p,
-        "repetition_penalty": params.repetition_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "presence_penalty": params.presence_penalty,
-        "ignore_eos": params.ignore_eos,
-    }
-    if params.stop:
-        out["stop"] = list(params.stop)
-    if params.stop_token_ids:
-        out["stop_token_ids"] = sorted(params.stop_token_ids)
-    if params.seed is not None:
-        out["sampling_seed"] = params.seed
+    """SGLang's ``sampling_params`` dict for `params`: every field, under the same name.
+
+    SGLang's `SamplingParams(**d)` -> `normalize()` -> `verify(vocab_size)` accepts the result
+    of every `SamplingParams` Omni accepts (that passes its own `verify(vocab_size)`).
+    """
+    out = params.to_dict()
+    for name in ("stop", "stop_regex", "stop_token_ids"):
+        if not out[name]:
+            del out[name]  # SGLang's default (None)
     return out
 
 

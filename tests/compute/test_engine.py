@@ -153,7 +153,7 @@ async def test_cancelling_one_request_leaves_the_others_running(engine, referenc
 
 
 async def test_sampling_is_reproducible_with_a_seed(reference):
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, seed=7)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, sampling_seed=7)
     a = await reference.generate("seeded", params)
     b = await reference.generate("seeded", params)
     assert a.token_ids == b.token_ids

@@ -67,7 +67,7 @@ def test_unsupported_architecture(checkpoint: Path) -> None:
     """Another architecture is refused, listing the supported ones."""
     rewrite_config(checkpoint, architectures=["GPT2LMHeadModel"], model_type="gpt2")
     message = ("unsupported architecture 'GPT2LMHeadModel'; "
-               "supported: LlamaForCausalLM, Qwen2ForCausalLM")
+               "supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")
     with pytest.raises(ValueError, match=re.escape(message)):
         load_pretrained(checkpoint)
 
@@ -166,3 +166,30 @@ def test_config_validation_messages() -> None:
         DecoderConfig("qwen2", 10, 32, 8, 1, 4, 2)
     with pytest.raises(ValueError, match=re.escape("config.json has no 'hidden_size'")):
         DecoderConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
+
+
+def test_qwen3_sliding_window_is_refused(tmp_path: Path) -> None:
+    """Qwen3 with sliding-window layers is refused by name, like Qwen2."""
+    model, config = tiny_model(architecture="qwen3")
+    save_pretrained(model, config, tmp_path)
+    rewrite_config(tmp_path, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ValueError, match="unsupported: qwen3 sliding-window attention"):
+        load_pretrained(tmp_path)
+
+
+def test_qwen3_checkpoint_without_qk_norms_names_them(tmp_path: Path) -> None:
+    """A Qwen3 config over weights without q_norm / k_norm (e.g. a Qwen2 checkpoint relabelled)
+    lists the missing norms; a qwen3 config with an MLP bias is refused."""
+    model, config = tiny_model(architecture="qwen3")
+    save_pretrained(model, config, tmp_path)
+
+    def drop_norms(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["model.layers.0.self_attn.q_norm.weight"]
+        del tensors["model.layers.1.self_attn.k_norm.weight"]
+    rewrite_weights(tmp_path, drop_norms)
+    with pytest.raises(ValueError, match=re.escape(
+            "missing: model.layers.0.self_attn.q_norm.weight, "
+            "model.layers.1.self_attn.k_norm.weight")):
+        load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="qwen3 has no MLP bias"):
+        DecoderConfig("qwen3", 10, 32, 8, 1, 4, 2, mlp_bias=True)

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from omni.compute.models import (
     DecoderConfig,
@@ -21,9 +28,12 @@ from omni.compute.models import (
 from omni.kv import KVLayout
 
 TOL = 1e-4
-HF_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
-# (architecture, tie_word_embeddings, num_kv_heads): GQA and MHA, tied and untied, both archs.
-VARIANTS = [("llama", False, 2), ("llama", True, 4), ("qwen2", True, 2), ("qwen2", False, 1)]
+HF_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+              "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+# (architecture, tie_word_embeddings, num_kv_heads): GQA and MHA, tied and untied, every arch.
+# Qwen3's config.json here leaves head_dim out: transformers' default (128) is not 64 / 4.
+VARIANTS = [("llama", False, 2), ("llama", True, 4), ("qwen2", True, 2), ("qwen2", False, 1),
+            ("qwen3", True, 2), ("qwen3", False, 4)]
 
 
 def make_hf(arch: str, *, tie: bool = False, num_kv_heads: int = 2, seed: int = 0,
@@ -195,12 +205,16 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict[str, Any])
     assert (full_logits(model, ids) - hf(ids).logits).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @torch.inference_mode()
 def test_our_save_pretrained_loads_in_transformers(tmp_path: Path, arch: str) -> None:
     """tiny_model saved by save_pretrained loads in transformers with the same logits, and back
     in load_pretrained with the same config."""
     model, config = tiny_model(seed=3, architecture=arch, tie_word_embeddings=arch == "qwen2")
+    if config.qk_norm:  # norms of one: perturb them, so that a misplaced one shows
+        for layer in model.layers:
+            layer.attn.q_norm.weight.normal_(1.0, 0.2)
+            layer.attn.k_norm.weight.normal_(1.0, 0.2)
     save_pretrained(model, config, tmp_path)
     hf = HF_CLASSES[arch][1].from_pretrained(tmp_path).eval()
     ids = prompts(vocab=config.vocab_size)
@@ -302,3 +316,22 @@ def test_forward_rejects_shapes_that_do_not_fit() -> None:
         model(hidden, torch.zeros(2, 3, dtype=torch.long), past)
     with pytest.raises(ValueError, match=r"mask must be a bool tensor \[B, 1, T, T_past \+ T\]"):
         model(hidden, torch.zeros(2, 3, dtype=torch.long), mask=torch.ones(2, 1, 3, 3))
+
+
+@torch.inference_mode()
+def test_qwen3_config_reads_head_dim_bias_and_qk_norm(tmp_path: Path) -> None:
+    """Qwen3: head_dim from config.json (128 when left out, as transformers), attention_bias on
+    q/k/v and o, q/k norm weights of head_dim; its logits match HF's with attention_bias too."""
+    base = {"model_type": "qwen3", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = DecoderConfig.from_hf(base)
+    assert config.head_dim == 128 and config.qk_norm and not config.attention_bias
+    biased = DecoderConfig.from_hf({**base, "head_dim": 16, "attention_bias": True})
+    assert biased.head_dim == 16 and biased.attention_bias and biased.o_proj_bias
+    assert DecoderConfig.from_hf(json.loads(json.dumps(biased.to_hf()))) == biased
+    hf = make_hf("qwen3", head_dim=24, attention_bias=True)
+    model, loaded = load_pretrained(save_hf(hf, tmp_path))
+    assert loaded.head_dim == 24 and model.layers[0].attn.q_norm.weight.shape == (24,)
+    ids = prompts()
+    assert (full_logits(model, ids) - hf(ids).logits).abs().max().item() < TOL
+

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -47,15 +48,15 @@ BAD_VALUES = [
     ("temperature", -0.1, ">= 0"), ("temperature", "0.7", "number"), ("temperature", math.nan,
                                                                       "finite"),
     ("temperature", math.inf, "finite"), ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"),
-    ("top_p", None, "number"), ("top_k", 0, "-1 (off) or >= 1"), ("top_k", -2, "-1 (off)"),
+    ("top_p", "1", "number"), ("top_k", 0, "-1 (off) or >= 1"), ("top_k", -2, "-1 (off)"),
     ("top_k", 2.0, "int"), ("top_k", False, "int"), ("min_p", -0.1, "[0, 1]"),
     ("min_p", 1.1, "[0, 1]"), ("repetition_penalty", 0.0, "(0, 2]"),
     ("repetition_penalty", 2.5, "(0, 2]"), ("frequency_penalty", -2.5, "[-2, 2]"),
     ("frequency_penalty", 2.1, "[-2, 2]"), ("presence_penalty", 3, "[-2, 2]"),
     ("presence_penalty", -3.0, "[-2, 2]"), ("stop", 5, "string"), ("stop", [""], "non-empty"),
-    ("stop", ["a", 3], "string"), ("stop_token_ids", [-1], "ints >= 0"),
+    ("stop", ["a", 3], "string"), ("sampling_seed", 2**63, "[-2**63, 2**63 - 1]"),
     ("stop_token_ids", [True], "ints"), ("stop_token_ids", "12", "list"),
-    ("ignore_eos", 1, "bool"), ("seed", "1", "int"), ("seed", True, "int"),
+    ("ignore_eos", 1, "bool"), ("sampling_seed", "1", "int"), ("sampling_seed", True, "int"),
 ]
 
 
@@ -74,7 +75,8 @@ def test_error_message_states_range_and_value():
 @pytest.mark.parametrize("kw", [
     {"max_new_tokens": 0}, {"temperature": 0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": -1},
     {"top_k": 1}, {"min_p": 0.0}, {"min_p": 1.0}, {"repetition_penalty": 2.0},
-    {"frequency_penalty": -2}, {"presence_penalty": 2}, {"seed": -5}, {"seed": 2**70},
+    {"frequency_penalty": -2}, {"presence_penalty": 2}, {"sampling_seed": -5},
+    {"sampling_seed": 2**63 - 1}, {"sampling_seed": -(2**63)}, {"stop_token_ids": [-1]},
 ])
 def test_boundary_values_are_accepted(kw):
     SamplingParams(**kw)
@@ -84,7 +86,8 @@ def test_defaults_match_sglang():
     p = SamplingParams()
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (128, 1.0, 1.0, -1, 0.0)
     assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.0, 0.0, 0.0)
-    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.seed) == ((), frozenset(), False, None)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos) == ((), frozenset(), False)
+    assert p.sampling_seed is None
 
 
 def test_stop_and_stop_token_ids_are_normalised_and_numbers_coerced():
@@ -102,6 +105,12 @@ def test_params_are_frozen_keyword_only_and_hashable():
     with pytest.raises(TypeError):
         SamplingParams(128)  # type: ignore[misc]
     assert hash(p) == hash(SamplingParams(top_k=5))
+    rich = SamplingParams(logit_bias={"1": 2}, custom_params={"ids": [1, 2]}, stop="x")
+    assert hash(rich) == hash(SamplingParams(logit_bias={1: 2.0}, custom_params={"ids": [1, 2]},
+                                             stop=["x"]))
+    assert pickle.loads(pickle.dumps(rich)) == rich and rich.logit_bias == {"1": 2.0}
+    with pytest.raises(TypeError):
+        rich.logit_bias["1"] = 3.0  # type: ignore[index]
 
 
 def test_is_greedy_for_temperature_below_sglang_epsilon_or_top_k_one():
@@ -111,14 +120,18 @@ def test_is_greedy_for_temperature_below_sglang_epsilon_or_top_k_one():
 
 
 def test_to_dict_round_trips_through_json():
-    p = SamplingParams(temperature=0.5, stop=["x", "y"], stop_token_ids=[9, 2], seed=3)
+    p = SamplingParams(temperature=0.5, stop=["x", "y"], stop_token_ids=[9, 2], sampling_seed=3)
     data = json.loads(json.dumps(p.to_dict()))
     assert data["stop_token_ids"] == [2, 9] and SamplingParams.from_dict(data) == p
 
 
 def test_from_dict_rejects_unknown_keys_by_name_and_non_mappings():
-    with pytest.raises(ValueError, match=r"'bogus', 'nn'"):
-        SamplingParams.from_dict({"temperature": 0.5, "nn": 2, "bogus": 1})
+    with pytest.raises(ValueError, match=r"'bogus', 'zz'"):
+        SamplingParams.from_dict({"temperature": 0.5, "zz": 2, "bogus": 1})
+    with pytest.raises(ValueError, match="'sampling_seed'"):
+        SamplingParams.from_dict({"seed": 3})
+    with pytest.raises(ValueError, match="does not support: 'beam_width'"):
+        SamplingParams.from_dict({"beam_width": 2})
     with pytest.raises(ValueError, match="mapping"):
         SamplingParams.from_dict([("temperature", 0.5)])  # type: ignore[arg-type]
 
@@ -146,7 +159,7 @@ def test_all_greedy_batch_takes_the_argmax_fast_path_and_records_tokens():
 
 def test_tiny_temperature_equals_argmax():
     logits = torch.randn(20, 100, generator=torch.Generator().manual_seed(1))
-    state = batch(*[SamplingParams(temperature=1e-4, seed=i) for i in range(20)])
+    state = batch(*[SamplingParams(temperature=1e-4, sampling_seed=i) for i in range(20)])
     assert torch.equal(TokenSampler().step(logits, state), logits.argmax(-1))
 
 
@@ -159,7 +172,7 @@ def test_temperature_scales_logits_before_softmax_and_high_temperature_spreads()
 
 def test_top_k_one_is_greedy():
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
-    state = batch(*[SamplingParams(top_k=1, seed=i) for i in range(4)])
+    state = batch(*[SamplingParams(top_k=1, sampling_seed=i) for i in range(4)])
     assert torch.equal(TokenSampler().step(logits, state), logits.argmax(-1))
 
 
@@ -171,7 +184,7 @@ def test_top_k_keeps_the_k_most_likely_exactly():
 def test_top_k_never_samples_outside_the_top_k_over_many_seeds():
     logits = torch.randn(64, generator=torch.Generator().manual_seed(3))
     top = set(logits.topk(5).indices.tolist())
-    state = batch(*[SamplingParams(top_k=5, temperature=2.0, seed=s) for s in range(500)])
+    state = batch(*[SamplingParams(top_k=5, temperature=2.0, sampling_seed=s) for s in range(500)])
     tokens = TokenSampler().step(logits.expand(500, -1), state)
     assert set(tokens.tolist()) == top
 
@@ -211,12 +224,12 @@ def test_filters_intersect_on_the_same_distribution():
     assert torch.allclose(dist(LOGITS, top_k=2, min_p=0.2, top_p=0.9), keep(1, 3))
 
 
-def test_masked_logits_get_exactly_zero_and_underflowing_ones_flush_to_zero():
-    logits = torch.tensor([0.0, -math.inf, -50.0, -100.0])
+def test_masked_logits_get_exactly_zero_and_tiny_ones_keep_softmaxs_value():
+    logits = torch.tensor([0.0, -math.inf, -50.0, -200.0])
     probs = dist(logits, temperature=1.0)
-    assert probs[1] == 0 and probs[3] == 0  # e^-100 < 1e-37 of the top weight
+    assert probs[1] == 0 and probs[3] == 0  # e^-200 underflows float32, as in torch.softmax
     assert math.isclose(probs[2].item(), math.exp(-50), rel_tol=1e-4)
-    state = batch(*[SamplingParams(temperature=50.0, seed=s) for s in range(200)])
+    state = batch(*[SamplingParams(temperature=50.0, sampling_seed=s) for s in range(200)])
     assert 1 not in TokenSampler().step(logits.expand(200, -1), state).tolist()
 
 
@@ -229,17 +242,18 @@ def test_rows_in_one_batch_each_get_their_own_filters():
 
 
 def test_sampled_frequencies_match_the_filtered_distribution():
-    state = batch(*[SamplingParams(top_p=0.9, seed=s) for s in range(4000)])
+    state = batch(*[SamplingParams(top_p=0.9, sampling_seed=s) for s in range(4000)])
     tokens = TokenSampler().step(LOGITS.expand(4000, -1), state)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     assert torch.allclose(freq, keep(0, 1, 3), atol=0.03) and freq[2] == 0
 
 
-def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+def test_repetition_penalty_divides_positive_and_multiplies_negative_output_logits():
     logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
-    state = batch(SamplingParams(repetition_penalty=2.0), prompts=[[0, 1, 99]])  # 99: not in V
+    request = RequestSamplingState(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[2, 3])
+    request.output_token_ids.extend([0, 1, 99])  # 99: not in V; the prompt is not penalised
+    probs = TokenSampler().probs(logits[None], TokenSamplingState([request]))[0]
     expected = torch.softmax(torch.tensor([1.0, -4.0, 1.0, 0.5]), -1)
-    probs = TokenSampler().probs(logits[None], state)[0]
     assert torch.allclose(probs, expected) and probs[0] < torch.softmax(logits, -1)[0]
 
 
@@ -271,15 +285,17 @@ def test_presence_penalty_steers_greedy_decoding_away_from_used_tokens():
 
 def test_greedy_rows_in_a_sampled_batch_take_the_argmax_of_penalised_logits():
     logits = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0], [0.0, 0.0, 5.0]])
-    state = batch(SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(seed=0),
-                  SamplingParams(top_k=1), prompts=[[0], [], []])
+    state = batch(SamplingParams(temperature=0, repetition_penalty=2.0),
+                  SamplingParams(sampling_seed=0), SamplingParams(top_k=1))
+    state.requests[0].output_token_ids.append(0)
     tokens = TokenSampler().step(logits, state)
     assert tokens[0] == 1 and tokens[2] == 2  # 2.0 / 2 < 1.9
 
 
 def test_probs_does_not_advance_the_state():
     logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(6))
-    params = [SamplingParams(seed=3, frequency_penalty=1.0), SamplingParams(seed=4, top_p=0.8)]
+    params = [SamplingParams(sampling_seed=3, frequency_penalty=1.0),
+              SamplingParams(sampling_seed=4, top_p=0.8)]
     state, sampler = batch(*params), TokenSampler()
     sampler.probs(logits, state)
     assert [r.output_token_ids for r in state.requests] == [[], []]
@@ -314,9 +330,10 @@ def decode(rows: list[SamplingParams], steps: int, row_of_interest: int) -> list
 
 
 def test_seeded_row_gives_the_same_tokens_alone_and_inside_any_batch():
-    me = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.2, seed=7)
+    me = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.2,
+                        sampling_seed=7)
     alone = decode([me], 30, 0)
-    others = [SamplingParams(temperature=0), SamplingParams(seed=1, frequency_penalty=1.0),
+    others = [SamplingParams(temperature=0), SamplingParams(sampling_seed=1, frequency_penalty=1.0),
               SamplingParams(top_p=0.5), SamplingParams(top_k=3, min_p=0.1)]
     assert decode([others[0], me, *others[1:]], 30, 1) == alone
     assert decode([*others[2:], me], 30, 2) == alone
@@ -324,14 +341,14 @@ def test_seeded_row_gives_the_same_tokens_alone_and_inside_any_batch():
 
 
 def test_different_seeds_and_unseeded_rows_give_different_tokens():
-    seeded = decode([SamplingParams(seed=1)], 30, 0)
-    assert decode([SamplingParams(seed=2)], 30, 0) != seeded
+    seeded = decode([SamplingParams(sampling_seed=1)], 30, 0)
+    assert decode([SamplingParams(sampling_seed=2)], 30, 0) != seeded
     assert decode([SamplingParams()], 30, 0) != decode([SamplingParams()], 30, 0)
 
 
 def test_half_precision_logits_are_sampled_in_float32():
     logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    state = batch(SamplingParams(temperature=0), SamplingParams(seed=0))
+    state = batch(SamplingParams(temperature=0), SamplingParams(sampling_seed=0))
     tokens = TokenSampler().step(logits, state)
     assert tokens.dtype == torch.int64 and tokens[0] == logits[0].float().argmax()
 
@@ -357,20 +374,32 @@ def test_stop_token_id_and_eos_finish_with_stop():
     assert request.check_stop(3, eos_token_ids={2}) is None and request.finish_reason is None
 
 
-def test_ignore_eos_skips_eos_but_not_stop_token_ids():
-    request = RequestSamplingState(SamplingParams(ignore_eos=True, stop_token_ids=[5]))
+def test_ignore_eos_skips_eos_and_stop_token_ids_as_sglang_does():
+    request = RequestSamplingState(SamplingParams(ignore_eos=True, stop_token_ids=[5],
+                                                  stop=["x"]), eos_token_ids=[3])
     request.output_token_ids.append(2)
     assert request.check_stop(2, eos_token_ids={2}) is None
-    assert request.check_stop(5, eos_token_ids={2}) == "stop"
+    assert request.check_stop(3) is None and request.check_stop(5, eos_token_ids={2}) is None
+    assert request.check_stop(5, "ax") == "stop"  # stop strings still apply
 
 
-def test_max_new_tokens_finishes_with_length_before_eos():
+def test_eos_on_the_last_allowed_token_finishes_with_stop_as_sglang_does():
     request = RequestSamplingState(SamplingParams(max_new_tokens=2))
     request.output_token_ids.append(7)
     assert request.check_stop(7) is None
     request.output_token_ids.append(2)
-    assert request.check_stop(2, eos_token_ids={2}) == "length"
+    assert request.check_stop(2, eos_token_ids={2}) == "stop"
+    assert request.check_stop(4, eos_token_ids={2}) == "length"
     assert RequestSamplingState(SamplingParams(max_new_tokens=0)).finish_reason == "length"
+
+
+def test_no_max_new_tokens_runs_until_the_context_is_full():
+    request = RequestSamplingState(SamplingParams(max_new_tokens=None), [1, 2, 3],
+                                   context_length=6)
+    request.output_token_ids.extend([4, 4])
+    assert request.check_stop(4) is None
+    request.output_token_ids.append(4)
+    assert request.check_stop(4) == "length"
 
 
 def test_stop_string_finishes_and_output_is_truncated_before_it():
@@ -378,7 +407,7 @@ def test_stop_string_finishes_and_output_is_truncated_before_it():
     request.output_token_ids.append(1)
     assert request.check_stop(1, "Hello E") is None
     assert request.check_stop(1, "Hello\n\nEND more") == "stop"
-    assert request.matched_stop == "\n\n"  # the earliest occurrence, whatever the list order
+    assert request.matched_stop == "END"  # the first in list order, as SGLang checks them
     assert truncate_at_stop("Hello END more\n\n", request.params.stop) == "Hello "
     assert truncate_at_stop("Hello\n\nEND more", request.params.stop) == "Hello"
     assert truncate_at_stop("no stop here", ("END",)) == "no stop here"

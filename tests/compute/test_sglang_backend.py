@@ -19,11 +19,15 @@ def test_sampling_params_map_to_sglangs_names():
     params = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.1,
                             repetition_penalty=1.1, frequency_penalty=0.2,
                             presence_penalty=-0.3, stop=["\n\n"], stop_token_ids=[5, 2],
-                            ignore_eos=True, seed=11)
+                            ignore_eos=True, sampling_seed=11)
     assert to_sglang_params(params) == {
         "max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.1,
         "repetition_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": -0.3,
         "ignore_eos": True, "stop": ["\n\n"], "stop_token_ids": [2, 5], "sampling_seed": 11,
+        "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None,
+        "ebnf": None, "structural_tag": None, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "no_stop_trim": False, "stream_interval": None,
+        "logit_bias": None, "custom_params": None,
     }
     assert "stop" not in to_sglang_params(SamplingParams())
 

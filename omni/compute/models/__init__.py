@@ -1,4 +1,4 @@
-"""Decoder language models (Llama, Qwen2) that keep their KV cache outside, in `omni.kv` pages.
+"""Decoder language models (Llama, Qwen2, Qwen3) keeping their KV cache outside, in `omni.kv` pages.
 
 `DecoderLM.forward` takes embeddings, explicit positions, the past KV and an optional mask, and
 returns the new tokens' KV; `load_pretrained` reads HF safetensors checkpoints; `tiny_model` makes

@@ -23,7 +23,8 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _FUSED = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 _RENAMED = {"attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj",
-            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+            "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 
 
 def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
@@ -50,6 +51,9 @@ def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{prefix}{name}.bias"] = shape[:1]
         shapes[prefix + "input_layernorm.weight"] = (hidden,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
+        if config.qk_norm:
+            shapes[prefix + "self_attn.q_norm.weight"] = (int(config.head_dim or 0),)
+            shapes[prefix + "self_attn.k_norm.weight"] = (int(config.head_dim or 0),)
     return shapes
 
 

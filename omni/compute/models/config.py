@@ -12,12 +12,13 @@ from omni.kv.layout import KVLayout
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling"]
 
-Architecture = Literal["llama", "qwen2"]
+Architecture = Literal["llama", "qwen2", "qwen3"]
 
 # config.json "architectures" entry -> our architecture; the model_type is accepted too.
 SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 _HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
 
@@ -25,6 +26,8 @@ _HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
 _HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2},
     "qwen2": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
+    "qwen3": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "head_dim": 128},
 }
 
 
@@ -64,10 +67,12 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The sizes and options of a Llama / Qwen2 decoder-only language model.
+    """The sizes and options of a Llama / Qwen2 / Qwen3 decoder-only language model.
 
-    `attention_bias` puts biases on the q/k/v projections (always on for qwen2); Llama also puts
-    one on the output projection (`o_proj_bias`). `head_dim` defaults to hidden_size / num_heads.
+    `attention_bias` puts biases on the q/k/v projections (always on for qwen2); Llama and Qwen3
+    also put one on the output projection (`o_proj_bias`). Qwen3 normalises each head of q and k
+    (RMSNorm over the head dim, `qk_norm`) before RoPE. `head_dim` defaults to
+    hidden_size / num_heads.
 
     Raises:
         ValueError: a size that is not positive, or sizes that do not divide (see `__post_init__`).
@@ -119,11 +124,19 @@ class DecoderConfig:
         if self.architecture == "qwen2" and (not self.attention_bias or self.mlp_bias):
             raise ValueError("qwen2 always has q/k/v biases and no MLP bias: "
                              "use attention_bias=True, mlp_bias=False")
+        if self.architecture == "qwen3" and self.mlp_bias:
+            raise ValueError("qwen3 has no MLP bias: use mlp_bias=False")
 
     @property
     def o_proj_bias(self) -> bool:
-        """Whether the attention output projection has a bias (Llama's attention_bias)."""
-        return self.architecture == "llama" and self.attention_bias
+        """Whether the attention output projection has a bias (Llama's and Qwen3's
+        attention_bias)."""
+        return self.architecture != "qwen2" and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised before RoPE (Qwen3)."""
+        return self.architecture == "qwen3"
 
     @property
     def num_groups(self) -> int:
@@ -137,7 +150,8 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
-        """The config of a HF config.json dict (LlamaForCausalLM or Qwen2ForCausalLM).
+        """The config of a HF config.json dict (LlamaForCausalLM, Qwen2ForCausalLM or
+        Qwen3ForCausalLM; a missing field takes transformers' class default).
 
         Reads both the transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)
         spellings of RoPE settings.
@@ -191,6 +205,8 @@ class DecoderConfig:
             out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         else:
             out.update(use_sliding_window=False)
+        if self.architecture == "qwen3":
+            out.update(attention_bias=self.attention_bias)
         return out
 
 
@@ -219,13 +235,13 @@ def _architecture_of(hf: Mapping[str, Any]) -> Architecture:
 def _check_supported_features(arch: Architecture, fields: Mapping[str, Any]) -> None:
     if fields.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {fields['hidden_act']!r}; only 'silu'")
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         layer_types = fields.get("layer_types")
         if layer_types is None and fields.get("use_sliding_window"):
             num_full = fields.get("max_window_layers", 28)
             layer_types = ["sliding_attention"] * max(0, fields["num_hidden_layers"] - num_full)
         if layer_types and "sliding_attention" in layer_types:
-            raise ValueError("unsupported: qwen2 sliding-window attention "
+            raise ValueError(f"unsupported: {arch} sliding-window attention "
                              "(use_sliding_window=true)")
 
 

@@ -1,9 +1,10 @@
-"""`DecoderLM`: a Llama / Qwen2 decoder whose KV cache lives outside the model.
+"""`DecoderLM`: a Llama / Qwen2 / Qwen3 decoder whose KV cache lives outside the model.
 
 The model keeps no cache. `forward` takes the past KV of each layer and returns the KV of the new
 tokens only; the engine owns the cache (contiguous per-layer tensors, paged in the `omni.kv`
 store). Built gpt-fast style from small modules; numerics follow transformers (RMSNorm and RoPE
-angles in float32, `rotate_half`) so the logits match `LlamaForCausalLM` / `Qwen2ForCausalLM`.
+angles in float32, `rotate_half`) so the logits match `LlamaForCausalLM`, `Qwen2ForCausalLM` and
+`Qwen3ForCausalLM`.
 
 Shapes: B batch, T new tokens, S = T_past + T keys, E hidden, H query heads, Hkv KV heads,
 G = H / Hkv query heads per KV head, D head dim, L layers, P page size.
@@ -103,7 +104,8 @@ class Attention(nn.Module):
     """Grouped-query self-attention over the past KV and the new tokens.
 
     q, k and v come from one fused projection (`qkv_proj`: rows q then k then v), which saves two
-    matmul launches per layer in decode.
+    matmul launches per layer in decode. Qwen3 RMS-normalises each q and k head before RoPE
+    (`q_norm`, `k_norm`; None for the others).
     """
 
     def __init__(self, config: DecoderConfig) -> None:
@@ -114,6 +116,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size,
                                 bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None,
                 mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -125,7 +129,11 @@ class Attention(nn.Module):
         batch, num_new, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, num_new, -1, self.head_dim).transpose(1, 2)
         num_qk = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :num_qk], cos, sin)  # [B, H + Hkv, T, D]
+        qk = qkv[:, :num_qk]  # [B, H + Hkv, T, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:]
         if past is None:
             keys, values = k, v
@@ -179,7 +187,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """A decoder-only language model (Llama, Qwen2) that keeps no KV cache of its own.
+    """A decoder-only language model (Llama, Qwen2, Qwen3) that keeps no KV cache of its own.
 
     Use `embed` (or your own input embeddings, e.g. image latents), then `forward` with explicit
     positions and the past KV, then `logits` on the positions you sample from.

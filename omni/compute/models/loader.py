@@ -30,7 +30,8 @@ _MAX_NAMED = 5  # names listed per kind of problem in an error message
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> tuple[DecoderLM, DecoderConfig]:
-    """The model and config of a HF checkpoint directory (Llama or Qwen2, safetensors only).
+    """The model and config of a HF checkpoint directory (Llama, Qwen2 or Qwen3; safetensors
+    only).
 
     Reads `config.json`, then `model.safetensors` or the shards listed by
     `model.safetensors.index.json`. The model is in eval mode, without gradients, in `dtype` on

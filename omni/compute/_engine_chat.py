@@ -1,0 +1,87 @@
+"""`TorchEngine`'s conversation methods: chat templates and the checkpoint's sampling defaults.
+
+Why apart from engine.py: rendering a conversation and choosing default sampling happen before
+a request exists; they only call the engine's public `generate` / `stream`, and keeping them
+here leaves engine.py to the batching loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omni.compute.generation_config import (
+    GenerationDefaults,
+    load_generation_defaults,
+    resolve_eos_token_ids,
+)
+from omni.compute.sampling_params import SamplingParams
+from omni.compute.tokenizer import HFTokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from omni.compute.engine import GenerateResult, TokenStream
+
+__all__ = ["ChatMixin", "load_tokenizer_and_defaults"]
+
+
+def load_tokenizer_and_defaults(directory: str | Path, config_eos: tuple[int, ...],
+                                ) -> tuple[HFTokenizer | None, GenerationDefaults | None]:
+    """A checkpoint's tokenizer (None without tokenizer.json) and generation_config.json (None
+    without one); the tokenizer's EOS ids resolved as `resolve_eos_token_ids` says."""
+    defaults = load_generation_defaults(directory)
+    tokenizer = load_tokenizer(directory)
+    if tokenizer is not None:
+        tokenizer.eos_token_ids = resolve_eos_token_ids(defaults, config_eos,
+                                                        tokenizer.eos_token_id)
+    return tokenizer, defaults
+
+
+class ChatMixin:
+    """`chat`, `chat_stream`, `chat_prompt` and `default_params` of `TorchEngine`."""
+
+    tokenizer: Any
+    model_id: str
+    # From the checkpoint's generation_config.json (`from_pretrained`); None: SamplingParams().
+    generation_defaults: GenerationDefaults | None = None
+
+    if TYPE_CHECKING:
+        async def generate(self, prompt: Any,
+                           params: SamplingParams | None = None) -> GenerateResult: ...
+        def stream(self, prompt: Any, params: SamplingParams | None = None) -> TokenStream: ...
+
+    def default_params(self, num_prompt_tokens: int = 0) -> SamplingParams:
+        """The sampling of a request that passes no params (for a prompt of that length):
+        the checkpoint's generation_config.json defaults, else `SamplingParams()`."""
+        if self.generation_defaults is None:
+            return SamplingParams()
+        return self.generation_defaults.sampling_params(num_prompt_tokens)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
+        """The prompt ids of a conversation: the checkpoint's chat template rendered and
+        encoded exactly as transformers' ``apply_chat_template(messages, add_generation_prompt)``.
+
+        Raises:
+            ValueError: no tokenizer with a chat template, bad messages, or the template fails.
+        """
+        if not isinstance(self.tokenizer, HFTokenizer) or self.tokenizer.chat_template is None:
+            raise ValueError(f"{self.model_id} has no chat template (it needs tokenizer.json and "
+                             "chat_template.jinja or 'chat_template' in tokenizer_config.json)")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return list(ids)
+
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                   *, add_generation_prompt: bool = True,
+                   **template_kwargs: Any) -> GenerateResult:
+        """Answer a conversation (``[{"role": "user", "content": "Hi"}, ...]``): `generate` on
+        its `chat_prompt`. `template_kwargs` reach the template (tools, documents, its own
+        variables). Raises ValueError as `chat_prompt` does."""
+        return await self.generate(self.chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs), params)
+
+    def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
+                    *, add_generation_prompt: bool = True, **template_kwargs: Any) -> TokenStream:
+        """`chat` as a `TokenStream` of token ids (see `stream`)."""
+        return self.stream(self.chat_prompt(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs), params)

@@ -1,0 +1,212 @@
+"""The batched stages `TokenSampler` runs on logits, each equal to SGLang 0.5.23's.
+
+In SGLang's order (sglang/srt/sampling/sampling_batch_info.py `apply_logits_bias`, then
+sglang/srt/layers/sampler.py `Sampler.forward`): additive penalties (frequency, presence,
+min_new_tokens), the repetition penalty's scaling, the grammar bitmask, logit_bias, custom
+logit processors, temperature, softmax, then top-k / top-p / min-p
+(`top_k_top_p_min_p_sampling_from_probs_torch`). Every stage works on [B, V] float32 tensors
+in place; rows that do not use a stage hold neutral entries, which leave their values
+bit-for-bit unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from omni.compute.sampling import RequestSamplingState
+    from omni.compute.sampling_params import SamplingParams
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """Per-row parameters as [B, 1] tensors; greedy rows get neutral ones (they take argmax)."""
+
+    rows: torch.Tensor  # [B] int64
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # float32; 1 for greedy rows
+    top_k: torch.Tensor  # int64 in [1, V] (V where off)
+    top_k_on: torch.Tensor
+    top_p: torch.Tensor
+    top_p_on: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: list[tuple[SamplingParams, bool]], vocab_size: int,
+              device: torch.device) -> Columns:
+        def column(values: list[Any], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).view(-1, 1)
+
+        top_k_on = [p.top_k != -1 and not g for p, g in rows]
+        return cls(
+            rows=torch.arange(len(rows), device=device),
+            greedy=torch.tensor([g for _, g in rows], dtype=torch.bool, device=device),
+            temperature=column([1.0 if g else p.temperature for p, g in rows]),
+            top_k=column([min(p.top_k, vocab_size) if on else vocab_size
+                          for (p, _), on in zip(rows, top_k_on, strict=True)], torch.int64),
+            top_k_on=column(top_k_on, torch.bool),
+            top_p=column([p.top_p for p, _ in rows]),
+            # SGLang's torch sampler applies top-p to every row it filters, even at 1.0,
+            # where float rounding of the cumulative sum can drop the least likely tail
+            top_p_on=column([p.filters and not g for p, g in rows], torch.bool),
+            min_p=column([0.0 if g else p.min_p for p, g in rows]),
+        )
+
+
+def _valid_ids(ids: Any, vocab_size: int) -> torch.Tensor:
+    ids = torch.as_tensor(list(ids), dtype=torch.int64)
+    return ids[(ids >= 0) & (ids < vocab_size)]
+
+
+class PenaltyTables:
+    """SGLang's cumulated penalties per row and token: [B, V] tables over OUTPUT tokens.
+
+    Why: penalties depend on each row's whole output. Tables updated by one write per row per
+    step turn them into a few branch-free in-place passes. As SGLang's penalizers
+    (sglang/srt/sampling/penaltylib/): the frequency table grows by repeated float32 addition,
+    presence and repetition are set once a token occurs, the additive part is applied before
+    the repetition scaling (`SamplingBatchInfo.update_penalties`), and the scaling divides
+    positive and multiplies negative logits (`apply_scaling_penalties`). Prompt tokens are not
+    penalised.
+    """
+
+    def __init__(self, requests: Sequence[RequestSamplingState], vocab_size: int,
+                 device: torch.device) -> None:
+        shape = (len(requests), vocab_size)
+        params = [r.params for r in requests]
+        self._frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+        self._presence = torch.tensor([p.presence_penalty for p in params], device=device)
+        self._repetition = torch.tensor([p.repetition_penalty for p in params], device=device)
+        self.cum_frequency = torch.zeros(shape, device=device)
+        self.cum_presence = torch.zeros(shape, device=device)
+        self.scale = torch.ones(shape, device=device)  # repetition: 1 where unseen
+        for row, request in enumerate(requests):
+            ids = _valid_ids(request.output_token_ids, vocab_size).to(device)
+            self.cum_frequency[row].index_add_(0, ids, self._frequency[row].expand(len(ids)))
+            self.cum_presence[row, ids] = self._presence[row]
+            self.scale[row, ids] = self._repetition[row]
+        self.offset = self.cum_frequency + self.cum_presence  # subtracted: 0 - f - p in SGLang
+        self.any_additive = bool((self._frequency != 0).any() or (self._presence != 0).any())
+        self.any_repetition = bool((self._repetition != 1).any())
+
+    def apply_(self, scores: torch.Tensor, spare: torch.Tensor) -> None:
+        """In place on `scores`: frequency and presence, then the repetition scaling."""
+        if self.any_additive:
+            scores.sub_(self.offset)
+        if self.any_repetition:
+            negative = torch.mul(scores, self.scale, out=spare)
+            torch.where(scores < 0, negative, scores.div_(self.scale), out=scores)
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each row's new token (one per row, so the scattered writes never collide)."""
+        self.cum_frequency[rows, tokens] += self._frequency
+        self.cum_presence[rows, tokens] = self._presence
+        self.offset[rows, tokens] = self.cum_frequency[rows, tokens] + self._presence
+        self.scale[rows, tokens] = self._repetition
+
+
+def bias_table(params: Sequence[SamplingParams], vocab_size: int,
+               device: torch.device) -> torch.Tensor | None:
+    """SGLang's logit_bias tensor [B, V] (zeros for rows without one), or None if no row has one.
+
+    Raises ValueError for a token id outside the vocabulary (SGLang's `verify(vocab_size)`).
+    """
+    if all(p.logit_bias is None for p in params):
+        return None
+    table = torch.zeros((len(params), vocab_size), device=device)
+    for row, p in enumerate(params):
+        for key, value in (p.logit_bias or {}).items():
+            if int(key) >= vocab_size:
+                raise ValueError(f"logit_bias keys must be in [0, {vocab_size - 1}], got {key}")
+            table[row, int(key)] = value
+    return table
+
+
+def apply_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                   fallback_ids: Sequence[torch.Tensor]) -> None:
+    """Disallowed tokens of `rows` -> -inf, from xgrammar's int32 bitmask [B, ceil(V / 32)].
+
+    Bit j of word w allows token 32 * w + j. A row whose mask allows no token at all keeps
+    only its `fallback_ids` (EOS) instead, so it never turns into NaN; with no fallback ids
+    it is left unmasked.
+    """
+    vocab_size = scores.shape[1]
+    words = bitmask.index_select(0, rows)  # [C, W]
+    bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(words.device)) & 1  # [C, W, 32]
+    allowed = bits.view(len(rows), -1)[:, :vocab_size].bool()
+    empty = ~allowed.any(dim=-1)
+    if bool(empty.any()):
+        for i in torch.nonzero(empty).flatten().tolist():
+            ids = fallback_ids[i]
+            allowed[i] = True if len(ids) == 0 else False
+            allowed[i, ids] = True
+    selected = scores.index_select(0, rows).masked_fill_(~allowed, -torch.inf)
+    scores.index_copy_(0, rows, selected)
+
+
+def filter_probs_(probs: torch.Tensor, cols: Columns, flags: Any,
+                  keep: torch.Tensor) -> torch.Tensor:
+    """Zero what top-k, top-p and min-p drop, in place on softmax `probs` [B, V].
+
+    As `top_k_top_p_min_p_sampling_from_probs_torch`: in a descending sort, position i is
+    kept when i < top_k and the mass before it (cumsum - p) is <= top_p; then a token less
+    likely than min_p x the most likely goes. Ties at the cut go to the lower token id, the
+    order of a stable descending sort. (SGLang calls `torch.sort` without `stable=True`, which
+    promises no order among ties; on CPU it keeps id order for rows of up to 16 tokens, which
+    is where the conformance table's tie rows were checked against it.)
+    """
+    if flags.any_top_k or flags.any_top_p or flags.any_min_p:
+        num_kept, cut = _cut(probs, cols, flags)
+        torch.ge(probs, cut, out=keep)
+        num_ge = keep.sum(dim=-1, keepdim=True)
+        if bool(((num_ge > num_kept) & (cut > 0)).any()):  # ties at the cut: lower ids first
+            ties = torch.eq(probs, cut)
+            room = num_kept - (num_ge - ties.sum(dim=-1, keepdim=True))
+            keep = torch.gt(probs, cut, out=keep) | (ties & (ties.cumsum(dim=-1) <= room))
+        probs.mul_(keep)
+    if flags.any_min_p:
+        floor = probs.amax(dim=-1, keepdim=True).mul_(cols.min_p)
+        probs.mul_(torch.ge(probs, floor, out=keep))
+    return probs
+
+
+def _cut(probs: torch.Tensor, cols: Columns, flags: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(how many tokens top-k and top-p keep, the probability of the last one), each [B, 1].
+
+    Reads the `flags.sort_width` largest probabilities of each row, widening that prefix (x8)
+    while a row without top-k keeps all of it and (top-p below 1, or its last value at least
+    min_p x the top) tokens beyond it may be kept. The prefix of a sort holds the same
+    values as the full sort and CPU cumsum is sequential, so a row's cut does not depend on
+    the width the other rows ask for.
+    """
+    vocab_size = probs.shape[-1]
+    open_rows = cols.top_p_on & ~cols.top_k_on
+    while True:
+        width = min(flags.sort_width, vocab_size)
+        ranked = (probs.sort(dim=-1, descending=True).values if width == vocab_size
+                  else probs.topk(width, dim=-1).values)  # [B, width], descending
+        num_kept = torch.minimum(cols.top_k, torch.tensor(width, device=probs.device))
+        mass_before = ranked.cumsum(dim=-1) - ranked
+        within = (mass_before <= cols.top_p) | ~cols.top_p_on
+        num_kept = torch.minimum(num_kept, within.sum(dim=-1, keepdim=True))
+        more = (cols.top_p < 1.0) | (ranked[:, -1:] >= ranked[:, :1] * cols.min_p)
+        if width == vocab_size or not bool((open_rows & more & (num_kept == width)).any()):
+            on = cols.top_k_on | cols.top_p_on  # rows with neither keep everything
+            cut = torch.where(on, ranked.gather(1, num_kept - 1), 0.0)
+            return torch.where(on, num_kept, vocab_size), cut
+        flags.sort_width = min(width * 8, vocab_size)
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """One index per row of unnormalised `weights` [B, V] for draws `uniforms` [B] in [0, 1)."""
+    cdf = torch.cumsum(weights, dim=-1, out=out)  # [B, V], non-decreasing
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)  # first cdf > target
