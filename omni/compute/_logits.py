@@ -161,20 +161,20 @@ def _apply_bitmask_numpy_(scores: torch.Tensor, bitmask: torch.Tensor, rows: lis
                           fallback_ids: Sequence[torch.Tensor]) -> None:
     """`apply_bitmask_` on the CPU, in numpy: it runs every decode step on a few rows, where
     each torch op's dispatch costs more than the work (numpy's cost a fraction of that)."""
-    vocab_size = scores.shape[1]
-    words = bitmask.numpy()[rows]  # [C, W]
+    vocab_size, values = scores.shape[1], scores.numpy()  # values shares the tensor's memory
+    every_row = rows == list(range(values.shape[0])) and bitmask.shape[0] == len(rows)
+    words = bitmask.numpy() if every_row else bitmask.numpy()[rows]  # [C, W]
     allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
     if not words.any(axis=1).all():
         for i in np.flatnonzero(~allowed.any(axis=1)):
             ids = fallback_ids[i].numpy()
             allowed[i] = 0 if len(ids) else 1
             allowed[i, ids] = 1
-    values = scores.numpy()  # shares the tensor's memory
-    if len(rows) == values.shape[0]:
-        values[allowed == 0] = -np.inf
+    if every_row:
+        np.copyto(values, -np.inf, where=allowed == 0)
     else:
         selected = values[rows]
-        selected[allowed == 0] = -np.inf
+        np.copyto(selected, -np.inf, where=allowed == 0)
         values[rows] = selected
 
 

@@ -233,3 +233,21 @@ async def test_a_grammar_needs_a_tokenizer():
     engine = TorchEngine(model, config)
     with pytest.raises(ValueError, match="regex needs a tokenizer"):
         await engine.generate([5, 6], SamplingParams(regex="a"))
+
+
+def test_the_cpu_bitmask_path_equals_xgrammars_kernel_on_every_row_and_on_some():
+    import xgrammar
+
+    from omni.compute._logits import apply_bitmask_
+
+    gen = torch.Generator().manual_seed(5)
+    for rows in ([0, 1, 2], [1], [0, 2]):
+        logits = torch.randn(3, 100, generator=gen)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), generator=gen, dtype=torch.int32)
+        bitmask[rows[0]] = 0  # allows nothing: only the fallback (EOS) stays
+        expected = logits.clone()
+        xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+        expected[rows[0]] = float("-inf")
+        expected[rows[0], 2] = logits[rows[0], 2]
+        apply_bitmask_(logits, bitmask, rows, [torch.tensor([2])] * len(rows))
+        assert torch.equal(logits, expected)
