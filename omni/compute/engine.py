@@ -333,10 +333,12 @@ class TorchEngine(ChatMixin):
             return None
         if self.tokenizer is None:
             raise ValueError(f"{spec[0]} needs a tokenizer; this engine has none")
-        async with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = await trio.to_thread.run_sync(
-                    GrammarBackend, self.tokenizer, self.config.vocab_size, self._eos_ids())
+        if self._grammars is None:  # (a cached grammar then costs no await: requests
+            async with self._grammar_lock:  # arriving together still start in one step)
+                if self._grammars is None:
+                    self._grammars = await trio.to_thread.run_sync(
+                        GrammarBackend, self.tokenizer, self.config.vocab_size,
+                        self._eos_ids())
         kind, text = spec
         return kind, await self._grammars.compile_async(kind, text)
 
