@@ -114,9 +114,9 @@ def _finish(role: str, started: tuple[float, int], stores: list[Any],
     pages = sum(sum(tier["pages"] for name, tier in store.stats().items()
                     if name in ("device", "host")) for store in stores)
     page_bytes = stores[0].layout.page_bytes if stores else 0
+    status = proc_status()  # with the stores' pages still mapped
     for store in stores:
         store.close()
-    status = proc_status()
     return RoleRun(role, pages, page_bytes, started[1], status["VmHWM"],
                    resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    {k: status[k] for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")},
@@ -151,6 +151,17 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _pixels(png: bytes) -> Any:
+    """The [H, W, 3] uint8 pixels of a PNG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
 # -- the image pipeline ----------------------------------------------------------------------
 
 
@@ -177,7 +188,8 @@ def omni_image(spec: Spec) -> RoleRun:
         png = Path(result["out"]).read_bytes()
     llm = result["llm"]
     return _finish("omni", started, [store], {
-        "png_sha256": _digest(png), "expansion_tokens": result["expansion_tokens"],
+        "png_sha256": _digest(png), "pixels": _pixels(png),
+        "expansion_text": result["expansion"], "expansion_tokens": result["expansion_tokens"],
         "prompt_tokens": llm["prompt_tokens"], "llm_cached_tokens": llm["cached_tokens"],
         "diffusion_prompt_tokens": result["prompt_tokens"],
         "diffusion_tokens_reused": result["prompt_tokens_reused"],
@@ -197,7 +209,8 @@ def llm_image_service(spec: Spec) -> RoleRun:
     params = SamplingParams(max_new_tokens=spec.expand, temperature=0)
     result = trio.run(engine.generate, Prompt([Text(spec.prompt)]), params)
     return _finish("llm", started, [store], {
-        "expansion": list(result.token_ids), "prompt_tokens": result.prompt_tokens,
+        "expansion": list(result.token_ids), "expansion_text": result.text or "",
+        "expansion_tokens": len(result.token_ids), "prompt_tokens": result.prompt_tokens,
         "llm_cached_tokens": result.cached_tokens})
 
 
@@ -223,7 +236,7 @@ def diffusion_service(spec: Spec, expansion: list[int]) -> RoleRun:
 
     result = trio.run(paint)
     return _finish("diffusion", started, [store], {
-        "png_sha256": _digest(to_png(result.image)), "expansion_tokens": len(expansion),
+        "png_sha256": _digest(to_png(result.image)), "pixels": result.image,
         "diffusion_prompt_tokens": result.prompt_tokens,
         "diffusion_tokens_reused": result.prompt_tokens_reused})
 
