@@ -261,7 +261,7 @@ def _prompt_chars(k: Ctx) -> str:
 
 
 def _model_size(k: Ctx) -> str:
-    return f"{k.d['model']['parameters'] / 1e6:.0f}M"
+    return si(k.d["model"]["parameters"])
 
 
 def _rss(c: dict[str, Any]) -> str:
@@ -389,7 +389,7 @@ KNOWN: tuple[Known, ...] = (
                      f"{fig(med(k.c['baseline']))} MiB")),
     Known("footprint", "image.peak_rss",
           lambda k: ("the same image pipeline: peak RSS of all its processes "
-                     f"({_model_size(k)}-parameter Llama)"),
+                     f"(a Llama of {_model_size(k)} parameters; 1 process vs 2)"),
           "below separate services'",
           lambda k: _rss(k.c),
           lambda k: f"the two services' processes: {fig(med(k.c['baseline']))} MiB"),
@@ -402,7 +402,7 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"an LLM service with prefix caching and a speech service: "
                      f"{fig(med(k.c['baseline']))} MiB")),
     Known("footprint", "dialogue.peak_rss",
-          "the same dialogue: peak RSS of all its processes",
+          "the same dialogue: peak RSS of all its processes (1 vs 2)",
           "below separate services'",
           lambda k: _rss(k.c),
           lambda k: f"the two services' processes: {fig(med(k.c['baseline']))} MiB"),
