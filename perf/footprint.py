@@ -145,7 +145,8 @@ def make_spec(params: Params, model_dir: str) -> Spec:
 
 def write_model(params: Params, folder: Path) -> dict[str, Any]:
     """A random Llama as a Hugging Face folder with a byte-level BPE tokenizer.json (token id
-    = byte + 3, as the built-in tiny models); returns its figures."""
+    = byte + 3, as the built-in tiny models; the other ids decode to ``<|id|>``); returns its
+    figures."""
     import tokenizers
     import torch
 
@@ -155,6 +156,9 @@ def write_model(params: Params, folder: Path) -> dict[str, Any]:
     save_pretrained(model, config, folder)
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     vocab = {c: i + 3 for i, c in enumerate(sorted(byte_level.alphabet()))}
+    # Every other id gets a text of its own, so that a reply's text stands for its ids (the
+    # image graph's result gives the expansion as text only).
+    vocab.update({f"<|{i}|>": i for i in (*range(3), *range(3 + len(vocab), config.vocab_size))})
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = byte_level(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
@@ -197,11 +201,12 @@ def _outputs(runs: list[RoleRun]) -> dict[str, Any]:
 
 def compare_outputs(pipeline: str, reps: list[list[RoleRun]]) -> dict[str, Any]:
     """Every repeat of both variants against the first: the dialogue's reply tokens and WAV
-    bytes exactly; the image's expansion exactly and its pixels within `PIXEL_TOLERANCE`
-    levels. Why a tolerance: the LLM role's pages come from the engine's prefill and decode
-    steps, the separate diffusion service computes the same KV in one forward pass; float32
-    sums in another order move a latent by ~1e-6, which can cross a rounding boundary of an
-    8-bit pixel. Wrong KV would change the whole image."""
+    bytes exactly; the image's expansion exactly (its text: every id has its own, see
+    `write_model`) and its pixels within `PIXEL_TOLERANCE` levels. Why a tolerance: the LLM
+    role's pages come from the engine's prefill and decode steps, the separate diffusion
+    service computes the same KV in one forward pass; float32 sums in another order move a
+    latent by ~1e-6, which can cross a rounding boundary of an 8-bit pixel. Wrong KV would
+    change the whole image."""
     ref, others = _outputs(reps[0]), [_outputs(rep) for rep in reps[1:]]
     if pipeline == "dialogue":
         equal = all(o["token_ids"] == ref["token_ids"] and o["wav_sha256"] == ref["wav_sha256"]
