@@ -311,9 +311,12 @@ def _rss_claim(runs: dict[str, list[list[RoleRun]]], equal: bool,
     out["why"] = (f"{len(runs['separate'][0])} processes against {len(runs['omni'][0])}, each "
                   f"~{imports:.0f} MiB once it has imported torch and Omni; above that, Omni's "
                   f"process peaks at {above['omni'].median:.0f} MiB and the services' at "
-                  f"{above['separate'].median:.0f} MiB together ({above_ratio:.2f}x; one copy "
-                  f"of the weights is {extra['weights_mib']:.0f} MiB, the KV Omni does not "
-                  f"duplicate {extra['kv_mib']:.0f} MiB)"
+                  f"{above['separate'].median:.0f} MiB together ({above_ratio:.2f}x; "
+                  + (f"a copy of the weights is {extra['weights_mib']:.0f} MiB and of the "
+                     f"prompts' KV {extra['kv_mib']:.0f} MiB, which the services hold twice)"
+                     if extra["kv_mib"] > 0 else
+                     "the services hold the weights and the KV once as well: the second "
+                     "process is the whole difference)")
                   + ("" if equal else "; the outputs differ, so the claim does not hold"))
     return out
 
