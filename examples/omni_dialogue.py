@@ -214,12 +214,13 @@ class Dialogue:
     streams a turn's reply token by token, between a `Started` and a `Finished` event."""
 
     def __init__(self, model: str = MODEL, max_sessions: int = MAX_SESSIONS, seed: int = 0):
-        self.store = omni.context().kv  # None when the runtime has no KV store
+        kv = omni.context().kv  # None when the runtime has no KV store: the engine's own
+        store = kv if kv is not None else "auto"
         if not model:
-            self.engine = TorchEngine.tiny(seed=seed, store=self.store, page_size=PAGE_SIZE)
+            self.engine = TorchEngine.tiny(seed=seed, store=store, page_size=PAGE_SIZE)
         else:
-            self.engine = TorchEngine.from_pretrained(model, store=self.store,
-                                                      page_size=PAGE_SIZE)
+            self.engine = TorchEngine.from_pretrained(model, store=store, page_size=PAGE_SIZE)
+        self.store = self.engine.store
         if self.engine.tokenizer is None:
             raise ValueError(f"{model} has no tokenizer.json: the dialogue needs text")
         self.tokenizer = self.engine.tokenizer
