@@ -33,7 +33,8 @@ one engine of this process for the runtime's store, so "one copy" holds for the 
 for the KV alike (in one process: with `--cluster` each worker would build its own engine).
 `kv_bytes_resident` is that one copy of the prompt's KV; `kv_bytes_separate` is what an LLM
 service plus a separate diffusion service would each keep (twice as much). `reuse=false` makes
-the diffusion role recompute the prompt's KV instead: the same PNG, bit for bit, with
+the diffusion role recompute the prompt's KV instead: the same image up to float rounding
+(the KV computed in other shapes; a pixel may be one level apart), with
 `prompt_tokens_reused` 0 (the baseline).
 
 Models. Without `OMNI_MODEL` it runs the built-in tiny random Llama (no download; a few
