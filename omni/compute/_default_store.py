@@ -73,13 +73,18 @@ def default_store_bytes(device: torch.device) -> int:
 
 def default_store(layout: KVLayout, device: torch.device) -> KVStore | None:
     """A one-tier store of `layout` on `device`, `default_store_bytes` large; None (prefix
-    caching off, said in the log) when that much memory holds not even one page."""
+    caching off, said in the log) when that much memory holds not even one page, or when the
+    store cannot be made (e.g. a full /dev/shm): an engine is still built, it recomputes."""
     capacity = default_store_bytes(device)
     if capacity < layout.page_bytes:
         log.warning("prefix caching is off: %d B of free memory hold no KV page of %d B",
                     capacity, layout.page_bytes)
         return None
-    return KVStore(layout, [TierConfig("device", capacity)], device=device)
+    try:
+        return KVStore(layout, [TierConfig("device", capacity)], device=device)
+    except (KVError, OSError, torch.OutOfMemoryError) as exc:
+        log.warning("prefix caching is off: the engine's KV store cannot be made: %s", exc)
+        return None
 
 
 def choose_store(store: StoreOption, layout: KVLayout, device: torch.device) -> KVStore | None:
@@ -103,13 +108,9 @@ def describe_store(store: KVStore | None) -> str:
     """Pages used / held per tier and each tier's capacity, e.g. ``device=3/8192(64MiB)``."""
     if store is None:
         return "none"
-    try:
-        stats = store.stats()
-    except KVError:
-        return "closed"
     page = store.layout.page_bytes
     return " ".join(f"{name}={tier['pages']}/{tier['capacity']}({_mib(tier['capacity'] * page)})"
-                    for name, tier in stats.items() if "capacity" in tier)
+                    for name, tier in store.stats().items() if "capacity" in tier)
 
 
 def _mib(num_bytes: int) -> str:

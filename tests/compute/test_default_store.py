@@ -18,6 +18,7 @@ from omni.compute.engine import TorchEngine
 from omni.compute.models import save_pretrained, tiny_model
 from omni.compute.sampling import SamplingParams
 from omni.kv import KVStore
+from omni.kv.errors import KVTierError
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 FIRST = [(7 * i) % 250 + 3 for i in range(44)]  # with its reply's KV: three full pages
@@ -101,6 +102,17 @@ def test_no_room_for_a_page_turns_caching_off_and_says_so(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="omni.compute"):
         assert default_store(layout, torch.device("cpu")) is None
     assert "prefix caching is off" in caplog.text
+
+
+def test_a_store_that_cannot_be_made_leaves_the_engine_recomputing(monkeypatch, caplog):
+    def no_room(*args, **kwargs):
+        raise KVTierError("device", "the device tier cannot be made: no room in /dev/shm")
+
+    monkeypatch.setattr(_default_store, "KVStore", no_room)
+    with caplog.at_level(logging.WARNING, logger="omni.compute"):
+        engine = TorchEngine.tiny(seed=0)
+    assert engine.store is None
+    assert "prefix caching is off: the engine's KV store cannot be made" in caplog.text
 
 
 @pytest.mark.gpu

@@ -4,11 +4,13 @@ the past KV and themselves, in the three shapes a decoder needs.
 - no past: plain causal attention (SDPA's `is_causal`, grouped-query via `enable_gqa`);
 - a past and no mask, several new tokens (a prefill that reuses a cached prefix): causal
   with the diagonal shifted by the past's length. On the CPU this runs as two blocks, the
-  past without any mask and the new tokens causal among themselves, each through the flash
-  kernel that also returns the log-sum-exp of its scores, and the two are merged exactly
-  (`merge_attention`). Why: it never concatenates the past with the new KV (a copy of the
-  whole past per layer) nor builds, converts and reads a [G*T, S] mask, and both blocks
-  run the fast unmasked and causal paths of the kernel;
+  past without any mask and the new tokens causal among themselves, each through torch's
+  CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``, which also
+  returns the log-sum-exp of each row's scores), merged by `merge_attention`: one softmax
+  over all the keys, to float rounding (~1e-6 in float32). Why: it never concatenates the
+  past with the new KV (a copy of the whole past per layer) nor builds, converts and reads a
+  [G*T, S] mask. With 1.7k cached tokens and 208 new ones (one thread, head_dim 64) it takes
+  ~10% less time than the one masked call, a few % of the whole prefill;
 - anything else (decode, explicit masks): one SDPA call over the concatenated KV, the G
   query heads of each KV head folded into the query axis (the KV is read once, never
   repeated).
