@@ -21,11 +21,12 @@ Paths are relative to the current folder. The reply's WAV goes to ``out``, by de
   item's content digest enters the KV page keys.
 - `Dialogue` keeps each session's history (the prompt segments and the reply tokens exactly
   as generated), so turn k's prompt starts with turn k-1's prompt and reply: their KV pages
-  are found in the runtime's KV store (`omni.context().kv`) and only the new message is
-  computed. As the tiers fill (``--kv-*``), pages of idle sessions move down to host memory
-  or disk, and come back up when the session speaks again. The top tier must hold a
-  session's whole history at once, or that turn recomputes it (the tiny model's pages are
-  8 KiB: 80KiB holds 10 pages, 160 tokens).
+  are found in the runtime's KV store (`omni.context().kv`; in a runtime without one, in
+  the engine's own default store) and only the new message is computed. As the tiers fill
+  (``--kv-*``), pages of idle sessions move down to host memory or disk, and come back up
+  when the session speaks again. The top tier must hold a session's whole history at once,
+  or that turn recomputes it (the tiny model's pages are 8 KiB: 80KiB holds 10 pages, 160
+  tokens).
 - `Dialogue` remembers the 256 most recently used sessions (LRU); an older one starts over.
   A session's history holds its token ids and its images and audio clips (pixels and
   samples: should its pages be gone, the next turn encodes them again), and is cut from the
