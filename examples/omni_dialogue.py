@@ -21,11 +21,12 @@ Paths are relative to the current folder. The reply's WAV goes to ``out``, by de
   item's content digest enters the KV page keys.
 - `Dialogue` keeps each session's history (the prompt segments and the reply tokens exactly
   as generated), so turn k's prompt starts with turn k-1's prompt and reply: their KV pages
-  are found in the runtime's KV store (`omni.context().kv`) and only the new message is
-  computed. As the tiers fill (``--kv-*``), pages of idle sessions move down to host memory
-  or disk, and come back up when the session speaks again. The top tier must hold a
-  session's whole history at once, or that turn recomputes it (the tiny model's pages are
-  8 KiB: 80KiB holds 10 pages, 160 tokens).
+  are found in the runtime's KV store (`omni.context().kv`; in a runtime without one, in
+  the engine's own default store) and only the new message is computed. As the tiers fill
+  (``--kv-*``), pages of idle sessions move down to host memory or disk, and come back up
+  when the session speaks again. The top tier must hold a session's whole history at once,
+  or that turn recomputes it (the tiny model's pages are 8 KiB: 80KiB holds 10 pages, 160
+  tokens).
 - `Dialogue` remembers the 256 most recently used sessions (LRU); an older one starts over.
   A session's history holds its token ids and its images and audio clips (pixels and
   samples: should its pages be gone, the next turn encodes them again), and is cut from the
@@ -214,12 +215,13 @@ class Dialogue:
     streams a turn's reply token by token, between a `Started` and a `Finished` event."""
 
     def __init__(self, model: str = MODEL, max_sessions: int = MAX_SESSIONS, seed: int = 0):
-        self.store = omni.context().kv  # None when the runtime has no KV store
+        kv = omni.context().kv  # None when the runtime has no KV store: the engine's own
+        store = kv if kv is not None else "auto"
         if not model:
-            self.engine = TorchEngine.tiny(seed=seed, store=self.store, page_size=PAGE_SIZE)
+            self.engine = TorchEngine.tiny(seed=seed, store=store, page_size=PAGE_SIZE)
         else:
-            self.engine = TorchEngine.from_pretrained(model, store=self.store,
-                                                      page_size=PAGE_SIZE)
+            self.engine = TorchEngine.from_pretrained(model, store=store, page_size=PAGE_SIZE)
+        self.store = self.engine.store
         if self.engine.tokenizer is None:
             raise ValueError(f"{model} has no tokenizer.json: the dialogue needs text")
         self.tokenizer = self.engine.tokenizer

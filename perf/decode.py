@@ -215,7 +215,7 @@ async def measure_model(name: str, params: Params, directory: Path) -> dict[str,
     model, config = tiny_model(seed=params.seed, **MODELS[name])
     path = directory / name
     save_pretrained(model, config, path)
-    engine = TorchEngine.from_pretrained(path)
+    engine = TorchEngine.from_pretrained(path, store=None)  # rounds repeat their prompts
     hf = load_hf(path)
     generator = torch.Generator().manual_seed(params.seed)
     cases = []
@@ -279,7 +279,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
 async def profile(params: Params, top: int = 30) -> str:
     """cProfile our engine's steps (worker threads) for one batch-1 generation, tiny model."""
     model, config = tiny_model(seed=params.seed, **MODELS["tiny"])
-    engine = TorchEngine(model, config)
+    engine = TorchEngine(model, config, store=None)
     prompts = prompts_for(params, 1, torch.Generator().manual_seed(params.seed),
                           config.vocab_size)
     await ours_generate(engine, prompts, params.new_tokens)  # warm-up

@@ -596,7 +596,9 @@ def _structure_bytes(store: KVStore) -> dict[str, int]:
             "memory_tuples": sum(sys.getsizeof(e.mem) for e in entries.values() if e.mem),
             "slot_ints": sum(map(sys.getsizeof, slots)),
             "policies": sum(sys.getsizeof(getattr(s.policy, "_keys", {})) for s in states),
-            "free_lists": sum(sys.getsizeof(s.free) + 28 * len(s.free) for s in states)}
+            # slots given back below each tier's untouched mark (the others cost nothing)
+            "free_lists": sum(sys.getsizeof(s.free._heap) + 28 * len(s.free._heap)
+                              for s in states)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
-              "transport", "cluster", "payloads", "soak")
+              "footprint", "transport", "cluster", "payloads", "soak")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -256,6 +256,23 @@ def _pipeline_baseline(k: Ctx) -> str:
             "actor calls chained, 3 actors (the compiled graph did not compile)")
 
 
+def _prompt_chars(k: Ctx) -> str:
+    return f"{k.d['image']['processes']['omni'][0]['figures']['prompt_tokens']:,}"
+
+
+def _model_size(k: Ctx) -> str:
+    return si(k.d["model"]["parameters"])
+
+
+def _rss(c: dict[str, Any]) -> str:
+    """footprint's RSS cell: the ratio and figure, then the same above each process's
+    imports."""
+    above = c["above_imports"]
+    return (f"{x(c['ratio'])} ({fig(med(c['measured']))} MiB); above the processes' imports: "
+            f"{x(above['ratio'])} ({fig(med(above['measured']))} vs "
+            f"{fig(med(above['baseline']))} MiB)")
+
+
 KNOWN: tuple[Known, ...] = (
     Known("scheduler", "per_hop",
           lambda k: f"scheduler overhead per hop ({k.c['description']})",
@@ -369,6 +386,33 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"recomputing the prompt at every step: {fig(med(k.c['recompute']))} s "
                      f"({fig(med(k.c['recompute']) / k.d['params']['steps'] * 1e3)} ms per "
                      "step)")),
+    Known("footprint", "image.kv_bytes",
+          lambda k: (f"image pipeline (examples/image_generation.py, {_prompt_chars(k)}-token "
+                     f"prompt): resident KV with the LLM and diffusion roles sharing one store "
+                     f"(k = {k.c['k']} roles hold the prompt's KV)"),
+          lambda k: f"≤ 1/{k.c['k']} of separate services' (each its own store)",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} MiB)",
+          lambda k: (f"an LLM service and a diffusion service, each its own weights and store: "
+                     f"{fig(med(k.c['baseline']))} MiB")),
+    Known("footprint", "image.peak_rss",
+          lambda k: ("the same image pipeline: peak RSS of all its processes "
+                     f"(a Llama of {_model_size(k)} parameters; 1 process vs 2)"),
+          "below separate services'",
+          lambda k: _rss(k.c),
+          lambda k: f"the two services' processes: {fig(med(k.c['baseline']))} MiB"),
+    Known("footprint", "dialogue.kv_bytes",
+          lambda k: (f"dialogue (examples/omni_dialogue.py, {k.d['requests']['dialogue_turns']} "
+                     f"turns of {k.d['requests']['sessions']} sessions): resident KV "
+                     f"(k = {k.c['k']}: the speech decoder keeps none)"),
+          lambda k: f"≤ 1/{k.c['k']} of separate services'",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} MiB)",
+          lambda k: (f"an LLM service with prefix caching and a speech service: "
+                     f"{fig(med(k.c['baseline']))} MiB")),
+    Known("footprint", "dialogue.peak_rss",
+          "the same dialogue: peak RSS of all its processes (1 vs 2)",
+          "below separate services'",
+          lambda k: _rss(k.c),
+          lambda k: f"the two services' processes: {fig(med(k.c['baseline']))} MiB"),
     Known("transport", "latency",
           lambda k: (f"RPC round trip of a {k.d['params']['message_bytes']}-byte message "
                      "between two processes over TCP loopback"),
@@ -491,6 +535,8 @@ PLOTS = {  # what each benchmark's --plot draws
     "decode": "decode tokens/s, TorchEngine vs transformers, per model and batch size",
     "diffusion_reuse": "seconds per generation with and without the prompt's KV; CFG batched "
                        "vs separate",
+    "footprint": "resident KV and peak RSS of the image pipeline and the dialogue, Omni vs "
+                 "separate services",
     "transport": "round trip, payload throughput (and KV fetch) vs raw pyzmq",
     "cluster": "hit rate and throughput, KV-aware vs round-robin routing",
     "payloads": "payload calls, TCP path, call and pipeline latency, throughput: Omni vs Ray "

@@ -69,13 +69,14 @@ class BatchKV:
 
     def write_pages(self, row: int, pages: torch.Tensor) -> None:
         """Fill an empty row from KV pages ``[n, L, 2, P, H, D]`` (one copy per layer)."""
-        n, _, _, page_size, _, _ = pages.shape
+        n, _, _, page_size, num_heads, head_dim = pages.shape
         length = n * page_size
         for layer in range(len(self.k)):
             for which, buffers in enumerate((self.k, self.v)):
-                # [n, P, H, D] -> [H, n * P, D]
-                buffers[layer][row, :, :length] = (
-                    pages[:, layer, which].permute(2, 0, 1, 3).reshape(-1, length, pages.shape[5]))
+                # [n, P, H, D] -> the row's [H, n * P, D] seen as [H, n, P, D]: one copy, into
+                # place (a reshape of the permuted pages would copy them once more first)
+                buffers[layer][row, :, :length].view(num_heads, n, page_size, head_dim).copy_(
+                    pages[:, layer, which].permute(2, 0, 1, 3))
         self.lengths[row] = length
         self._clean[row] = max(self._clean[row], length)
 

@@ -24,6 +24,7 @@ import torch
 import trio
 
 from omni.compute._batch import BatchKV
+from omni.compute._default_store import StoreOption, choose_store, describe_store
 from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
@@ -143,18 +144,26 @@ class TorchEngine(ChatMixin):
     Args:
         model: the `DecoderLM`; `config` its `DecoderConfig`.
         tokenizer: str <-> ids (None: prompts must give token ids).
-        store: the `KVStore` to reuse and keep KV in (None: no reuse). Its layout must be the
-            model's KV layout for `page_size`.
+        store: the `KVStore` to reuse and keep KV in; its layout must be the model's KV layout
+            for `page_size`. "auto" (the default): a store of the engine's own, so prefix
+            caching is on: one tier next to the model of a quarter of the free memory, at most
+            64 GiB (on the CPU: of MemAvailable and the room in /dev/shm, reserved as pages
+            arrive; on a GPU: of the device's free memory, allocated at once). None: no reuse,
+            every prompt is computed in full.
         model_id: part of every page key, so that models never share pages.
         max_batch: requests decoded together at most.
 
     Conversations: `chat`, `chat_stream`, `chat_prompt` (the checkpoint's chat template);
     `generation_defaults` (from generation_config.json, see `from_pretrained`) gives the
     sampling of requests that pass no params (`default_params`).
+
+    Raises:
+        ValueError: a store whose layout is not the model's, or a `store` that is neither a
+            `KVStore`, None nor "auto".
     """
 
     def __init__(self, model: DecoderLM, config: Any, *, tokenizer: Tokenizer | None = None,
-                 store: KVStore | None = None, page_size: int = 16, model_id: str = "model",
+                 store: StoreOption = "auto", page_size: int = 16, model_id: str = "model",
                  max_batch: int = 16, seed: int = 0):
         self.model = model.eval()
         self.config = config
@@ -164,10 +173,8 @@ class TorchEngine(ChatMixin):
         self.max_batch = max_batch
         self.dtype = next(model.parameters()).dtype
         self.kv_layout = config.kv_layout(page_size, self.dtype)
-        if store is not None and store.layout != self.kv_layout:
-            raise ValueError(f"the KV store's layout {store.layout} does not match the model's "
-                             f"{self.kv_layout}")
-        self.store = store
+        self.store: KVStore | None = choose_store(store, self.kv_layout,
+                                                  next(model.parameters()).device)
         self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1).to(self.dtype)
         self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2).to(self.dtype)
         self._sampler = TokenSampler()
@@ -188,7 +195,7 @@ class TorchEngine(ChatMixin):
     # -- construction ------------------------------------------------------------------------
 
     @classmethod
-    def tiny(cls, seed: int = 0, *, store: KVStore | None = None, page_size: int = 16,
+    def tiny(cls, seed: int = 0, *, store: StoreOption = "auto", page_size: int = 16,
              **overrides: Any) -> TorchEngine:
         """A small random model with a byte tokenizer: demos and tests without downloads."""
         model, config = tiny_model(seed=seed, **overrides)
@@ -196,7 +203,7 @@ class TorchEngine(ChatMixin):
                    model_id=f"tiny-{seed}", seed=seed)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, store: KVStore | None = None,
+    def from_pretrained(cls, path: str | Path, *, store: StoreOption = "auto",
                         page_size: int = 16, dtype: torch.dtype = torch.float32,
                         **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
@@ -557,4 +564,4 @@ class TorchEngine(ChatMixin):
 
     def __repr__(self) -> str:
         return (f"<TorchEngine {self.model_id} running={len(self._running)} "
-                f"waiting={len(self._waiting)}>")
+                f"waiting={len(self._waiting)} store={describe_store(self.store)}>")

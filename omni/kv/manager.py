@@ -103,27 +103,43 @@ class _FreeSlots:
     Why lowest first: an arena-backed tier reserves its memory from the bottom up as slots are
     needed (`MemoryTier.reserve`), so the slots in use must stay packed at the bottom; the
     slot a page leaves is the next one handed out again when it is the lowest.
+
+    Why a heap plus a mark: every slot from `_untouched` up has never been handed out, so only
+    the slots freed below it are kept one by one. A tier of millions of slots then costs
+    nothing until it fills (an engine's default store is sized from free memory).
     """
 
-    __slots__ = ("_heap",)
+    __slots__ = ("_heap", "_num_slots", "_untouched")
 
     def __init__(self, num_slots: int) -> None:
-        self._heap = list(range(num_slots))  # ascending: already a heap
+        self._heap: list[int] = []  # slots handed out and given back: all below `_untouched`
+        self._num_slots = num_slots
+        self._untouched = 0
 
     def append(self, slot: int) -> None:
         heapq.heappush(self._heap, slot)
 
     def pop(self) -> int:
-        return heapq.heappop(self._heap)
+        if self._heap:
+            return heapq.heappop(self._heap)
+        if self._untouched >= self._num_slots:
+            raise IndexError("no free slot")
+        self._untouched += 1
+        return self._untouched - 1
 
     def lowest(self) -> int:
-        return self._heap[0]
+        if self._heap:
+            return self._heap[0]
+        if self._untouched >= self._num_slots:
+            raise IndexError("no free slot")
+        return self._untouched
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + self._num_slots - self._untouched
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._heap)
+        yield from self._heap
+        yield from range(self._untouched, self._num_slots)
 
 
 @dataclass

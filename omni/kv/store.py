@@ -127,6 +127,8 @@ class KVStore:
             `EvictionPolicy` protocol.
         lease_ttl: seconds a lease handed to another process lives unless released sooner.
         max_exported: how many such leases may be live at once.
+        device: where the device tier lives (default: CUDA when available, else the CPU; a
+            CPU device tier is a shared-memory arena like the host tier, never page-locked).
 
     Attributes:
         peers: where `prefetch` gets pages this store lacks (a `PeerSource`, e.g. the
@@ -138,7 +140,7 @@ class KVStore:
 
     def __init__(self, layout: KVLayout, tiers: Sequence[TierConfig] | None = None,
                  policy: str | EvictionPolicy | type = "lru", *, lease_ttl: float = 30.0,
-                 max_exported: int = 1024):
+                 max_exported: int = 1024, device: torch.device | str | None = None):
         configs = sorted(DEFAULT_TIERS if tiers is None else tiers, key=lambda t: _ORDER[t.name])
         names = [c.name for c in configs]
         if not configs or len(set(names)) != len(names):
@@ -148,6 +150,7 @@ class KVStore:
         self.layout = layout
         self.store_id = secrets.token_hex(8)
         self.lease_ttl = lease_ttl
+        self._device = device
         self._lock = threading.RLock()
         # Notified whenever a disk transfer commits: what waiters for a page in transit, or
         # for room that only a transfer can free, and `close`, wait on.
@@ -185,7 +188,7 @@ class KVStore:
     def _build_tier(self, config: TierConfig) -> Any:
         slots = num_slots(config, self.layout)
         if config.name == "device":
-            return DeviceTier.create(self.layout, slots, self.store_id)
+            return DeviceTier.create(self.layout, slots, self.store_id, self._device)
         if config.name == "host":
             return HostTier.create(self.layout, slots, self.store_id)
         return DiskTier.create(self.layout, slots, config.path, self.store_id)

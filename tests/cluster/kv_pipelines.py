@@ -7,7 +7,7 @@ import hashlib
 import omni
 from omni.compute import SamplingParams, TorchEngine
 
-_KEYER = TorchEngine.tiny(seed=0)  # names a prompt's pages as the workers' engines do
+_KEYER = TorchEngine.tiny(seed=0, store=None)  # names a prompt's pages as the workers' engines do
 KV_LAYOUT = _KEYER.kv_layout
 
 

@@ -15,7 +15,7 @@ SYSTEM = "You are a careful assistant. Answer briefly and precisely. " * 3  # ~1
 
 
 async def reference_tokens(prompt: str, max_tokens: int = 4) -> list[int]:
-    result = await TorchEngine.tiny(seed=0).generate(
+    result = await TorchEngine.tiny(seed=0, store=None).generate(
         prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0.0))
     return result.token_ids
 

@@ -21,7 +21,7 @@ SYSTEM = "You are a helpful assistant who answers in one short sentence. "
 @pytest.fixture
 def reference():
     """The same model without a store: every token recomputed."""
-    return TorchEngine.tiny(seed=0)
+    return TorchEngine.tiny(seed=0, store=None)
 
 
 @pytest.fixture

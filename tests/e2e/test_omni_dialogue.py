@@ -65,7 +65,7 @@ def turn_texts():
 async def recompute(prompt, max_tokens=32):
     """The reply of the same tiny model to the whole prompt, without any KV store."""
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
-    return await TorchEngine.tiny(seed=0).generate(prompt, params)
+    return await TorchEngine.tiny(seed=0, store=None).generate(prompt, params)
 
 
 async def test_each_turn_gives_one_json_result_with_times_and_a_valid_wav(demo):
@@ -219,7 +219,7 @@ def test_hf_format_weights_from_omni_model_are_served_and_reused(monkeypatch, tm
     assert run.exit_code == 0, run.output
     first, second = (json.loads(line)["output"] for line in run.stdout.splitlines())
     assert second["cached_tokens"] > 0
-    engine = TorchEngine.from_pretrained(folder)  # no store: the second prompt recomputed
+    engine = TorchEngine.from_pretrained(folder, store=None)  # the second prompt recomputed
     system = engine.tokenizer.encode(load_module(str(EXAMPLE)).SYSTEM)
     prompt = Prompt([Text(system), Text(engine.tokenizer.encode("User: ")),
                      Text(engine.tokenizer.encode(f"{texts[0]}\nAssistant:")),

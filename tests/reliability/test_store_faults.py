@@ -29,7 +29,7 @@ PROMPTS = [f"user {i}: tell me about pages" for i in range(4)]  # a full page ea
 
 async def test_every_page_pinned_engines_recompute_and_puts_fail_their_request(record):
     tally = Tally()
-    reference = TorchEngine.tiny(seed=0)  # no store: what recomputation gives
+    reference = TorchEngine.tiny(seed=0, store=None)  # what recomputation gives
     expected = [(await reference.generate(p, GREEDY)).token_ids for p in PROMPTS]
     layout = reference.kv_layout
     filler_keys = [bytes([i]) * 16 for i in range(4)]

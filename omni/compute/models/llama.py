@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni.compute.models._attention import attend
 from omni.compute.models.config import DecoderConfig
 
 __all__ = ["MLP", "Attention", "DecoderLM", "DecoderLayer", "KVList", "RMSNorm",
@@ -124,7 +125,7 @@ class Attention(nn.Module):
         """x [B, T, E] -> (out [B, T, E], the new tokens' (k, v) [B, Hkv, T, D]).
 
         `mask` is None (causal; no mask at all when T == 1) or a boolean [B, 1, G*T, S] already
-        folded by `DecoderLM.forward` for the grouped layout below.
+        folded by `DecoderLM.forward` for the grouped layout (see `attend`).
         """
         batch, num_new, _ = x.shape
         qkv = self.qkv_proj(x).view(batch, num_new, -1, self.head_dim).transpose(1, 2)
@@ -135,20 +136,7 @@ class Attention(nn.Module):
                             self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:]
-        if past is None:
-            keys, values = k, v
-        else:
-            keys, values = torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2)
-        if past is None and mask is None and num_new > 1:  # plain causal prefill
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True,
-                enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, T, D]
-        else:
-            # Fold the G query heads of each KV head into the query axis: [B, Hkv, G*T, D]; the
-            # KV heads are then read once, never repeated (head h uses KV head h // G, as in HF).
-            grouped = q.reshape(batch, self.num_kv_heads, -1, self.head_dim)
-            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-        out = out.reshape(batch, self.num_heads, num_new, self.head_dim).transpose(1, 2)
+        out = attend(q, k, v, past, mask).transpose(1, 2)  # [B, T, H, D]
         # Contiguous, so that a kept (k, v) holds no reference to the larger q/k/v buffers.
         return self.o_proj(out.reshape(batch, num_new, -1)), (k.contiguous(), v.contiguous())
 
@@ -273,20 +261,16 @@ class DecoderLM(nn.Module):
                         device: torch.device) -> Tensor | None:
         """The mask every layer uses, built once per forward: [B or 1, 1, G*T, S] or None.
 
-        None stands for "causal" when there is no past (SDPA's is_causal) and for "everything"
-        when a single new token attends to its past (decode).
+        None stands for "causal over past + new" (`attend` needs no mask for it), which is
+        "everything" when a single new token attends to its past (decode).
         """
         if mask is None:
-            if num_past == 0 or num_new == 1:
-                return None
-            mask = torch.ones(num_new, num_past + num_new, dtype=torch.bool, device=device)
-            mask = mask.tril(diagonal=num_past)[None, None]  # [1, 1, T, S]
-        else:
-            # A row that may attend to nothing would make softmax NaN on some backends; NaN in a
-            # padding token's V would then leak into real rows (0 * NaN). Let it see itself.
-            own = torch.arange(num_new, device=device)[:, None] + num_past == torch.arange(
-                num_past + num_new, device=device)  # [T, S]
-            mask = mask | (own & ~mask.any(dim=-1, keepdim=True))
+            return None
+        # A row that may attend to nothing would make softmax NaN on some backends; NaN in a
+        # padding token's V would then leak into real rows (0 * NaN). Let it see itself.
+        own = torch.arange(num_new, device=device)[:, None] + num_past == torch.arange(
+            num_past + num_new, device=device)  # [T, S]
+        mask = mask | (own & ~mask.any(dim=-1, keepdim=True))
         groups = self.config.num_groups
         return mask if groups == 1 else mask.repeat(1, 1, groups, 1)  # row g*T + t = row t
 
