@@ -114,7 +114,8 @@ async def measure_constrained(seed: int, models: dict[str, dict[str, int]],
     try:
         for name, overrides in models.items():
             model, config = tiny_model(seed=seed, **overrides)
-            engine = TorchEngine(model, config, tokenizer=ByteTokenizer(), model_id=name)
+            engine = TorchEngine(model, config, tokenizer=ByteTokenizer(), model_id=name,
+                                 store=None)  # rounds repeat their prompts
             for batch in batch_sizes:
                 prompts = [" ".join(words[int(i)] for i in torch.randint(
                     0, len(words), (12,), generator=generator)) + "\nAs JSON:"
