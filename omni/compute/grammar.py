@@ -113,6 +113,9 @@ class GrammarConstraint:
         self.kind = kind
         self.num_accepted = 0
         self.rejected_token: int | None = None  # set when a token broke the grammar
+        # the matcher's state changes only in `accept`: read it there once, not on every
+        # question the sampler and the stop check ask per step
+        self._terminated = matcher.is_terminated()
 
     def __repr__(self) -> str:
         return (f"<GrammarConstraint {self.kind} accepted={self.num_accepted} "
@@ -127,18 +130,20 @@ class GrammarConstraint:
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled `token_id` (nothing once terminated)."""
-        if self.rejected_token is not None or self._matcher.is_terminated():
+        if self._terminated:
             return
         if self._matcher.accept_token(token_id):
             self.num_accepted += 1
+            self._terminated = self._matcher.is_terminated()
             return
         log.warning("token %d is outside the request's %s; the request ends", token_id,
                     self.kind)
         self.rejected_token = token_id
+        self._terminated = True
 
     def is_terminated(self) -> bool:
         """True once the grammar is complete (its stop token accepted) or was broken."""
-        return self.rejected_token is not None or self._matcher.is_terminated()
+        return self._terminated
 
 
 class GrammarBackend:
