@@ -15,6 +15,10 @@ per round, then the median over rounds. Tokens/s of the whole call (batch x N / 
 reported too. The four calls of a round run in alternating order. Target: ours >= 1.0x theirs
 in decode tokens/s, for every model and batch size. Tokens must be equal (greedy).
 
+Constrained decoding (`constrained`): each model with the byte tokenizer, decode tokens per CPU
+second of the process with a JSON schema vs the same requests without one, per batch size
+(perf/_decode_constrained.py). Target: >= 0.9x.
+
 Models: "tiny" (`tiny_config()`: hidden 64, 2 layers: per-step overhead dominates) and
 "small" (hidden 256, 4 layers, MLP 768: the matmuls weigh more). Torch threads: the default.
 
@@ -54,6 +58,7 @@ from perf._common import (
     profile_report,
     write_json,
 )
+from perf._decode_constrained import measure_constrained
 
 __all__ = ["MODELS", "Params", "main", "measure"]
 
@@ -227,6 +232,9 @@ async def measure(params: Params) -> dict[str, Any]:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="omni-decode-") as tmp:
         models = [await measure_model(name, params, Path(tmp)) for name in params.models]
+    constrained = await measure_constrained(
+        params.seed, {name: MODELS[name] for name in params.models}, params.batch_sizes,
+        params.new_tokens, params.repeats)
     import transformers
 
     cases = [c for m in models for c in m["cases"]]
@@ -240,7 +248,8 @@ async def measure(params: Params) -> dict[str, Any]:
         "params": asdict(params),
         "target": TARGET,
         "models": models,
-        "pass": all(c["pass"] for c in cases),
+        "constrained": constrained,
+        "pass": all(c["pass"] for c in cases + constrained["cases"]),
         "tokens_equal": all(c["tokens_equal"] for c in cases),
         "note": ("decode tokens/s = batch x (N - 1) / (T(N) - T(1)) per round, median over "
                  "rounds; ratio = ours / transformers of those medians. Ours: TorchEngine, no "

@@ -369,6 +369,13 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"{x(k.c['ratio'])} ({fig(med(_case(k)[1]['ours']))} tokens/s)",
           lambda k: (f"transformers {k.d['env']['transformers']} `generate`: "
                      f"{fig(med(_case(k)[1]['transformers']))} tokens/s")),
+    Known("decode", "constrained.cases[*]",
+          lambda k: (f"constrained decoding (a JSON schema through xgrammar) vs free decoding, "
+                     f"same engine and requests: {k.c['model']} model, byte tokenizer, "
+                     f"batch {k.c['batch']}"),
+          lambda k: f"≥ {k.c['target']:g}× the free decode rate",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} tokens per CPU second)",
+          lambda k: f"free: {fig(med(k.c['baseline']))} tokens per CPU second"),
     Known("diffusion_reuse", "reuse_vs_recompute",
           lambda k: (f"diffusion reusing the prompt's KV ({k.c['prompt_tokens_reused']:,} prompt "
                      f"+ {k.c['image_tokens']} image tokens, {k.d['params']['steps']} steps)"),

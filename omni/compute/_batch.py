@@ -56,6 +56,17 @@ class BatchKV:
         self.lengths.append(0)
         return self.size - 1
 
+    def fork(self, row: int) -> int:
+        """A new row holding a copy of `row`'s KV (n samples of one prompt, one prefill)."""
+        length = self.lengths[row]
+        new = self.open_row(length)
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[new, :, :length] = buf[row, :, :length]
+        self.lengths[new] = length
+        self._clean[new] = max(self._clean[new], length)
+        return new
+
     def write_pages(self, row: int, pages: torch.Tensor) -> None:
         """Fill an empty row from KV pages ``[n, L, 2, P, H, D]`` (one copy per layer)."""
         n, _, _, page_size, num_heads, head_dim = pages.shape

@@ -147,7 +147,8 @@ class TokenSamplingState:
             scores.add_(self._bias)
         if self._processors is not None:
             self._processors.apply_(scores)
-        if self.any_min_new or self.any_constraint or self.any_bias or self.any_processor:
+        # the bitmask alone leaves every row a token (its EOS when it allows none)
+        if self.any_min_new or self.any_bias or self.any_processor:
             self._rescue_dead_rows(scores)
         return scores
 
@@ -188,8 +189,7 @@ class TokenSamplingState:
         for row in rows:
             self.requests[row].constraint.fill_bitmask(self._bitmask, row)  # type: ignore[union-attr]
         fallback = [self._stop_ids(row) for row in rows]
-        apply_bitmask_(scores, self._bitmask.to(scores.device),
-                       torch.tensor(rows, device=scores.device), fallback)
+        apply_bitmask_(scores, self._bitmask.to(scores.device), rows, fallback)
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
         """One draw per row from each request's own generator (0 for greedy rows): [B]."""

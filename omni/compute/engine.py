@@ -12,6 +12,7 @@ step runs in a worker thread, so the event loop never waits on a forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +26,9 @@ import trio
 from omni.compute._batch import BatchKV
 from omni.compute._default_store import StoreOption, choose_store, describe_store
 from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
+from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
+from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
 from omni.compute.models import DecoderLM, load_pretrained, tiny_model
 from omni.compute.prompt import Prompt, PromptTokens, as_prompt, tokenize
 from omni.compute.sampling import (
@@ -33,12 +36,11 @@ from omni.compute.sampling import (
     SamplingParams,
     TokenSampler,
     TokenSamplingState,
-    truncate_at_stop,
 )
 from omni.compute.tokenizer import ByteTokenizer, Tokenizer
 from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
 
-__all__ = ["GenerateResult", "TokenStream", "TorchEngine"]
+__all__ = ["EngineStats", "GenerateResult", "TokenStream", "TorchEngine"]
 
 log = logging.getLogger("omni.compute")
 
@@ -56,11 +58,26 @@ class GenerateResult:
     cached_tokens: int  # prompt tokens whose KV came from the store
     finish_reason: str  # "stop", "length" or "cancelled"
     time_to_first_token: float  # seconds
+    other_samples: tuple[GenerateResult, ...] = ()  # samples 2..n of an n > 1 request
 
     @property
     def new_tokens(self) -> int:
         """Prompt tokens computed by this request (not cached)."""
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def samples(self) -> tuple[GenerateResult, ...]:
+        """All `params.n` samples, this one first (one prefill served them all)."""
+        return (self, *self.other_samples)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a `TorchEngine` computed so far."""
+
+    num_prefills: int  # forward passes over a prompt (n samples of one prompt: one)
+    num_prefill_tokens: int  # prompt tokens those passes computed (cached ones excluded)
+    num_decode_steps: int  # batched one-token forward passes
 
 
 @dataclass(eq=False)
@@ -83,6 +100,12 @@ class _Request:
     cancelled: bool = False
     streaming: bool = False  # its caller takes each token as it comes
     stored_pages: int = 0
+    num_sent: int = 0  # tokens a stream handed over
+    forks: list[_Request] = field(default_factory=list)  # samples 2..n: rows forked at prefill
+
+    @property
+    def samples(self) -> list[_Request]:
+        return [self, *self.forks]
 
 
 class TokenStream:
@@ -165,6 +188,9 @@ class TorchEngine(ChatMixin):
         # Seconds prefill takes per page of prompt (an EWMA; None until a prefill ran): what
         # the store's peer fetch must beat to be worth it.
         self._prefill_page_s: float | None = None
+        self._grammars: GrammarBackend | None = None  # built by the first constrained request
+        self._grammar_lock = trio.Lock()
+        self._counts = {"prefills": 0, "prefill_tokens": 0, "decode_steps": 0}
 
     # -- construction ------------------------------------------------------------------------
 
@@ -220,21 +246,46 @@ class TorchEngine(ChatMixin):
         """The store keys of the full pages of `token_ids` (media digests included)."""
         return block_keys(token_ids, self.page_size, extra=(self.model_id,), media=spans)
 
+    def stats(self) -> EngineStats:
+        """Prefills, prompt tokens computed and decode steps since the engine was built."""
+        c = self._counts
+        return EngineStats(c["prefills"], c["prefill_tokens"], c["decode_steps"])
+
     async def generate(self, prompt: Prompt | str | list[int],
                        params: SamplingParams | None = None) -> GenerateResult:
-        """Generate from `prompt`; returns tokens, text and how much of the prompt was cached."""
+        """Generate from `prompt`; returns tokens, text and how much of the prompt was cached.
+
+        With ``params.n > 1`` the n samples share one prefill (the prompt's KV is copied to n
+        batch rows) and `GenerateResult.samples` holds all n; sample i is seeded
+        ``sampling_seed + i`` when a seed is given.
+
+        Raises:
+            ValueError: a prompt the model cannot serve, an invalid grammar or stop_regex,
+                n above `max_batch`.
+            ImportError: a grammar field is set and xgrammar is not installed.
+        """
         request = await self._admit(prompt, params)
         try:
-            while request.finish_reason is None:
+            while any(sample.finish_reason is None for sample in request.samples):
                 await self._advance()
         finally:
-            self._forget(request)
+            for sample in request.samples:
+                self._forget(sample)
         return self._result(request)
 
     def stream(self, prompt: Prompt | str | list[int],
                params: SamplingParams | None = None) -> TokenStream:
         """Generate from `prompt`: an async iterator of token ids as they are sampled, whose
-        `result` (cached tokens, time to first token...) is there once it is exhausted."""
+        `result` (cached tokens, time to first token...) is there once it is exhausted.
+
+        With ``params.stream_interval = k`` tokens arrive as SGLang sends them: the first at
+        once, then k at a time, the rest at the end (the iterator still yields single ids).
+
+        Raises:
+            ValueError: ``params.n > 1`` (a stream carries one sample; use `generate`).
+        """
+        if params is not None and params.n > 1:
+            raise ValueError(f"a stream carries one sample, got n={params.n}: use generate()")
         return TokenStream(self, prompt, params)
 
     async def _stream(self, prompt: Any, params: SamplingParams | None,
@@ -242,14 +293,14 @@ class TorchEngine(ChatMixin):
         request = await self._admit(prompt, params)
         request.streaming = True
         stream._request = request
-        sent = 0
         try:
             while True:
                 if request.finish_reason is None:
                     await self._advance()
-                while sent < len(request.output):
-                    sent += 1
-                    yield request.output[sent - 1]
+                if self._stream_due(request):
+                    while request.num_sent < len(request.output):
+                        request.num_sent += 1
+                        yield request.output[request.num_sent - 1]
                 if request.finish_reason is not None:
                     stream.result = self._result(request)
                     return
@@ -259,18 +310,54 @@ class TorchEngine(ChatMixin):
     async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
         tokens = self.prepare(prompt)
         params = params if params is not None else self.default_params(len(tokens))
+        if params.n > self.max_batch:
+            raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "
+                             f"decodes {self.max_batch} at most (max_batch)")
+        grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        request = _Request(tokens, params, self.page_keys(tokens.token_ids, spans), spans,
-                           started=time.perf_counter())
-        request.sampling = RequestSamplingState(
-            params, tokens.token_ids, context_length=self.config.max_position_embeddings,
-            eos_token_ids=getattr(self.tokenizer, "eos_token_ids", ()) or self.config.eos_token_ids,
-            vocab_size=self.config.vocab_size)
+        keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
+        samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started)
+                   for i in range(params.n)]
+        for sample in samples:
+            constraint = None
+            if grammar is not None and self._grammars is not None:
+                constraint = self._grammars.constraint(grammar[1], grammar[0])
+            sample.sampling = RequestSamplingState(
+                sample.params, tokens.token_ids, context_length=self.config.max_position_embeddings,
+                eos_token_ids=self._eos_ids(), vocab_size=self.config.vocab_size,
+                constraint=constraint)
+        request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
             await self.store.prefetch(usable, recompute_page_s=self._prefill_page_s)
         self._waiting.append(request)
         return request
+
+    async def _compile_grammar(self, params: SamplingParams) -> tuple[GrammarKind, Any] | None:
+        """The request's compiled grammar (kind, grammar), compiled off the event loop."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{spec[0]} needs a tokenizer; this engine has none")
+        if self._grammars is None:  # (a cached grammar then costs no await: requests
+            async with self._grammar_lock:  # arriving together still start in one step)
+                if self._grammars is None:
+                    self._grammars = await trio.to_thread.run_sync(
+                        GrammarBackend, self.tokenizer, self.config.vocab_size,
+                        self._eos_ids())
+        kind, text = spec
+        return kind, await self._grammars.compile_async(kind, text)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
+        return tuple(eos or self.config.eos_token_ids)
+
+    @staticmethod
+    def _stream_due(r: _Request) -> bool:
+        """Whether a stream hands its unsent tokens to its caller now (`stream_interval`)."""
+        return stream_due(r.num_sent, len(r.output), r.params.stream_interval or 1,
+                          r.finish_reason is not None)
 
     def _forget(self, request: _Request) -> None:
         if request.finish_reason is None:
@@ -289,18 +376,28 @@ class TorchEngine(ChatMixin):
         self._driving = True
         try:
             await trio.lowlevel.checkpoint()  # requests arriving together start in one step
-            admitted = self._waiting[: self.max_batch - len(self._running)]
+            admitted, free = [], self.max_batch - len(self._running)
+            for r in self._waiting:  # in order; a request of n samples needs n rows
+                if len(r.samples) > free:
+                    break
+                admitted.append(r)
+                free -= len(r.samples)
             del self._waiting[: len(admitted)]
             await trio.to_thread.run_sync(self._step, admitted)
         finally:
             self._driving = False
             self._progress.unpark_all()
 
-    def _result(self, r: _Request) -> GenerateResult:
+    def _result(self, request: _Request) -> GenerateResult:
+        first, *others = [self._sample_result(r) for r in request.samples]
+        return dataclasses.replace(first, other_samples=tuple(others)) if others else first
+
+    def _sample_result(self, r: _Request) -> GenerateResult:
         tokens = list(r.output)
         text = None
         if self.tokenizer is not None:
-            text = truncate_at_stop(self.tokenizer.decode(tokens), r.params.stop)
+            matched = None if r.sampling is None else r.sampling.matched_stop
+            text = output_text(self.tokenizer, tokens, r.params, matched)
         first = (r.first_token_at or time.perf_counter()) - r.started
         return GenerateResult(tokens, text, len(r.tokens), r.cached_tokens, r.finish_reason,
                               first)
@@ -322,7 +419,8 @@ class TorchEngine(ChatMixin):
             size = len(self._running)
             self._decode()
             if (len(self._running) != size or self._waiting or time.perf_counter() > deadline
-                    or any(r.streaming or r.cancelled for r in self._running)):
+                    or any(r.cancelled or (r.streaming and self._stream_due(r))
+                           for r in self._running)):
                 return
 
     def _prefill(self, r: _Request) -> None:
@@ -336,11 +434,27 @@ class TorchEngine(ChatMixin):
         began = time.perf_counter()
         hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
         self._note_prefill(time.perf_counter() - began, len(ids) - start)
+        self._counts["prefills"] += 1
+        self._counts["prefill_tokens"] += len(ids) - start
         self._batch.extend(r.row, new_kv)
         r.length = len(ids)
         r.stored_pages = start // self.page_size
         self._store_pages(r, ids)
-        self._accept(r, self.model.logits(hidden[:, -1]))
+        for fork in r.forks:
+            if not fork.cancelled:
+                self._fork(r, fork)
+        logits = self.model.logits(hidden[:, -1])
+        for sample in r.samples:
+            if sample.row is not None:
+                self._accept(sample, logits)
+
+    def _fork(self, lead: _Request, fork: _Request) -> None:
+        """Give `fork` (another sample of `lead`'s prompt) a batch row holding a copy of the
+        lead's prompt KV: n samples, one prefill."""
+        fork.row = self._batch.fork(lead.row)
+        self._running.append(fork)
+        fork.length, fork.stored_pages = lead.length, lead.stored_pages
+        fork.cached_tokens = lead.cached_tokens
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         """Fold one prefill's wall time per page into the recompute-cost estimate."""
@@ -386,6 +500,7 @@ class TorchEngine(ChatMixin):
         positions = torch.tensor([[r.length] for r in running])
         hidden, new_kv = self.model.forward(self.model.embed(tokens), positions,
                                             self._batch.past(), self._batch.mask())
+        self._counts["decode_steps"] += 1
         self._batch.append(new_kv)
         logits = self.model.logits(hidden[:, -1])
         for r in running:
@@ -411,10 +526,10 @@ class TorchEngine(ChatMixin):
     def _finish_or_continue(self, r: _Request, token: int) -> None:
         r.output.append(token)
         text = None
-        if r.params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output)
-        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
-        reason = r.sampling.check_stop(token, text, eos or tuple(self.config.eos_token_ids))
+        if (r.params.stop or r.params.stop_regex) and self.tokenizer is not None:
+            # SGLang matches stop strings and regexes in the text with special tokens kept
+            text = self.tokenizer.decode(r.output, skip_special_tokens=False)
+        reason = r.sampling.check_stop(token, text, self._eos_ids())
         if reason is not None:
             r.finish_reason = reason
             self._drop(r)

@@ -1,5 +1,7 @@
 """TorchEngine: reused KV gives the recomputed tokens exactly; batching, streaming, bad input."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from omni.compute.engine import TorchEngine
 from omni.compute.models import save_pretrained, tiny_model
 from omni.compute.prompt import Audio, Image, Prompt, Text
 from omni.compute.sampling import SamplingParams
+from omni.compute.tokenizer import ByteTokenizer
 from omni.kv import KVStore, TierConfig
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -204,3 +207,96 @@ async def test_from_pretrained_matches_transformers_generate(tmp_path):
     out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
                       eos_token_id=None, pad_token_id=0)
     assert ours.token_ids == out[0, len(prompt):].tolist()
+
+
+async def test_n_samples_share_one_prefill_and_equal_separately_seeded_requests(reference):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, sampling_seed=11, n=4)
+    result = await reference.generate("four samples, one prefill", params)
+    assert reference.stats().num_prefills == 1 and len(result.samples) == 4
+    assert result.samples[0] is result
+    for i, sample in enumerate(result.samples):
+        alone = await reference.generate("four samples, one prefill", SamplingParams(
+            max_new_tokens=10, temperature=1.0, sampling_seed=11 + i))
+        assert (sample.token_ids, sample.text) == (alone.token_ids, alone.text)
+    assert len({tuple(s.token_ids) for s in result.samples}) > 1
+    assert reference.stats().num_prefills == 5
+    assert reference._running == [] and reference._batch.size == 0
+
+
+async def test_n_samples_with_a_store_put_each_sample_s_pages(engine, reference):
+    prompt = SYSTEM + "Two ways to say it?"
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, sampling_seed=5, n=2,
+                            ignore_eos=True)
+    result = await engine.generate(prompt, params)
+    assert result.samples[0].token_ids != result.samples[1].token_ids
+    for sample in result.samples:  # each sample's own history is cached for its next turn
+        follow_up = ByteTokenizer().encode(prompt) + sample.token_ids
+        again = await engine.generate(follow_up, GREEDY)
+        assert again.cached_tokens == (len(follow_up) - 1) // 16 * 16
+        assert again.token_ids == (await reference.generate(follow_up, GREEDY)).token_ids
+
+
+def first_match(token_ids, found) -> int:
+    """The fewest leading tokens whose text (special tokens kept) satisfies `found`."""
+    tok = ByteTokenizer()
+    return next(k for k in range(1, len(token_ids) + 1)
+                if found(tok.decode(token_ids[:k], skip_special_tokens=False)))
+
+
+async def test_stop_regex_ends_at_the_token_that_completes_the_match(reference):
+    free = (await reference.generate("regex stops", GREEDY)).token_ids
+    tok = ByteTokenizer()
+    pattern = "(?:" + re.escape(tok.decode(free[:8])[-2:]) + ")"
+    k = first_match(free, lambda text: re.search(pattern, text))
+    stopped = await reference.generate("regex stops", SamplingParams(
+        max_new_tokens=12, temperature=0, ignore_eos=True, stop_regex=[r"\A\Z", pattern]))
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:k]
+    assert stopped.text == tok.decode(free[:k])  # as SGLang: the match stays in the text
+
+
+async def test_no_stop_trim_keeps_the_stop_token_and_the_stop_string(reference):
+    free = (await reference.generate("trim or keep", SamplingParams(
+        max_new_tokens=12, temperature=0))).token_ids
+    assert len(free) == 12  # no EOS in the way
+    tok = ByteTokenizer()
+    by_token = dict(max_new_tokens=12, temperature=0, stop_token_ids=[free[5]])
+    k = free.index(free[5]) + 1
+    trimmed = await reference.generate("trim or keep", SamplingParams(**by_token))
+    kept = await reference.generate("trim or keep", SamplingParams(**by_token,
+                                                                   no_stop_trim=True))
+    assert trimmed.token_ids == kept.token_ids == free[:k]
+    assert (trimmed.text, kept.text) == (tok.decode(free[:k - 1]), tok.decode(free[:k]))
+    stop = tok.decode(free[:7])[-2:]
+    k = first_match(free, lambda text: stop in text)
+    text = tok.decode(free[:k])
+    at = text.find(stop)
+    by_string = dict(max_new_tokens=12, temperature=0, stop=stop)
+    trimmed = await reference.generate("trim or keep", SamplingParams(**by_string))
+    kept = await reference.generate("trim or keep", SamplingParams(**by_string,
+                                                                   no_stop_trim=True))
+    assert trimmed.token_ids == kept.token_ids == free[:k]
+    assert (trimmed.text, kept.text) == (text[:at], text[:at + len(stop)])
+
+
+async def test_stream_interval_hands_tokens_over_in_groups(reference):
+    params = SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True,
+                            stream_interval=4)
+    stream = reference.stream("grouped tokens", params)
+    made = []  # how many tokens existed when each one was handed over
+    async for _ in stream:
+        made.append(len(stream._request.output))
+    alone = await reference.generate("grouped tokens", SamplingParams(
+        max_new_tokens=14, temperature=0, ignore_eos=True))
+    assert stream.result.token_ids == alone.token_ids
+    groups = [made.count(n) for n in sorted(set(made))]
+    assert sum(groups) == 14 and all(size >= 4 for size in groups[1:-1]), groups
+
+
+async def test_n_and_stop_regex_errors_are_clear(reference):
+    with pytest.raises(ValueError, match="n=17 samples need 17 batch rows"):
+        await reference.generate("x", SamplingParams(n=17))
+    with pytest.raises(ValueError, match="a stream carries one sample"):
+        reference.stream("x", SamplingParams(n=2))
+    with pytest.raises(ValueError, match=r"stop_regex '\(a' is not a valid regex"):
+        await reference.generate("x", SamplingParams(stop_regex="(a"))
+    assert reference.stats().num_prefills == 0

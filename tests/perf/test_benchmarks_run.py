@@ -90,6 +90,11 @@ def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
         assert rates["ours"]["median"] > 0 and rates["transformers"]["median"] > 0
         assert case["new_tokens_each"] == [report["params"]["new_tokens"]] * case["batch"]
         assert isinstance(case["pass"], bool)
+    constrained = report["constrained"]["cases"]  # JSON schema vs free, same run
+    assert [c["batch"] for c in constrained] == [1, 4]
+    for case in constrained:
+        assert case["target"] == 0.9 and case["ratio"] > 0 and isinstance(case["pass"], bool)
+        assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
 
 
 def run_quick(script: str, tmp_path, timeout: float = 180) -> dict:
