@@ -5,18 +5,27 @@ arenas or payload segments, or remove its Unix socket. At the end of the session
 owner process is gone are removed: KV stores by the owner record in their lease table, payload
 segments by the pid in their name, sockets because nobody listens on them. Only what belongs to
 dead processes goes, so that another run of the suite beside this one keeps its files.
+
+Property tests draw the same examples on every run (`derandomize`), so a run of the suite is
+repeatable; `HYPOTHESIS_PROFILE=explore` draws new ones (the way to look for new failures).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from omni.kv.leases import reclaim_dead_stores
 from omni.transport._host import ipc_directory
 from omni.transport._unix import remove_stale
 from omni.transport.payloads import reclaim_dead_segments
+
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,6 +4,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -29,7 +30,7 @@ def test_every_readme_python_block_runs(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     for i, block in enumerate(blocks[1:], start=1):
         example = tmp_path / f"block{i}.py"
-        example.write_text(block)
+        example.write_text(textwrap.dedent(block))  # a block inside a list item is indented
         out = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
                              timeout=120, cwd=tmp_path)
         assert out.returncode == 0, f"README python block {i}: {out.stderr}"

@@ -19,7 +19,13 @@ from omni.compute.sampling import (
 
 def reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
               min_p: float) -> torch.Tensor:
-    """SGLang's filtered distribution for one row of logits [V] (renormalised)."""
+    """SGLang's filtered distribution for one row of logits [V] (renormalised).
+
+    top_k 1 is SGLang's greedy path (`is_all_greedy` in sampling_batch_info.py: argmax of the
+    logits in sampler.py), not the sort of probabilities, whose float32 ties could differ.
+    """
+    if top_k == 1:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
     probs = torch.softmax(logits[None] / torch.tensor([[temperature]]), dim=-1)
     if top_k == -1 and top_p == 1.0 and min_p == 0.0:
         return probs[0]

@@ -1,0 +1,110 @@
+"""The values a `TorchEngine` hands out and keeps per request: results, stats, token streams."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni.compute.prompt import PromptTokens
+from omni.compute.sampling import RequestSamplingState, SamplingParams
+from omni.kv import MediaSpan
+
+__all__ = ["EngineStats", "GenerateResult", "TokenStream"]
+
+
+class _StreamSource(Protocol):
+    """What a `TokenStream` needs of its engine."""
+
+    def _stream(self, prompt: Any, params: SamplingParams | None,
+                stream: TokenStream) -> AsyncIterator[int]: ...
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One finished generation."""
+
+    token_ids: list[int]
+    text: str | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the store
+    finish_reason: str  # "stop", "length" or "cancelled"
+    time_to_first_token: float  # seconds
+    other_samples: tuple[GenerateResult, ...] = ()  # samples 2..n of an n > 1 request
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens computed by this request (not cached)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def samples(self) -> tuple[GenerateResult, ...]:
+        """All `params.n` samples, this one first (one prefill served them all)."""
+        return (self, *self.other_samples)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a `TorchEngine` computed so far."""
+
+    num_prefills: int  # forward passes over a prompt (n samples of one prompt: one)
+    num_prefill_tokens: int  # prompt tokens those passes computed (cached ones excluded)
+    num_decode_steps: int  # batched one-token forward passes
+
+
+@dataclass(eq=False)
+class _Request:
+    """One generation in flight. Invariant: `length` tokens (prompt + output[:-1]) have
+    their KV in the batch row `row`; `output[-1]` is the next input."""
+
+    tokens: PromptTokens
+    params: SamplingParams
+    keys: list[bytes]
+    spans: list[MediaSpan]
+    started: float
+    sampling: RequestSamplingState | None = None
+    output: list[int] = field(default_factory=list)
+    row: int | None = None
+    length: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    cancelled: bool = False
+    streaming: bool = False  # its caller takes each token as it comes
+    stored_pages: int = 0
+    num_sent: int = 0  # tokens a stream handed over
+    forks: list[_Request] = field(default_factory=list)  # samples 2..n: rows forked at prefill
+
+    @property
+    def samples(self) -> list[_Request]:
+        return [self, *self.forks]
+
+
+class TokenStream:
+    """`TorchEngine.stream`'s token ids, as an async iterator (``async for token in ...``).
+
+    `cached_tokens` is known once the first token arrived (the prefix came from the store
+    then), `result` (a `GenerateResult`) once the iteration ended; `aclose()` stops it early.
+    """
+
+    def __init__(self, engine: _StreamSource, prompt: Any, params: SamplingParams | None):
+        self.result: GenerateResult | None = None
+        self._request: _Request | None = None
+        self._tokens = engine._stream(prompt, params, self)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the store (None before the prefill)."""
+        if self.result is not None:
+            return self.result.cached_tokens
+        request = self._request
+        return request.cached_tokens if request is not None and request.output else None
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> int:
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        await self._tokens.aclose()
