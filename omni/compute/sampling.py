@@ -169,22 +169,27 @@ class RequestSamplingState:
         `context_length`; "stop" once the constraint is terminated; else None. Sets
         `finish_reason` and `matched_stop` (the string, the regex or the token id).
         """
-        params = self.params
         reason, matched = self._check_text(text_so_far)
-        eos = self.eos_token_ids.union(eos_token_ids)
-        num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
-        if reason is not None:
-            pass
-        elif not params.ignore_eos and (new_token in params.stop_token_ids or new_token in eos):
-            reason, matched = "stop", new_token
-        elif (params.max_new_tokens is not None
-              and len(self.output_token_ids) >= params.max_new_tokens) or (
-                self.context_length is not None and num_tokens >= self.context_length):
-            reason = "length"
-        elif self.constraint is not None and self.constraint.is_terminated():
-            reason, matched = "stop", new_token
+        if reason is None:
+            reason, matched = self._check_token(new_token, eos_token_ids)
         self.finish_reason, self.matched_stop = reason, matched
         return reason
+
+    def _check_token(self, new_token: int, eos_token_ids: Collection[int],
+                     ) -> tuple[FinishReason | None, int | None]:
+        """`check_stop` after the text: stop and EOS ids, then the lengths, then the grammar."""
+        params = self.params
+        eos = self.eos_token_ids.union(eos_token_ids)
+        if not params.ignore_eos and (new_token in params.stop_token_ids or new_token in eos):
+            return "stop", new_token
+        num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if (params.max_new_tokens is not None
+                and len(self.output_token_ids) >= params.max_new_tokens) or (
+                self.context_length is not None and num_tokens >= self.context_length):
+            return "length", None
+        if self.constraint is not None and self.constraint.is_terminated():
+            return "stop", new_token
+        return None, None
 
     def _check_text(self, text: str | None) -> tuple[FinishReason | None, str | None]:
         if text is None:
