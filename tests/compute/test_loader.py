@@ -110,12 +110,14 @@ def test_unknown_rope_scaling(checkpoint: Path) -> None:
         load_pretrained(checkpoint)
 
 
-def test_qwen2_sliding_window_is_refused(tmp_path: Path) -> None:
-    """Qwen2 with sliding-window layers is refused rather than run with full attention."""
-    model, config = tiny_model(architecture="qwen2")
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_sliding_window_is_refused(tmp_path: Path, architecture: str) -> None:
+    """Qwen2 / Qwen3 with sliding-window layers are refused by name rather than run with full
+    attention."""
+    model, config = tiny_model(architecture=architecture)
     save_pretrained(model, config, tmp_path)
     rewrite_config(tmp_path, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    with pytest.raises(ValueError, match="sliding-window attention"):
+    with pytest.raises(ValueError, match=f"unsupported: {architecture} sliding-window attention"):
         load_pretrained(tmp_path)
 
 
@@ -166,15 +168,6 @@ def test_config_validation_messages() -> None:
         DecoderConfig("qwen2", 10, 32, 8, 1, 4, 2)
     with pytest.raises(ValueError, match=re.escape("config.json has no 'hidden_size'")):
         DecoderConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
-
-
-def test_qwen3_sliding_window_is_refused(tmp_path: Path) -> None:
-    """Qwen3 with sliding-window layers is refused by name, like Qwen2."""
-    model, config = tiny_model(architecture="qwen3")
-    save_pretrained(model, config, tmp_path)
-    rewrite_config(tmp_path, use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    with pytest.raises(ValueError, match="unsupported: qwen3 sliding-window attention"):
-        load_pretrained(tmp_path)
 
 
 def test_qwen3_checkpoint_without_qk_norms_names_them(tmp_path: Path) -> None:

@@ -3,9 +3,8 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.perf._run import ROOT, run_quick
 
 
 def test_scheduler_benchmark_quick_mode_reports_both_claims(tmp_path):
@@ -51,14 +50,7 @@ def test_kv_benchmark_quick_mode_reports_every_claim(tmp_path):
 def test_prefix_reuse_benchmark_quick_mode_reports_every_turn(tmp_path):
     """perf/prefix_reuse.py --quick reports per turn the cached tokens, both TTFTs, the
     speedup against the ideal FLOP ratio, and equal tokens with and without reuse."""
-    out, plot = tmp_path / "prefix_reuse.json", tmp_path / "prefix_reuse.png"
-    proc = subprocess.run([sys.executable, "perf/prefix_reuse.py", "--quick", "--out", str(out),
-                           "--plot", str(plot)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    assert plot.stat().st_size > 0
+    report = run_quick("perf/prefix_reuse.py", tmp_path, timeout=120, plot=True)
     assert report["tokens_equal"] is True and report["cache_consistent"] is True
     turns = report["turns"]
     assert [t["turn"] for t in turns] == list(range(1, report["params"]["turns"] + 1))
@@ -95,17 +87,6 @@ def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
     for case in constrained:
         assert case["target"] == 0.9 and case["ratio"] > 0 and isinstance(case["pass"], bool)
         assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
-
-
-def run_quick(script: str, tmp_path, timeout: float = 180) -> dict:
-    """Run a benchmark in --quick mode; its stdout and its --out file hold the same JSON."""
-    out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, script, "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    return report
 
 
 def test_diffusion_benchmark_quick_mode_matches_recomputation(tmp_path):

@@ -2,23 +2,11 @@
 services, with the same outputs, resident KV counted from the stores and peak RSS per
 process (the figures' sizes are not judged here, only what they count)."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.perf._run import run_quick
 
 
 def test_footprint_quick_mode_compares_one_kv_copy_with_separate_services(tmp_path):
-    out, plot = tmp_path / "footprint.json", tmp_path / "footprint.png"
-    proc = subprocess.run([sys.executable, "perf/footprint.py", "--quick", "--out", str(out),
-                           "--plot", str(plot)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    assert plot.stat().st_size > 0
+    report = run_quick("perf/footprint.py", tmp_path, timeout=400, plot=True)
     assert report["outputs_equal"] is True
     page_bytes = report["model"]["page_bytes"]
 
