@@ -6,18 +6,23 @@ sides, with the same prompts and greedy parameters; the constrained side adds ``
 sampler applies). On the tiny model a step costs well under a millisecond, so the mask's fixed
 cost per step weighs most there; the small model shows it against more arithmetic.
 
-Decode rate = (tokens - batch) / (T(N) - T(1)) per round, as for the other cases, the four
-calls of a round in alternating order, then the median over rounds. T is the CPU time of the
-process (`time.process_time`, all its threads; torch runs one thread here, so that no thread
-spins while another waits for a core): on a shared machine, wall-clock time also counts the
-time other processes hold the cores, which swamps a difference of a few percent; wall-clock
-rates are recorded beside. Target: constrained >= 0.9x unconstrained, per model and batch
+Decode rate = (tokens - batch) / (T(N) - T(1)) per round, the four calls of a round in
+alternating order, with T(1) (prefill and setup) the median over rounds. The ratio is the
+median over rounds of each round's constrained / unconstrained rate (the two measured a
+fraction of a second apart, so a drift in the machine's speed moves both), over as many rounds
+as fit in about ten seconds (at least the other cases' count, at most 60): the effect
+measured is a few percent, and one call's CPU time varies by a third on a shared machine.
+T is the CPU time of the process (`time.process_time`, all its threads; torch runs one thread
+here, so that no thread spins while another waits for a core): on a shared machine,
+wall-clock time also counts the time other processes hold the cores, which swamps a
+difference of a few percent; wall-clock rates are recorded beside. Target: constrained >= 0.9x unconstrained, per model and batch
 size."""
 
 from __future__ import annotations
 
 import gc
 import json
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,6 +39,8 @@ from perf._common import Samples, claim
 __all__ = ["SCHEMA", "TARGET", "measure_constrained"]
 
 TARGET = 0.9  # constrained decode tokens/s / unconstrained, at least
+ROUND_SECONDS = 10.0  # each case runs rounds for about this long (at least `repeats` rounds,
+MAX_ROUNDS = 60  # at most this many): a call's CPU time varies by +-30% on a shared machine
 SCHEMA = {  # an object with free text, numbers, an enum and a list: a typical extraction
     "type": "object", "additionalProperties": False,
     "required": ["id", "title", "score", "kind", "tags"],
@@ -73,33 +80,41 @@ async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
             params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **extra)
             calls[f"{side}_{n}"] = lambda p=params: _run(engine, prompts, p)
     tokens = {key: await call() for key, call in calls.items()}  # warm-up (and compile)
+    warm = {key: await _timed(call) for key, call in calls.items()}
+    rounds = min(MAX_ROUNDS, max(repeats, round(ROUND_SECONDS / sum(
+        wall for wall, _ in warm.values()))))
     times: dict[str, list[tuple[float, float]]] = {key: [] for key in calls}
-    for r in range(repeats):
+    for r in range(rounds):
         for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
             times[key].append(await _timed(calls[key]))
 
     def rate(side: str, clock: int) -> Samples:
         made = tokens[f"{side}_{new_tokens}"] - tokens[f"{side}_1"]
-        return Samples(tuple(made / (tn[clock] - t1[clock]) if tn[clock] > t1[clock]
-                             else float("nan")
-                             for tn, t1 in zip(times[f"{side}_{new_tokens}"],
-                                               times[f"{side}_1"], strict=True)))
+        fixed = statistics.median(t[clock] for t in times[f"{side}_1"])  # prefill and setup
+        return Samples(tuple(made / (tn[clock] - fixed) if tn[clock] > fixed
+                             else float("nan") for tn in times[f"{side}_{new_tokens}"]))
+
+    def paired(json_rate: Samples, free_rate: Samples) -> Samples:
+        return Samples(tuple(j / f for j, f in zip(json_rate.values, free_rate.values,
+                                                   strict=True)))
 
     json_cpu, free_cpu = rate("json", 1), rate("free", 1)
     json_wall, free_wall = rate("json", 0), rate("free", 0)
-    ratio = json_cpu.median / free_cpu.median
+    ratios = paired(json_cpu, free_cpu)
+    ratio = ratios.median
     return claim(unit="decode tokens per CPU second", target=TARGET, measured=json_cpu,
                  baseline=free_cpu, ratio=ratio, passed=ratio >= TARGET,
-                 batch=len(prompts),
+                 batch=len(prompts), rounds=len(ratios.values), ratios=ratios.to_json(3),
                  wall_tokens_per_s={"json": json_wall.to_json(1), "free": free_wall.to_json(1),
-                                    "ratio": round(json_wall.median / free_wall.median, 3)},
+                                    "ratio": round(paired(json_wall, free_wall).median, 3)},
                  tokens_per_call={"json": tokens[f"json_{new_tokens}"],
                                   "free": tokens[f"free_{new_tokens}"]},
                  note=("greedy, ignore_eos; measured: with json_schema (a constrained request "
                        "ends when its JSON is complete, so its tokens are counted), baseline: "
                        "the same requests without it; rate = (tokens - batch) / "
-                       "(T(N) - T(1)) per round with T the process's CPU seconds, median "
-                       "over rounds (wall-clock rates recorded beside)"))
+                       "(T(N) - median T(1)) per round with T the process's CPU seconds; ratio: "
+                       "median over rounds of the round's constrained / unconstrained rate "
+                       "(wall-clock rates recorded beside)"))
 
 
 async def measure_constrained(seed: int, models: dict[str, dict[str, int]],

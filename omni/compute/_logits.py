@@ -11,7 +11,8 @@ bit-for-bit unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,16 +132,24 @@ def bias_table(params: Sequence[SamplingParams], vocab_size: int,
 
 def apply_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor,
                    rows: torch.Tensor | Sequence[int],
-                   fallback_ids: Sequence[torch.Tensor]) -> None:
+                   fallback_ids: Callable[[int], torch.Tensor] | None = None) -> None:
     """Disallowed tokens of `rows` -> -inf, from xgrammar's int32 bitmask [B, ceil(V / 32)].
 
-    Bit j of word w allows token 32 * w + j. A row whose mask allows no token at all keeps
-    only its `fallback_ids` (EOS) instead, so it never turns into NaN; with no fallback ids
-    it is left unmasked.
+    Bit j of word w allows token 32 * w + j. Given `fallback_ids`, a row whose mask allows
+    no token at all keeps only its `fallback_ids(row)` (EOS) instead, so it never turns into
+    NaN (with no fallback ids it is left unmasked); without, such a row becomes all -inf and
+    the caller rescues it. On the CPU, xgrammar's own kernel does the masking where it is
+    installed (numpy otherwise).
     """
     row_ids = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-    if scores.device.type == "cpu" and bitmask.device.type == "cpu":
-        _apply_bitmask_numpy_(scores, bitmask, row_ids, fallback_ids)
+    if scores.is_cpu and bitmask.is_cpu:
+        kernel = _xgrammar_cpu_kernel()
+        if kernel is not None and fallback_ids is None:
+            kernel(scores, bitmask, scores.shape[1], row_ids)
+        elif kernel is not None:
+            _apply_bitmask_kernel_(kernel, scores, bitmask, row_ids, fallback_ids)
+        else:
+            _apply_bitmask_numpy_(scores, bitmask, row_ids, fallback_ids)
         return
     rows = torch.tensor(row_ids, device=scores.device)
     vocab_size = scores.shape[1]
@@ -148,26 +157,59 @@ def apply_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor,
     bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(words.device)) & 1  # [C, W, 32]
     allowed = bits.view(len(rows), -1)[:, :vocab_size].bool()
     empty = ~allowed.any(dim=-1)
-    if bool(empty.any()):
+    if fallback_ids is not None and bool(empty.any()):
         for i in torch.nonzero(empty).flatten().tolist():
-            ids = fallback_ids[i]
+            ids = fallback_ids(row_ids[i]).to(allowed.device)
             allowed[i] = True if len(ids) == 0 else False
             allowed[i, ids] = True
     selected = scores.index_select(0, rows).masked_fill_(~allowed, -torch.inf)
     scores.index_copy_(0, rows, selected)
 
 
+@functools.cache
+def _xgrammar_cpu_kernel() -> Callable[..., None] | None:
+    """xgrammar's C++ bitmask kernel for CPU tensors, or None without xgrammar installed."""
+    try:
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import (
+            apply_token_bitmask_inplace_cpu,
+        )
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace_cpu
+
+
+def _apply_bitmask_kernel_(kernel: Callable[..., None], scores: torch.Tensor,
+                           bitmask: torch.Tensor, rows: list[int],
+                           fallback_ids: Callable[[int], torch.Tensor] | None) -> None:
+    """`apply_bitmask_` through xgrammar's CPU kernel; the rows whose mask allows nothing
+    (rare: one numpy pass finds them, given `fallback_ids`) are masked here."""
+    empty = [] if fallback_ids is None else np.flatnonzero(
+        ~bitmask.numpy().any(axis=1)).tolist()
+    if empty:
+        empty = [row for row in empty if row in rows]
+        rows = [row for row in rows if row not in empty]
+    if rows:
+        kernel(scores, bitmask, scores.shape[1], rows)
+    for row in empty:
+        ids = fallback_ids(row)  # type: ignore[misc]
+        if len(ids):
+            values = scores[row]
+            kept = values[ids].clone()
+            values.fill_(-torch.inf)
+            values[ids] = kept
+
+
 def _apply_bitmask_numpy_(scores: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
-                          fallback_ids: Sequence[torch.Tensor]) -> None:
-    """`apply_bitmask_` on the CPU, in numpy: it runs every decode step on a few rows, where
-    each torch op's dispatch costs more than the work (numpy's cost a fraction of that)."""
+                          fallback_ids: Callable[[int], torch.Tensor] | None) -> None:
+    """`apply_bitmask_` on the CPU in numpy (without xgrammar's kernel): it runs every decode
+    step on a few rows, where each torch op's dispatch costs more than the work."""
     vocab_size, values = scores.shape[1], scores.numpy()  # values shares the tensor's memory
     every_row = rows == list(range(values.shape[0])) and bitmask.shape[0] == len(rows)
     words = bitmask.numpy() if every_row else bitmask.numpy()[rows]  # [C, W]
     allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    if not words.any(axis=1).all():
+    if fallback_ids is not None and not words.any(axis=1).all():
         for i in np.flatnonzero(~allowed.any(axis=1)):
-            ids = fallback_ids[i].numpy()
+            ids = fallback_ids(rows[i]).numpy()
             allowed[i] = 0 if len(ids) else 1
             allowed[i, ids] = 1
     if every_row:

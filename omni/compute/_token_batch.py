@@ -18,7 +18,9 @@ from omni.compute._logits import (
 )
 
 if TYPE_CHECKING:
-    from omni.compute.sampling import RequestSamplingState
+    from omni.compute.sampling import RequestSamplingState, TokenConstraint
+
+MASK_FIRST_STEPS = 16  # after a forbidden argmax, steps that mask at once
 
 
 class _Groups:
@@ -77,8 +79,13 @@ class TokenSamplingState:
         self.any_bias = any(p.logit_bias is not None for p in params)
         self.any_constraint = any(r.constraint is not None for r in self.requests)
         self.any_processor = any(r.logit_processor is not None for r in self.requests)
+        # the stages that can take every token from a row
+        self.any_masking = (self.any_min_new or self.any_bias or self.any_constraint
+                            or self.any_processor)
         self.any_transform = (self.any_penalty or self.any_min_new or self.any_bias
                               or self.any_constraint or self.any_processor)
+        self.only_constraints = self.any_constraint and not (
+            self.any_penalty or self.any_min_new or self.any_bias or self.any_processor)
         # the filters read each row's `sort_width` largest probabilities; a row without top-k
         # may need more and widens it, for later steps too (distributions change slowly)
         open_rows = any(p.filters and p.top_k == -1 for p in sampled)
@@ -89,6 +96,10 @@ class TokenSamplingState:
         self._bias: torch.Tensor | None = None
         self._processors: _Groups | None = None
         self._bitmask: torch.Tensor | None = None
+        self._bitmask_words: Any = None  # numpy view of _bitmask
+        self._constrained: list[tuple[int, TokenConstraint]] = []
+        self._next_rows: list[int] | None = None  # filled by `record` for the next step
+        self._mask_first = 0  # steps `constrained_argmax` masks before trying the argmax
         self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stop_id_cache: dict[int, torch.Tensor] = {}
 
@@ -129,11 +140,12 @@ class TokenSamplingState:
                              torch.empty(shape, dtype=torch.bool, device=device))
         return self._scratch
 
-    def transformed(self, logits: torch.Tensor) -> torch.Tensor:
+    def transformed(self, logits: torch.Tensor, *, rescue: bool = True) -> torch.Tensor:
         """`logits` as float32 after SGLang's logit stages, in the first scratch buffer.
 
         Penalties (additive, min_new_tokens, repetition), the constraint bitmask, logit_bias,
-        then custom logit processors.
+        then custom logit processors. A row those stages leave with no token at all takes its
+        EOS instead (`rescue=False` leaves that to the caller: `greedy_tokens` does it).
         """
         scores, spare, _ = self.scratch()
         scores.copy_(logits)
@@ -147,10 +159,18 @@ class TokenSamplingState:
             scores.add_(self._bias)
         if self._processors is not None:
             self._processors.apply_(scores)
-        # the bitmask alone leaves every row a token (its EOS when it allows none)
-        if self.any_min_new or self.any_bias or self.any_processor:
+        if rescue and self.any_masking:
             self._rescue_dead_rows(scores)
         return scores
+
+    def greedy_tokens(self, scores: torch.Tensor) -> torch.Tensor:
+        """The argmax of each row of `transformed(..., rescue=False)` scores [B], a row left
+        with no token taking its EOS (found from the maxima, at no extra pass)."""
+        values, tokens = scores.max(dim=-1)
+        if self.any_masking and -math.inf in values.tolist():
+            self._rescue_dead_rows(scores)
+            tokens = scores.argmax(dim=-1)
+        return tokens
 
     def _rescue_dead_rows(self, scores: torch.Tensor) -> None:
         """A row whose every logit is -inf (say a grammar that allows only EOS while
@@ -178,18 +198,71 @@ class TokenSamplingState:
             if request.min_new_tokens_pending:
                 scores[row, self._stop_ids(row).to(scores.device)] = -math.inf
 
-    def _apply_constraints(self, scores: torch.Tensor) -> None:
-        rows = [i for i, r in enumerate(self.requests)
-                if r.constraint is not None and not r.constraint.is_terminated()]
-        if not rows:
-            return
+    def constrained_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens [B] when the constraints are the only logit stage: each row's argmax,
+        unless its grammar forbids that token; only those rows are masked and taken again.
+
+        Equal to masking every row first (masking lowers only other tokens, so an allowed
+        argmax stays the first maximum), at a bit test per row in the usual case. After a
+        step that had to mask, the next `MASK_FIRST_STEPS` mask at once.
+        """
+        bitmask = self._bitmask_for(logits.shape[1])
+        masked = self._take_filled_rows(bitmask)
+        if self._mask_first > 0:
+            self._mask_first -= 1
+        else:
+            tokens = logits.argmax(dim=-1)
+            masked = self._forbidding(masked, tokens.tolist())
+            if not masked:
+                return tokens
+            # a model that disagrees with its grammar once likely does again: the next
+            # steps mask first, skipping the argmax they would throw away
+            self._mask_first = MASK_FIRST_STEPS
+        if not masked:
+            return logits.argmax(dim=-1)
+        scores = self.scratch()[0]
+        scores.copy_(logits)
+        apply_bitmask_(scores, bitmask.to(scores.device), masked)
+        tokens = scores.argmax(dim=-1)
+        # a row still on a forbidden token was allowed nothing (all -inf): it takes its EOS
+        if self._forbidding(masked, tokens.tolist()):
+            self._rescue_dead_rows(scores)
+            tokens = scores.argmax(dim=-1)
+        return tokens
+
+    def _forbidding(self, rows: list[int], ids: list[int]) -> list[int]:
+        """The `rows` whose filled mask forbids their token in `ids`."""
+        words = self._bitmask_words
+        return [row for row in rows if not int(words[row, ids[row] >> 5]) >> (ids[row] & 31) & 1]
+
+    def _bitmask_for(self, vocab_size: int) -> torch.Tensor:
+        """The composition's int32 bitmask [B, ceil(V / 32)] (all allowed at first)."""
         if self._bitmask is None:
-            words = (scores.shape[1] + 31) // 32
-            self._bitmask = torch.full((len(self), words), -1, dtype=torch.int32)
-        for row in rows:
-            self.requests[row].constraint.fill_bitmask(self._bitmask, row)  # type: ignore[union-attr]
-        fallback = [self._stop_ids(row) for row in rows]
-        apply_bitmask_(scores, self._bitmask.to(scores.device), rows, fallback)
+            self._bitmask = torch.full((len(self), (vocab_size + 31) // 32), -1,
+                                       dtype=torch.int32)
+            self._bitmask_words = self._bitmask.numpy()  # the same memory, for bit tests
+            self._constrained = [(row, r.constraint) for row, r in enumerate(self.requests)
+                                 if r.constraint is not None]
+        return self._bitmask
+
+    def _take_filled_rows(self, bitmask: torch.Tensor) -> list[int]:
+        """The rows `record` filled for this step, or `_filled_rows` now."""
+        rows, self._next_rows = self._next_rows, None
+        return self._filled_rows(bitmask) if rows is None else rows
+
+    def _filled_rows(self, bitmask: torch.Tensor) -> list[int]:
+        """Fill each live constrained row's mask; the rows that forbid some token."""
+        return [row for row, constraint in self._constrained
+                if not constraint.is_terminated()
+                and constraint.fill_bitmask(bitmask, row) is not False]
+
+    def _apply_constraints(self, scores: torch.Tensor) -> None:
+        """Each live constrained row's bitmask, filled and applied (rows whose grammar allows
+        every token now are left alone)."""
+        bitmask = self._bitmask_for(scores.shape[1])
+        rows = self._take_filled_rows(bitmask)
+        if rows:
+            apply_bitmask_(scores, bitmask.to(scores.device), rows)
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
         """One draw per row from each request's own generator (0 for greedy rows): [B]."""
@@ -205,6 +278,11 @@ class TokenSamplingState:
             constraint = request.constraint
             if constraint is not None and not constraint.is_terminated():
                 constraint.accept(token_id)
+        if self._bitmask is not None:
+            # the next step's masks, filled now while the matchers' code and state are warm
+            # in the cache (on a small model this halves their cost); valid until the next
+            # accept, which only this method does
+            self._next_rows = self._filled_rows(self._bitmask)
         if self._penalties is not None and self._columns is not None:
             self._penalties.record(self._columns.rows, tokens)
         return token_ids
@@ -239,16 +317,17 @@ class TokenSampler:
         if state.all_greedy and not state.any_transform:
             self.num_fast_steps += 1
             tokens = output.argmax(dim=-1)
+        elif state.all_greedy and state.only_constraints:
+            tokens = state.constrained_argmax(output)
+        elif state.all_greedy:
+            tokens = state.greedy_tokens(state.transformed(output, rescue=False))
         else:
             scores = state.transformed(output)
             greedy = scores.argmax(dim=-1) if state.any_greedy else None
-            if greedy is not None and state.all_greedy:
-                tokens = greedy
-            else:
-                probs = _probs(scores, state, cols)
-                tokens = inverse_cdf(probs, state.uniforms(probs.device), state.scratch()[0])
-                if greedy is not None:
-                    tokens = torch.where(cols.greedy, greedy, tokens)
+            probs = _probs(scores, state, cols)
+            tokens = inverse_cdf(probs, state.uniforms(probs.device), state.scratch()[0])
+            if greedy is not None:
+                tokens = torch.where(cols.greedy, greedy, tokens)
         state.record(tokens)
         return tokens
 

@@ -121,12 +121,13 @@ class GrammarConstraint:
         return (f"<GrammarConstraint {self.kind} accepted={self.num_accepted} "
                 f"terminated={self.is_terminated()}>")
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of `bitmask` (int32 [B, ceil(V/32)]).
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed next tokens into row `row` of `bitmask` (int32 [B, ceil(V/32)]);
+        False when every token is allowed (nothing to mask).
 
         Bit j of word w allows token 32 * w + j (xgrammar's layout).
         """
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        return self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> None:
         """Advance past the sampled `token_id` (nothing once terminated)."""

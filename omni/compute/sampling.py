@@ -49,9 +49,11 @@ class TokenConstraint(Protocol):
     constraint `is_terminated`.
     """
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool | None:
         """Write row `row` of `bitmask`, int32 [B, ceil(V / 32)]: bit j of word w set allows
-        token 32 * w + j (all bits set: no constraint)."""
+        token 32 * w + j (all bits set: no constraint). May return False to say the row
+        allows every token (nothing to mask; xgrammar's ``need_apply``); None counts as
+        True."""
         ...
 
     def accept(self, token_id: int) -> None:

@@ -235,10 +235,20 @@ async def test_a_grammar_needs_a_tokenizer():
         await engine.generate([5, 6], SamplingParams(regex="a"))
 
 
-def test_the_cpu_bitmask_path_equals_xgrammars_kernel_on_every_row_and_on_some():
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_the_cpu_bitmask_paths_equal_xgrammars_kernel_on_every_row_and_on_some(path):
+    """Both CPU paths (xgrammar's kernel where installed, numpy otherwise) mask as xgrammar
+    does, and a row allowed nothing keeps only its fallback ids."""
     import xgrammar
 
-    from omni.compute._logits import apply_bitmask_
+    from omni.compute import _logits
+
+    def apply_bitmask_(*args):
+        if path == "numpy":
+            _logits._apply_bitmask_numpy_(*args)
+        else:
+            assert _logits._xgrammar_cpu_kernel() is not None
+            _logits.apply_bitmask_(*args)
 
     gen = torch.Generator().manual_seed(5)
     for rows in ([0, 1, 2], [1], [0, 2]):
@@ -249,5 +259,5 @@ def test_the_cpu_bitmask_path_equals_xgrammars_kernel_on_every_row_and_on_some()
         xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
         expected[rows[0]] = float("-inf")
         expected[rows[0], 2] = logits[rows[0], 2]
-        apply_bitmask_(logits, bitmask, rows, [torch.tensor([2])] * len(rows))
+        apply_bitmask_(logits, bitmask, rows, lambda row: torch.tensor([2]))
         assert torch.equal(logits, expected)

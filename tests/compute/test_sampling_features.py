@@ -113,6 +113,12 @@ def test_a_constraint_that_allows_nothing_takes_eos_without_nan():
                                    constraint=Nothing([1]))
     probs = TokenSampler().probs(torch.randn(1, 40), TokenSamplingState([request]))[0]
     assert probs[EOS] == 1.0 and not torch.isnan(probs).any()
+    # greedy rows (found from the row maxima): the dead row takes EOS, the others their argmax
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    rows = [RequestSamplingState(SamplingParams(temperature=0), eos_token_ids=[39],
+                                 constraint=c) for c in (Sequence([7]), Nothing([1]), None)]
+    tokens = TokenSampler().step(logits, TokenSamplingState(rows)).tolist()
+    assert tokens == [7, 39, int(logits[2].argmax())]
 
 
 def test_a_grammar_allowing_only_eos_during_min_new_tokens_still_takes_eos():
@@ -188,5 +194,47 @@ def test_bitmask_application_equals_xgrammars_own():
         bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), generator=gen, dtype=torch.int32)
         expected = logits.clone()
         xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=[0, 2, 3])
-        apply_bitmask_(logits, bitmask, torch.tensor([0, 2, 3]), [torch.tensor([0])] * 3)
+        apply_bitmask_(logits, bitmask, torch.tensor([0, 2, 3]), lambda row: torch.tensor([0]))
         assert torch.equal(logits, expected)
+
+
+class Fixed:
+    """A constraint whose mask is a fixed random bitmask row (never terminated)."""
+
+    def __init__(self, words: torch.Tensor):
+        self.words, self.accepted = words, []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        bitmask[row] = self.words
+        return bool((self.words != -1).any())
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+def test_greedy_constrained_rows_equal_masking_every_row_first():
+    """The greedy path that tests each row's argmax against its mask (and masks only the rows
+    whose argmax is forbidden, or masks first for a while after one was) takes the tokens a
+    full mask + argmax takes at every step, ties included."""
+    gen = torch.Generator().manual_seed(11)
+    for vocab_size in (33, 70, 512):
+        words = (vocab_size + 31) // 32
+        masks = torch.randint(-2**31, 2**31 - 1, (4, words), generator=gen, dtype=torch.int32)
+        masks[0] = -1  # a row allowing every token
+        rows = [RequestSamplingState(SamplingParams(temperature=0), eos_token_ids=[EOS],
+                                     constraint=Fixed(masks[i]) if i != 3 else None)
+                for i in range(4)]
+        allowed = ((masks[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool()
+        allowed = allowed.view(4, -1)[:, :vocab_size]
+        allowed[3] = True
+        sampler, state = TokenSampler(), TokenSamplingState(rows)
+        for step in range(60):
+            logits = torch.randint(0, 4, (4, vocab_size), generator=gen).float()  # many ties
+            if step % 20 < 10:  # stretches where every argmax is allowed
+                logits[allowed] += 10
+            expected = logits.masked_fill(~allowed, -math.inf).argmax(dim=-1)
+            assert sampler.step(logits, state).tolist() == expected.tolist(), step
+        assert [len(r.output_token_ids) for r in rows] == [60] * 4
