@@ -1,8 +1,8 @@
 """The ``omni`` command: the typer app and its entry point.
 
-Each command group lives in its own module and is registered here: ``run`` (a single
-command), ``graph`` and ``cluster`` (sub-apps). A new group is a module with a ``typer.Typer`` named
-``app``, added with `app.add_typer` below.
+Each command group lives in its own module and is registered here: ``run`` and ``serve``
+(single commands), ``graph`` and ``cluster`` (sub-apps). A new group is a module with a
+``typer.Typer`` named ``app``, added with `app.add_typer` below.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import typer
 import omni
 from cli import cluster_cmd, graph_cmd
 from cli.run import run
+from cli.serve import serve
 
 __all__ = ["app", "main"]
 
@@ -27,6 +28,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("run", no_args_is_help=True)(run)
+app.command("serve", no_args_is_help=True)(serve)
 app.add_typer(graph_cmd.app, name="graph")
 app.add_typer(cluster_cmd.app, name="cluster")
 

@@ -15,6 +15,15 @@ from cli._errors import EXIT_FAILED, CliError, first_of, reporting
 from cli._inputs import Requests
 from cli._kv import kv_config
 from cli._load import load_module, select_graph
+from cli._options import (
+    ClusterOption,
+    DebugOption,
+    KvDeviceOption,
+    KvDiskOption,
+    KvHostOption,
+    MetricsPortOption,
+    TokenFileOption,
+)
 from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
 from cli._report import Outcome, Reporter, summary_line
 from cli._runner import run_batch
@@ -50,30 +59,13 @@ def run(
     concurrency: Annotated[int | None, typer.Option(
         "--concurrency", "-c", min=1, show_default=False,
         help="Run at most C requests at once (default 1). Prints the summary too.")] = None,
-    kv_device: Annotated[str | None, typer.Option(
-        "--kv-device", metavar="SIZE", show_default=False,
-        help="Size of the KV store's device tier (e.g. 2GiB); needs KV_LAYOUT in FILE.")] = None,
-    kv_host: Annotated[str | None, typer.Option(
-        "--kv-host", metavar="SIZE", show_default=False,
-        help="Size of the KV store's host-memory tier (e.g. 4GiB).")] = None,
-    kv_disk: Annotated[str | None, typer.Option(
-        "--kv-disk", metavar="SIZE[:PATH]", show_default=False,
-        help="Size and folder of the KV store's disk tier (e.g. 32GiB:/data/kv; the folder "
-             "defaults to the user's cache directory).")] = None,
-    cluster: Annotated[str | None, typer.Option(
-        "--cluster", metavar="ADDRESS", show_default=False,
-        help="Run class nodes' replicas on the workers of the cluster whose head is at "
-             "ADDRESS (omni cluster start); function nodes run here.")] = None,
-    token_file: Annotated[str | None, typer.Option(
-        "--token-file", metavar="PATH", show_default=False,
-        help="The cluster's token file (default: $OMNI_TOKEN_FILE or "
-             "~/.config/omni/cluster.token).")] = None,
-    metrics_port: Annotated[int | None, typer.Option(
-        "--metrics-port", metavar="PORT", min=0, max=65535, show_default=False,
-        help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while the run lasts "
-             "(0: a free port, printed on stderr).")] = None,
-    debug: Annotated[bool, typer.Option(
-        "--debug", help="Show tracebacks for errors, not only the one-line message.")] = False,
+    kv_device: KvDeviceOption = None,
+    kv_host: KvHostOption = None,
+    kv_disk: KvDiskOption = None,
+    cluster: ClusterOption = None,
+    token_file: TokenFileOption = None,
+    metrics_port: MetricsPortOption = None,
+    debug: DebugOption = False,
 ) -> None:
     """Run GRAPH from FILE and print its outputs as they are produced.
 

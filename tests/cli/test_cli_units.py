@@ -16,8 +16,9 @@ import omni
 from cli._errors import CliError
 from cli._inputs import parse_assignments, parse_inputs_json, parse_value
 from cli._load import load_module, select_graph
-from cli._output import JsonPrinter, human, to_jsonable
+from cli._output import JsonPrinter, human
 from cli._report import Outcome, percentile, summary_line
+from omni.graph.jsonable import to_jsonable
 
 
 @pytest.mark.parametrize(("raw", "value"), [

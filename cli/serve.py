@@ -1,0 +1,135 @@
+"""``omni serve``: serve a file's graphs over HTTP until Ctrl-C or SIGTERM, then drain."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import trio
+import typer
+
+from cli._errors import CliError, Stopped, first_of, reporting
+from cli._kv import kv_config
+from cli._load import find_graphs, load_module, select_graph
+from cli._options import (
+    ClusterOption,
+    DebugOption,
+    KvDeviceOption,
+    KvDiskOption,
+    KvHostOption,
+    TokenFileOption,
+)
+from cli._signals import stopped_by_signals
+from cli.run import FILE_HELP
+from omni import Graph, NodeError, Runtime
+from omni.serve import DRAIN_TIMEOUT_S, GuardState
+from omni.serve import serve as serve_app
+
+__all__ = ["serve"]
+
+MAX_BODY_MIB = 32
+
+
+def serve(
+    file: Annotated[str, typer.Argument(metavar="FILE", help=FILE_HELP, show_default=False)],
+    graph_names: Annotated[list[str] | None, typer.Argument(
+        metavar="[GRAPH]...", show_default=False,
+        help="Graphs of FILE to serve (default: every graph FILE defines).")] = None,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", "-p", min=0, max=65535, help="Port to listen on (0: a free one).")] = 8000,
+    api_key_file: Annotated[str | None, typer.Option(
+        "--api-key-file", metavar="PATH", show_default=False,
+        help="Require 'Authorization: Bearer KEY' on /v1/ routes, KEY being this file's "
+             "content.")] = None,
+    max_concurrency: Annotated[int | None, typer.Option(
+        "--max-concurrency", metavar="N", min=1, show_default=False,
+        help="Answer 429 to a request beyond N in flight (default: no limit).")] = None,
+    max_body_mib: Annotated[int, typer.Option(
+        "--max-body-mib", metavar="MIB", min=1,
+        help="Answer 413 to a request body larger than this.")] = MAX_BODY_MIB,
+    drain_timeout: Annotated[float, typer.Option(
+        "--drain-timeout", metavar="SECONDS", min=0,
+        help="On Ctrl-C or SIGTERM, how long requests in flight may take to finish.")
+    ] = DRAIN_TIMEOUT_S,
+    kv_device: KvDeviceOption = None,
+    kv_host: KvHostOption = None,
+    kv_disk: KvDiskOption = None,
+    cluster: ClusterOption = None,
+    token_file: TokenFileOption = None,
+    debug: DebugOption = False,
+) -> None:
+    """Serve the graphs of FILE over HTTP: POST /v1/graphs/NAME for each, /v1/models,
+    /health, /metrics and the API's docs at /docs.
+
+    Prints one line with the URL once it listens. Ctrl-C or SIGTERM stops taking requests,
+    lets those in flight finish (up to --drain-timeout seconds), then exits 0.
+
+    Example: omni serve examples/hello.py --port 8000
+    """
+    with reporting(debug):
+        module = load_module(file)
+        graphs = _chosen_graphs(module, graph_names or [], file)
+        state = GuardState(api_key=_read_key(api_key_file), max_concurrency=max_concurrency,
+                           max_body_bytes=max_body_mib * 1024 * 1024)
+        kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
+        runtime = {"kv": kv, "cluster": cluster, "token_file": token_file}
+        try:
+            trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
+                                       drain_timeout))
+        except Stopped as exc:
+            sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
+                             f"{_drained(state)}\n")
+
+
+def _chosen_graphs(module: Any, names: list[str], path: str) -> dict[str, Graph]:
+    if not names:
+        graphs = find_graphs(module)
+        if not graphs:
+            raise CliError(f"{path} defines no graph to serve")
+        return graphs
+    return {name: select_graph(module, name, path) for name in names}
+
+
+def _read_key(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--api-key-file {path}: cannot read it "
+                       f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not key or any(c.isspace() for c in key):
+        raise CliError(f"--api-key-file {path}: the key must be one word, without spaces")
+    return key
+
+
+def _drained(state: GuardState) -> str:
+    return "every request in flight finished" if state.in_flight == 0 else (
+        f"{state.in_flight} request(s) cancelled after the drain timeout")
+
+
+async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
+                 host: str, port: int, drain_timeout: float) -> None:
+    stop = trio.Event()
+    names = ", ".join(graphs)
+
+    def ready(url: str) -> None:
+        sys.stderr.write(f"omni serve: {url}  graphs: {names}  (docs: {url}/docs)\n")
+        sys.stderr.flush()
+
+    try:
+        async with stopped_by_signals(stop.set), Runtime(
+                graphs=list(graphs.values()), **runtime) as rt:
+            await serve_app(rt, graphs, stop, host=host, port=port, state=state,
+                            drain_timeout=drain_timeout, on_ready=ready)
+    except (OSError, BaseExceptionGroup) as exc:
+        error = first_of(exc, OSError)
+        if error is None:
+            raise
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from exc
+    except NodeError as exc:
+        raise CliError(f"node '{exc.node}' failed to start: {exc.cause}") from exc

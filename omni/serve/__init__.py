@@ -1,0 +1,13 @@
+"""Serving: graphs over HTTP, the way applications reach every other model server.
+
+`build_app` makes the ASGI app (``/v1/graphs/{name}``, ``/v1/models``, ``/health``,
+``/metrics``, ``/docs``), `serve` runs it on hypercorn's trio worker until told to stop and
+drains what is in flight; ``omni serve FILE`` is the command that does both.
+"""
+
+from omni.serve._errors import ApiError
+from omni.serve._guard import GuardState
+from omni.serve.app import build_app
+from omni.serve.server import DRAIN_TIMEOUT_S, serve
+
+__all__ = ["DRAIN_TIMEOUT_S", "ApiError", "GuardState", "build_app", "serve"]

@@ -1,0 +1,127 @@
+"""What every request passes before a route sees it: the API key, the body limit, the
+concurrency limit and the drain. A plain ASGI middleware, so that it wraps a streaming
+response to its end (a stream holds its concurrency slot until its last event) and refuses a
+body before the route reads it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni.serve._errors import error_body
+
+__all__ = ["Guard", "GuardState"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/", "/health", "/docs", "/openapi.json", "/playground"})
+
+
+@dataclass
+class GuardState:
+    """What the guard counts. Why shared: the app reports it (`/health`) and the server's
+    drain waits on it."""
+
+    api_key: str | None = None
+    max_concurrency: int | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    in_flight: int = 0
+    draining: bool = False
+    refused: dict[int, int] = field(default_factory=dict)  # status -> count
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """ASGI middleware: 401 without the key (when one is set), 413 over the body limit, 429
+    when `max_concurrency` requests are in flight, 503 while draining. `/health`, the
+    playground and the API docs need no key and count toward no limit."""
+
+    def __init__(self, app: ASGIApp, state: GuardState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await self._refuse(send, *refusal)
+            return
+        state = self.state
+        state.in_flight += 1
+        try:
+            await self._call_limited(scope, receive, send)
+        finally:
+            state.in_flight -= 1
+
+    def _refusal(self, scope: Scope) -> tuple[int, str, dict[str, str]] | None:
+        state, headers = self.state, dict(scope["headers"])
+        if state.api_key is not None and not _key_matches(headers, state.api_key):
+            return 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", {}
+        if state.draining:
+            return 503, "The server is shutting down.", {"retry-after": "1"}
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
+            return 413, _too_large(state.max_body_bytes), {}
+        if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
+            return (429, f"Too many requests in flight (the server's --max-concurrency is "
+                         f"{state.max_concurrency}); retry shortly.", {"retry-after": "1"})
+        return None
+
+    async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app with the body counted as it arrives (a chunked body has no length)."""
+        limit, received, started = self.state.max_body_bytes, 0, False
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await self._refuse(send, 413, _too_large(limit), {})
+
+    async def _refuse(self, send: Send, status: int, message: str,
+                      headers: dict[str, str]) -> None:
+        self.state.refused[status] = self.state.refused.get(status, 0) + 1
+        body = json.dumps(error_body(status, message)).encode()
+        raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.encode(), v.encode()) for k, v in headers.items())]
+        if status == 401:
+            raw.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _key_matches(headers: dict[bytes, bytes], key: str) -> bool:
+    given = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
+
+
+def _too_large(limit: int) -> str:
+    return f"The request body is larger than the server's limit of {limit} bytes."

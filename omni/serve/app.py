@@ -1,0 +1,219 @@
+"""The ASGI app of ``omni serve``: graphs over HTTP, OpenAI-shaped.
+
+Routes:
+
+- ``POST /v1/graphs/{name}``: body ``{"inputs": {...}, "stream": false}``. The inputs are
+  checked against the graph's annotations (as ``omni run`` checks them) and the answer is the
+  request's outputs as ``omni run --json`` prints them (``{"output": value}`` for a graph with
+  one output). With ``"stream": true`` the answer is a server-sent event stream: one event
+  ``{"output": NAME, "item": VALUE}`` per output item as it is produced, then ``[DONE]``.
+- ``GET /v1/models``: the graphs served, as OpenAI's model list.
+- ``GET /health``: ``{"status": "ok"}`` (``"draining"``, status 503, while shutting down).
+- ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them.
+- ``GET /docs``, ``GET /openapi.json``: the API's description.
+
+Every error is OpenAI's error object with the status a client expects (400 bad inputs or a
+node refusing them, 401, 404, 413, 429, 503, 500 a node that failed); a client that goes away
+cancels its request, which releases what it held (KV leases included).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from omni.graph.dsl import Graph, Ref
+from omni.graph.errors import InputError, NodeError, RouteError
+from omni.graph.jsonable import to_jsonable
+from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
+from omni.serve._guard import Guard, GuardState
+
+__all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
+
+DONE = "[DONE]"
+
+
+def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
+              *, metrics_app: Any = None) -> Any:
+    """The ASGI app serving `graphs` (by name) on a started `runtime`.
+
+    Args:
+        runtime: an entered `omni.Runtime` that knows every graph in `graphs`.
+        graphs: the graphs to serve, by the name their route uses.
+        state: the API key and limits (`GuardState`); defaults: no key, no limit.
+        metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None.
+    """
+    state = state or GuardState()
+    created = int(time.time())
+    app = FastAPI(title="Omni", version=_version(),
+                  description="Graphs served over HTTP: OpenAI-compatible endpoints and "
+                              "/v1/graphs/{name} for any graph.")
+    _add_error_handlers(app)
+
+    @app.get("/health", summary="Whether the server takes requests")
+    async def health() -> Response:
+        status = "draining" if state.draining else "ok"
+        return JSONResponse({"status": status, "in_flight": state.in_flight},
+                            status_code=503 if state.draining else 200)
+
+    @app.get("/v1/models", summary="The graphs served, as OpenAI's model list")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "omni"}
+            for name in graphs]}
+
+    for name, graph in graphs.items():
+        app.add_api_route(f"/v1/graphs/{name}", _graph_route(runtime, graph), methods=["POST"],
+                          summary=f"Run graph '{name}'", response_model=None,
+                          openapi_extra=_graph_openapi(graph), name=f"graph:{name}")
+
+    @app.post("/v1/graphs/{name}", include_in_schema=False)
+    async def unknown_graph(name: str) -> Response:
+        raise ApiError(404, f"no graph named {name!r} here; this server serves: "
+                            f"{', '.join(graphs) or 'none'}", code="graph_not_found")
+
+    if metrics_app is not None:
+        app.mount("/metrics", metrics_app)
+    return Guard(app, state)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("omni")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, api_error_handler)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = ("No route " + request.url.path if exc.status_code == 404
+                   else str(exc.detail))
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse(error_body(400, f"{where or 'body'}: {first.get('msg', exc)}",
+                                       param=where or None), status_code=400)
+
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def _graph_route(runtime: Any, graph: Graph) -> Callable[[Request], Awaitable[Response]]:
+    async def run_graph(request: Request) -> Response:
+        inputs, stream = await _graph_body(request, graph)
+        if stream:
+            return EventSourceResponse(_graph_events(runtime, graph, inputs), ping=15)
+        result = await until_disconnected(request, lambda: runtime.run(graph, **inputs))
+        if result is None:
+            return Response(status_code=499)  # nobody is there to read it
+        outputs = {"output": result} if isinstance(graph.output, Ref) else result
+        return JSONResponse(to_jsonable(outputs))
+
+    run_graph.__doc__ = (graph.fn.__doc__ if graph.fn is not None else None) or (
+        f"Run graph '{graph.name}' on the inputs given.")
+    return run_graph
+
+
+async def _graph_body(request: Request, graph: Graph) -> tuple[dict[str, Any], bool]:
+    """The request's checked inputs and its stream flag."""
+    body = await json_body(request)
+    unknown = sorted(set(body) - {"inputs", "stream"})
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(unknown)}: the body is "
+                            '{"inputs": {...}, "stream": false}', param=unknown[0])
+    inputs, stream = body.get("inputs", {}), body.get("stream", False)
+    if not isinstance(inputs, dict):
+        raise ApiError(400, f"inputs must be a JSON object, got {type(inputs).__name__}",
+                       param="inputs")
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", param="stream")
+    try:
+        return graph.convert_inputs(inputs), stream
+    except InputError as exc:
+        raise ApiError(400, str(exc), param="inputs") from None
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object; `ApiError` 400 naming what is wrong."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else {}
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
+    """`work()`'s result, or None once the client disconnected (the work is then cancelled,
+    which releases whatever it held). Raises `ApiError` for a node's failure."""
+    result = None
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            result = await work()
+        except NodeError as exc:
+            raise graph_error(exc) from None
+        group.cancel_scope.cancel()
+    return result
+
+
+def graph_error(exc: NodeError) -> ApiError:
+    """A failed request as an API error: a node refusing its input (a ValueError, a switch
+    without the route) is the client's 400, anything else the server's 500."""
+    cause = exc.cause
+    text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    client = isinstance(cause, ValueError) or isinstance(exc, RouteError)
+    return ApiError(400 if client else 500, f"node '{exc.node}' failed: {text}",
+                    code="node_failed")
+
+
+async def _graph_events(runtime: Any, graph: Graph,
+                        inputs: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
+    """One event per output item, then ``[DONE]``; a failure as an ``error`` event."""
+    try:
+        async with runtime.stream(graph, **inputs) as stream:
+            async for name, item in stream:
+                yield {"data": json.dumps({"output": name, "item": to_jsonable(item)},
+                                          ensure_ascii=False)}
+    except NodeError as exc:
+        error = graph_error(exc)
+        yield {"event": "error", "data": json.dumps(error_body(
+            error.status, error.message, code=error.code))}
+        return
+    yield {"data": DONE}
+
+
+def _graph_openapi(graph: Graph) -> dict[str, Any]:
+    """The route's request body in the OpenAPI description (inputs by name)."""
+    properties = {i.name: {"title": i.name} for i in graph.inputs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "properties": {
+            "inputs": {"type": "object", "properties": properties},
+            "stream": {"type": "boolean", "default": False}}}}}}}
+
