@@ -38,10 +38,6 @@ class GuardState:
     refused: dict[int, int] = field(default_factory=dict)  # status -> count
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class Guard:
     """ASGI middleware: 401 without the key (when one is set), 413 over the body limit, 429
     when `max_concurrency` requests are in flight, 503 while draining. `/health`, the
@@ -80,29 +76,29 @@ class Guard:
         return None
 
     async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app with the body counted as it arrives (a chunked body has no length)."""
-        limit, received, started = self.state.max_body_bytes, 0, False
-
-        async def counted_receive() -> Message:
-            nonlocal received
+        """The app, given the whole body once it is known to be within the limit (a chunked
+        body has no length to check beforehand); then `receive` as it was (a disconnect)."""
+        limit, body = self.state.max_body_bytes, bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge
-            return message
+            if message["type"] == "http.disconnect":
+                return  # gone before its request was complete
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await self._refuse(send, 413, _too_large(limit), {})
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _BodyTooLarge:
-            if started:
-                raise
-            await self._refuse(send, 413, _too_large(limit), {})
+        await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send, status: int, message: str,
                       headers: dict[str, str]) -> None:

@@ -165,8 +165,9 @@ async def json_body(request: Request) -> dict[str, Any]:
 
 async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
     """`work()`'s result, or None once the client disconnected (the work is then cancelled,
-    which releases whatever it held). Raises `ApiError` for a node's failure."""
-    result = None
+    which releases whatever it held). Raises `ApiError` for a node's failure, and what
+    `work` raised otherwise."""
+    result, failure = None, None
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
@@ -177,9 +178,13 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]
         group.start_soon(watch)
         try:
             result = await work()
-        except NodeError as exc:
-            raise graph_error(exc) from None
+        except Exception as exc:  # raised below, outside the task group's exception group
+            failure = exc
         group.cancel_scope.cancel()
+    if isinstance(failure, NodeError):
+        raise graph_error(failure) from None
+    if failure is not None:
+        raise failure
     return result
 
 
