@@ -35,7 +35,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak
+BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve
 
 # The benchmarks' own extra (Ray, perf/payloads.py's baseline), on top of the dev install.
 $(BENCH_STAMP): $(STAMP)

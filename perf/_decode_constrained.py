@@ -15,8 +15,8 @@ measured is a few percent, and one call's CPU time varies by a third on a shared
 T is the CPU time of the process (`time.process_time`, all its threads; torch runs one thread
 here, so that no thread spins while another waits for a core): on a shared machine,
 wall-clock time also counts the time other processes hold the cores, which swamps a
-difference of a few percent; wall-clock rates are recorded beside. Target: constrained >= 0.9x unconstrained, per model and batch
-size."""
+difference of a few percent; wall-clock rates are recorded beside. Target: constrained >=
+0.9x unconstrained, per model and batch size."""
 
 from __future__ import annotations
 

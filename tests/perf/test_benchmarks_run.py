@@ -152,3 +152,13 @@ def test_cli_output_benchmark_quick_mode_counts_every_item(tmp_path):
     assert all(claim["wall_s"][k]["median"] > 0 for k in ("text", "json", "startup"))
     assert claim["ratio"] is None or claim["ratio"] > 0
     assert report["all_pass"] == claim["pass"]
+
+
+def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
+    """perf/serve.py --quick: both server processes answer every request (0 errors), both
+    exit 0 on SIGTERM, and the claim reports the two rates and their ratio."""
+    report = run_quick("perf/serve.py", tmp_path, timeout=180, plot=True)
+    claim = report["claim"]
+    assert claim["errors"] == 0 and claim["exit_codes"] == {"omni": 0, "constant": 0}
+    assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
+    assert abs(claim["ratio"] - claim["measured"]["median"] / claim["baseline"]["median"]) < 0.01
