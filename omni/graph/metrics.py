@@ -44,6 +44,10 @@ class Metrics:
         collect: called at each scrape; returns the values read then as (name, kind, help,
             labels, value) tuples, kind "gauge" or "counter" (a counter's name ends in
             ``_total``): what the runtime reads from its pools and KV store.
+
+    Attributes:
+        registry: the `prometheus_client.CollectorRegistry` holding them all (never the
+            process-wide default one).
     """
 
     def __init__(self, collect: Callable[[], list[Sample]] | None = None):
@@ -81,9 +85,9 @@ class Metrics:
 
 
 class _WithoutCreated(Collector):
-    """The counted metrics, less prometheus_client's ``*_created`` series: why: a start
-    timestamp per label set that Omni's metrics never exposed and no dashboard reads, so the
-    scrape keeps exactly the series it always had."""
+    """The counted metrics, less prometheus_client's ``*_created`` series: why: those are a
+    start timestamp per label set that Omni's scrape never had; without them it keeps
+    exactly the series, names and labels it always had."""
 
     def __init__(self, *metrics: Counter | Histogram) -> None:
         self._metrics = metrics
