@@ -105,9 +105,7 @@ class Runtime:
     async def __aexit__(self, *exc_info: Any) -> None:
         self._requests.cancel_scope.cancel()
         await self._request_cm.__aexit__(None, None, None)
-        self._closing.set()
-        if self.metrics is not None:
-            self._metrics_scope.cancel()
+        self._closing.set()  # the metrics server, if any, shuts down on it
         if self.cluster is not None:
             self.cluster.stop()
         try:
@@ -120,13 +118,8 @@ class Runtime:
         from omni.graph.metrics import Metrics, serve_metrics
 
         self.metrics = Metrics(self._collect_metrics)
-
-        async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            with trio.CancelScope() as scope:
-                self._metrics_scope = scope
-                await serve_metrics(self.metrics, port, host=host, task_status=task_status)
-
-        self.metrics_address = await self._hosts.start(serve)
+        self.metrics_address = await self._hosts.start(functools.partial(
+            serve_metrics, self.metrics, port, host=host, shutdown_trigger=self._closing.wait))
 
     def _collect_metrics(self) -> list[tuple[str, str, str, dict, float]]:
         """What a scrape reads now: replicas' calls, the KV store's tiers and peer bytes."""

@@ -7,11 +7,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import trio
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
 import omni
+from omni.graph.metrics import LATENCY_BUCKETS, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,15 +48,11 @@ def pipeline(x: int):
     return Add()(double(x))
 
 
-async def scrape(address: tuple[str, int], path: str = "/metrics") -> tuple[str, str]:
-    stream = await trio.open_tcp_stream(*address)
-    async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        data = b""
-        while chunk := await stream.receive_some(65536):
-            data += chunk
-    head, _, body = data.decode().partition("\r\n\r\n")
-    return head.split("\r\n")[0], body
+async def scrape(address: tuple[str, int], path: str = "/metrics") -> tuple[int, str]:
+    """The status code and body of one GET over a real socket."""
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"http://{address[0]}:{address[1]}{path}")
+    return reply.status_code, reply.text
 
 
 def sample(body: str, name: str, **labels: str) -> float:
@@ -74,7 +75,7 @@ async def test_metrics_count_requests_latencies_replicas_and_kv() -> None:
         with pytest.raises(omni.NodeError):
             await rt.run(pipeline, x=-1)
         status, body = await scrape(rt.metrics_address)
-    assert status == "HTTP/1.1 200 OK"
+    assert status == 200
     assert sample(body, "omni_requests_total", graph="pipeline", outcome="ok") == 5
     assert sample(body, "omni_requests_total", graph="pipeline", outcome="failed") == 1
     assert sample(body, "omni_node_latency_seconds_count", node="double") == 6
@@ -90,7 +91,7 @@ async def test_metrics_count_requests_latencies_replicas_and_kv() -> None:
 async def test_other_paths_are_not_found() -> None:
     async with omni.Runtime(metrics_port=0) as rt:
         status, _ = await scrape(rt.metrics_address, "/secrets")
-    assert status == "HTTP/1.1 404 Not Found"
+    assert status == 404
 
 
 def test_omni_run_serves_metrics_and_reports_a_taken_port() -> None:
@@ -108,3 +109,80 @@ def test_omni_run_serves_metrics_and_reports_a_taken_port() -> None:
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip().startswith(f"error: cannot serve metrics on port {port}")
+
+
+@omni.node(replicas=2)
+class Slow:
+    async def __call__(self, x: int) -> int:
+        await trio.sleep(0.03)  # longer than the 0.025 s bucket, whatever the machine's speed
+        return x
+
+
+def families(body: str) -> dict[str, Any]:
+    """The scrape as prometheus_client's parser reads it, by family name."""
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+def value(family: Any, sample_name: str, **labels: str) -> float:
+    found = [s.value for s in family.samples if s.name == sample_name and s.labels == labels]
+    assert len(found) == 1, (sample_name, labels, family.samples)
+    return found[0]
+
+
+async def test_the_scrape_parses_with_counts_and_buckets() -> None:
+    async with omni.Runtime(metrics_port=0) as rt:
+        for x in range(3):
+            assert await rt.run(Slow, x=x) == x
+        status, body = await scrape(rt.metrics_address)
+    assert status == 200
+    parsed = families(body)
+    assert not [name for name in parsed if name.endswith("_created")]
+    requests = parsed["omni_requests"]
+    assert requests.type == "counter"
+    assert value(requests, "omni_requests_total", graph="Slow", outcome="ok") == 3
+    latency = parsed["omni_node_latency_seconds"]
+    assert latency.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in latency.samples
+               if s.name.endswith("_bucket") and s.labels["node"] == "Slow"}
+    assert list(buckets) == [repr(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+    assert [buckets[repr(b)] for b in LATENCY_BUCKETS if b <= 0.025] == [0] * 6
+    assert buckets["+Inf"] == value(latency, "omni_node_latency_seconds_count", node="Slow") == 3
+    assert value(latency, "omni_node_latency_seconds_sum", node="Slow") >= 3 * 0.03
+    calls = parsed["omni_replica_calls"]
+    assert sum(s.value for s in calls.samples if s.labels["outcome"] == "ok") == 3
+
+
+def test_buckets_count_an_observation_at_their_bound() -> None:
+    metrics = Metrics()
+    for seconds in (0.0005, 0.0006, 0.001, 31.0):
+        metrics.node_latency("n", seconds)
+    latency = families(metrics.render())["omni_node_latency_seconds"]
+    bucket = {s.labels["le"]: s.value for s in latency.samples if s.name.endswith("_bucket")}
+    assert (bucket["0.0005"], bucket["0.001"], bucket["30.0"], bucket["+Inf"]) == (1, 3, 3, 4)
+    assert value(latency, "omni_node_latency_seconds_sum", node="n") == pytest.approx(31.0021)
+
+
+async def test_asgi_app_answers_metrics() -> None:
+    async with omni.Runtime(metrics_port=0) as rt:
+        await rt.run(double, x=1)
+        transport = httpx.ASGITransport(app=rt.metrics.asgi_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://omni") as client:
+            reply = await client.get("/metrics")
+    assert reply.status_code == 200
+    assert reply.headers["content-type"].startswith("text/plain")
+    parsed = families(reply.text)
+    assert value(parsed["omni_requests"], "omni_requests_total", graph="double", outcome="ok") == 1
+
+
+async def test_two_runtimes_keep_separate_registries() -> None:
+    async with omni.Runtime(metrics_port=0) as one, omni.Runtime(metrics_port=0) as two:
+        assert one.metrics_address != two.metrics_address
+        await one.run(double, x=1)
+        for x in range(4):
+            await two.run(double, x=x)
+        bodies = [(await scrape(rt.metrics_address))[1] for rt in (one, two)]
+    counts = [value(families(b)["omni_requests"], "omni_requests_total", graph="double",
+                    outcome="ok") for b in bodies]
+    assert counts == [1, 4]
+    assert REGISTRY.get_sample_value("omni_requests_total",
+                                     {"graph": "double", "outcome": "ok"}) is None
