@@ -19,6 +19,7 @@ from cli._options import (
     KvDeviceOption,
     KvDiskOption,
     KvHostOption,
+    MetricsPortOption,
     TokenFileOption,
 )
 from cli._signals import stopped_by_signals
@@ -60,10 +61,11 @@ def serve(
     kv_disk: KvDiskOption = None,
     cluster: ClusterOption = None,
     token_file: TokenFileOption = None,
+    metrics_port: MetricsPortOption = None,
     debug: DebugOption = False,
 ) -> None:
     """Serve the graphs of FILE over HTTP: POST /v1/graphs/NAME for each, /v1/models,
-    /health, /metrics and the API's docs at /docs.
+    /health, /metrics (also on --metrics-port when given) and the API's docs at /docs.
 
     Prints one line with the URL once it listens. Ctrl-C or SIGTERM stops taking requests,
     lets those in flight finish (up to --drain-timeout seconds), then exits 0.
@@ -76,7 +78,8 @@ def serve(
         state = GuardState(api_key=_read_key(api_key_file), max_concurrency=max_concurrency,
                            max_body_bytes=max_body_mib * 1024 * 1024)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
-        runtime = {"kv": kv, "cluster": cluster, "token_file": token_file}
+        runtime = {"kv": kv, "cluster": cluster, "token_file": token_file, "metrics": True,
+                   "metrics_port": metrics_port}
         try:
             trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
                                        drain_timeout))

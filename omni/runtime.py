@@ -19,7 +19,7 @@ class Runtime(graph_runtime.Runtime):
     """Runs graphs. ``async with omni.Runtime() as rt: await rt.run(graph, **inputs)``.
 
     Takes every argument of `omni.graph.runtime.Runtime` (`graphs`, `kv`, `metrics_port`,
-    `metrics_host`), and:
+    `metrics_host`, `metrics`), and:
 
     Args:
         cluster: the address of a cluster head (``omni cluster start``): class nodes'

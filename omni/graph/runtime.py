@@ -51,6 +51,8 @@ class Runtime:
         metrics_port: serve Prometheus metrics at ``http://127.0.0.1:PORT/metrics`` while
             the runtime runs (0: a free port; see `metrics_address`). See `omni.graph.metrics`.
         metrics_host: the interface to serve metrics on.
+        metrics: keep the metrics (`Runtime.metrics`, whose ``asgi_app()`` an HTTP server can
+            mount) without serving them on a port of their own; implied by `metrics_port`.
 
     Class nodes get one instance per replica, built in the runtime (``__init__`` sees
     ``omni.context().replica``). An instance that is an async context manager is entered
@@ -59,11 +61,12 @@ class Runtime:
 
     def __init__(self, *, graphs: tuple[Any, ...] | list[Any] = (), kv: Any = None,
                  placement: Any = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1"):
+                 metrics_host: str = "127.0.0.1", metrics: bool = False):
         self.kv: Any = None
         self.metrics: Any = None
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_at = (metrics_host, metrics_port)
+        self._keep_metrics = metrics or metrics_port is not None
         self._kv_spec = kv
         self.cluster = placement  # named for what it is today: the cluster's placement
         if placement is not None:
@@ -91,7 +94,7 @@ class Runtime:
         self._request_cm = trio.open_nursery()
         self._requests = await self._request_cm.__aenter__()
         try:
-            if self._metrics_at[1] is not None:
+            if self._keep_metrics:
                 await self._start_metrics(*self._metrics_at)
             if self.cluster is not None:
                 await self._hosts.start(self.cluster.run)
@@ -114,10 +117,12 @@ class Runtime:
             if self._owns_kv:
                 self.kv.close()
 
-    async def _start_metrics(self, host: str, port: int) -> None:
+    async def _start_metrics(self, host: str, port: int | None) -> None:
         from omni.graph.metrics import Metrics, serve_metrics
 
         self.metrics = Metrics(self._collect_metrics)
+        if port is None:
+            return
         self.metrics_address = await self._hosts.start(functools.partial(
             serve_metrics, self.metrics, port, host=host, shutdown_trigger=self._closing.wait))
 

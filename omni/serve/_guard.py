@@ -23,6 +23,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/", "/health", "/docs", "/openapi.json", "/playground"})
+UNCOUNTED_PATHS = frozenset({"/metrics"})  # behind the key, but never refused as busy
 
 
 @dataclass
@@ -54,6 +55,9 @@ class Guard:
         if refusal is not None:
             await self._refuse(send, *refusal)
             return
+        if scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send)
+            return
         state = self.state
         state.in_flight += 1
         try:
@@ -70,7 +74,8 @@ class Guard:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > state.max_body_bytes:
             return 413, _too_large(state.max_body_bytes), {}
-        if state.max_concurrency is not None and state.in_flight >= state.max_concurrency:
+        if (state.max_concurrency is not None and state.in_flight >= state.max_concurrency
+                and scope["path"] not in UNCOUNTED_PATHS):
             return (429, f"Too many requests in flight (the server's --max-concurrency is "
                          f"{state.max_concurrency}); retry shortly.", {"retry-after": "1"})
         return None

@@ -52,10 +52,13 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         runtime: an entered `omni.Runtime` that knows every graph in `graphs`.
         graphs: the graphs to serve, by the name their route uses.
         state: the API key and limits (`GuardState`); defaults: no key, no limit.
-        metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None.
+        metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None
+            (then the runtime's own, when it keeps metrics).
     """
     state = state or GuardState()
     created = int(time.time())
+    if metrics_app is None and getattr(runtime, "metrics", None) is not None:
+        metrics_app = runtime.metrics.asgi_app()
     app = FastAPI(title="Omni", version=_version(),
                   description="Graphs served over HTTP: OpenAI-compatible endpoints and "
                               "/v1/graphs/{name} for any graph.")
@@ -83,9 +86,19 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         raise ApiError(404, f"no graph named {name!r} here; this server serves: "
                             f"{', '.join(graphs) or 'none'}", code="graph_not_found")
 
-    if metrics_app is not None:
-        app.mount("/metrics", metrics_app)
+    if metrics_app is not None:  # an object, not a function: Starlette then calls it as ASGI
+        app.add_route("/metrics", _Asgi(metrics_app), include_in_schema=False)
     return Guard(app, state)
+
+
+class _Asgi:
+    """An ASGI app as a route's endpoint (exactly its path, no redirect to a trailing /)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
 
 
 def _version() -> str:

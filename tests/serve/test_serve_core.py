@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests._wait import wait_until, wait_until_sync
 from tests.serve._server import ROOT, running
@@ -123,6 +124,18 @@ async def test_a_node_refusing_its_input_is_400_and_a_broken_node_500(url: str) 
     assert after.json() == {"output": "STILL!"}  # the server goes on
 
 
+async def test_metrics_count_what_the_server_ran(url: str) -> None:
+    async with client(url) as http:
+        for _ in range(3):
+            await http.post("/v1/graphs/echo", json={"inputs": {"text": "m"}})
+        text = (await http.get("/metrics")).text
+    requests = {s.labels["outcome"]: s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name == "omni_requests_total" and s.labels["graph"] == "echo"}
+    assert requests.get("ok", 0) >= 3
+
+
 async def test_a_client_going_away_cancels_its_request(url: str, gate: Path) -> None:
     for text, stream in (("gone-json", False), ("gone-sse", True)):
         async with client(url) as http:
@@ -191,6 +204,8 @@ async def _limits(url: str, gate: Path) -> None:
             busy = await ok.post("/v1/graphs/echo", json=body)
             assert_error(busy, 429, "--max-concurrency is 2")
             assert busy.headers["retry-after"] == "1"
+            assert (await ok.get("/metrics")).status_code == 200  # a scrape is never busy
+            assert_error(await anon.get("/metrics"), 401)
             gate.touch()
         assert (await ok.post("/v1/graphs/echo", json=body)).status_code == 200
 
