@@ -7,6 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.bench-installed
+BROWSER_STAMP := $(VENV)/.browser-checked
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
 .PHONY: demo test bench lint clean
@@ -32,7 +33,21 @@ demo: $(STAMP)
 		--inputs-json examples/dialogue_turns.jsonl --json
 	@echo "the replies' speech is in $(DEMO_OUT)"
 
-test: $(STAMP)
+# Debian's chromium and its driver, for the playground's browser test (which says why it is
+# skipped where they cannot be installed: not root, no apt).
+$(BROWSER_STAMP):
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium for the browser test (first run only)..."; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && \
+		  apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } || \
+		echo "could not install chromium: the browser test will be skipped"; \
+	else echo "no chromium (and not root with apt): the browser test will be skipped"; fi
+	@touch $@
+
+test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest -q
 
 BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve

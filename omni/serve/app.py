@@ -11,6 +11,8 @@ Routes:
 - ``GET /health``: ``{"status": "ok"}`` (``"draining"``, status 503, while shutting down).
 - ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them.
 - ``GET /docs``, ``GET /openapi.json``: the API's description.
+- ``GET /``: the playground, a page to chat with a chat graph (text, images, audio in,
+  spoken replies out) and to generate images (static HTML and JS, no build step).
 
 Every error is OpenAI's error object with the status a client expects (400 bad inputs or a
 node refusing them, 401, 404, 413, 429, 503, 500 a node that failed); a client that goes away
@@ -23,6 +25,7 @@ import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,7 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 
 from omni.graph.dsl import Graph, Ref
 from omni.graph.errors import InputError, NodeError, RouteError
@@ -42,6 +45,7 @@ from omni.serve._guard import Guard, GuardState
 __all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
 
 DONE = "[DONE]"
+PLAYGROUND = Path(__file__).with_name("static") / "index.html"  # the page at /
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
@@ -63,6 +67,10 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
                   description="Graphs served over HTTP: OpenAI-compatible endpoints and "
                               "/v1/graphs/{name} for any graph.")
     _add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        return FileResponse(PLAYGROUND, media_type="text/html")
 
     @app.get("/health", summary="Whether the server takes requests")
     async def health() -> Response:

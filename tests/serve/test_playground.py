@@ -1,0 +1,110 @@
+"""The playground page at / in a real browser (Debian's headless chromium, driven by
+selenium): a chat of two turns against `omni serve examples/omni_dialogue.py` (the second
+reporting cached tokens), a spoken reply with a playable audio element, an image generated
+against `omni serve examples/image_generation.py`; a screenshot of each page is kept.
+
+Skipped, saying why, only where chromium and chromedriver are not installed (`make test`
+installs them where it can: root with apt).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests._wait import wait_until_sync
+from tests.serve._server import ROOT, running
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or DRIVER is None,
+    reason="needs Debian's chromium and chromium-driver (make test installs them as root)")
+# where to keep a screenshot of the chat too (the README's docs/playground.png is made so)
+KEEP = os.environ.get("OMNI_PLAYGROUND_SCREENSHOT")
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--window-size=1280,800", "--autoplay-policy=no-user-gesture-required"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def texts(browser, selector: str) -> list[str]:
+    from selenium.webdriver.common.by import By
+
+    return [e.text for e in browser.find_elements(By.CSS_SELECTOR, selector)]
+
+
+def send(browser, text: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.ID, "prompt").send_keys(text)
+    browser.find_element(By.ID, "send").click()
+
+
+def assistant_metas(browser) -> list[str]:
+    return [m for m in texts(browser, ".msg.assistant .meta") if "prompt tokens" in m]
+
+
+def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    with running(ROOT / "examples" / "omni_dialogue.py",
+                 env={"OMNI_DIALOGUE_OUT": str(tmp_path)}) as server:
+        browser.get(server.url + "/")
+        wait_until_sync(lambda: texts(browser, "#chat-model option"), "the model list")
+        send(browser, "Hello there")
+        wait_until_sync(lambda: len(assistant_metas(browser)) == 1, "the first reply")
+        send(browser, "And again")
+        wait_until_sync(lambda: len(assistant_metas(browser)) == 2, "the second reply")
+        metas = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")
+        cached = [int(m.get_attribute("data-cached-tokens") or 0) for m in metas]
+        assert cached[0] == 0 and cached[1] > 0, cached  # turn 2 reuses turn 1's pages
+        browser.find_element(By.ID, "speak").click()
+        send(browser, "Say it")
+        wait_until_sync(lambda: browser.find_elements(By.CSS_SELECTOR, ".msg.assistant audio"),
+                        "the spoken reply's audio element")
+        duration = browser.execute_script(
+            "const a = document.querySelector('.msg.assistant audio');"
+            "return new Promise(r => a.readyState >= 1 ? r(a.duration) :"
+            " a.addEventListener('loadedmetadata', () => r(a.duration)));")
+        assert duration > 0  # the browser decoded the WAV
+        assert not texts(browser, ".msg.error")
+        browser.save_screenshot(str(tmp_path / "chat.png"))
+        if KEEP:
+            shutil.copy(tmp_path / "chat.png", KEEP)
+        assert (tmp_path / "chat.png").stat().st_size > 10_000
+
+
+def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    with running(ROOT / "examples" / "image_generation.py") as server:
+        browser.get(server.url + "/")
+        wait_until_sync(lambda: texts(browser, "#image-model option"), "the model list")
+        browser.find_element(By.ID, "image-prompt").send_keys("a red fox in snow")
+        browser.find_element(By.ID, "generate").click()
+        wait_until_sync(lambda: browser.find_elements(By.CSS_SELECTOR, "#images img"),
+                        "the generated image")
+        width = browser.execute_script(
+            "const i = document.querySelector('#images img');"
+            "return new Promise(r => i.complete ? r(i.naturalWidth) :"
+            " i.addEventListener('load', () => r(i.naturalWidth)));")
+        assert width == 128  # the PNG decoded at the size asked for
+        assert "error" not in browser.find_element(By.ID, "status").get_attribute("class")
+        browser.save_screenshot(str(tmp_path / "image.png"))
+        assert (tmp_path / "image.png").stat().st_size > 10_000
