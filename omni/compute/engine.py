@@ -349,14 +349,19 @@ class TorchEngine(ChatMixin):
         self._batch.extend(r.row, new_kv)
         r.length = len(ids)
         r.stored_pages = start // self.page_size
-        self._store_pages(r, ids)
         for fork in r.forks:
             if not fork.cancelled:
                 self._fork(r, fork)
         logits = self.model.logits(hidden[:, -1])
-        for sample in r.samples:
-            if sample.row is not None:
-                self._accept(sample, logits)
+        firsts = [(sample, self._first_token(sample, logits)) for sample in r.samples
+                  if sample.row is not None]
+        self._store_pages(r, ids)  # after the first tokens: they need not wait for it
+        for sample, token in firsts:
+            if token is None:  # max_new_tokens=0: the prompt is cached only
+                sample.finish_reason = sample.sampling.finish_reason
+                self._drop(sample)
+            else:
+                self._finish_or_continue(sample, token)
 
     def _fork(self, lead: _Request, fork: _Request) -> None:
         """Give `fork` (another sample of `lead`'s prompt) a batch row holding a copy of the
@@ -424,14 +429,13 @@ class TorchEngine(ChatMixin):
                 self._store_pages(r, r.tokens.token_ids + tuple(r.output))
             self._finish_or_continue(r, sampled[i])
 
-    def _accept(self, r: _Request, logits: torch.Tensor) -> None:
+    def _first_token(self, r: _Request, logits: torch.Tensor) -> int | None:
+        """The request's first token from its prompt's last logits (None when it asked for
+        none); its time to first token ends here."""
         r.first_token_at = time.perf_counter()
-        if r.sampling.finish_reason is not None:  # max_new_tokens=0: the prompt is cached only
-            r.finish_reason = r.sampling.finish_reason
-            self._drop(r)
-            return
-        token = int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
-        self._finish_or_continue(r, token)
+        if r.sampling.finish_reason is not None:
+            return None
+        return int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
 
     def _finish_or_continue(self, r: _Request, token: int) -> None:
         r.output.append(token)
