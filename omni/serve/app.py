@@ -133,7 +133,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(400, f"{where or 'body'}: {first.get('msg', exc)}",
                                        param=where or None), status_code=400)
 
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
+
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
     app.add_exception_handler(RequestValidationError, validation_error)
 
 
@@ -177,8 +182,10 @@ async def json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     try:
         body = json.loads(raw) if raw else {}
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # UnicodeDecodeError included
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
     return body

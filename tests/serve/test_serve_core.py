@@ -103,6 +103,9 @@ async def test_bad_inputs_are_400_naming_what_is_wrong(url: str, body, status, w
 async def test_not_json_unknown_graphs_and_routes(url: str) -> None:
     async with client(url) as http:
         assert_error(await http.post("/v1/graphs/echo", content=b"[1"), 400, "not valid JSON")
+        assert_error(await http.post("/v1/graphs/echo", content=b"\xff\xfe{"), 400, "JSON")
+        deep = b"[" * 200_000
+        assert_error(await http.post("/v1/graphs/echo", content=deep), 400, "nested too deeply")
         assert_error(await http.post("/v1/graphs/nope", json={}), 404, "nope", "echo")
         assert_error(await http.get("/v1/nothing"), 404, "/v1/nothing")
         assert_error(await http.get("/v1/graphs/echo"), 405)
