@@ -41,7 +41,7 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
-              "footprint", "transport", "cluster", "payloads", "soak")
+              "footprint", "transport", "cluster", "payloads", "soak", "serve")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -523,6 +523,21 @@ KNOWN: tuple[Known, ...] = (
                      f"{k.c['before']['arenas']} arenas, {k.c['before']['lease_tables']} lease "
                      f"table, {k.c['before']['disk_files']} disk-tier files)"),
           "—"),
+    Known("serve", "chat",
+          lambda k: (f"`omni serve examples/omni_dialogue.py`: {k.c['chats']} streaming chat "
+                     "completions at once through `openai.AsyncOpenAI` (tiny model)"),
+          "0 errors",
+          lambda k: (f"{k.c['errors']} errors; {fig(k.c['completions_per_s'])} completions/s, "
+                     f"{fig(k.c['tokens_per_s'])} tokens/s, TTFT p50 "
+                     f"{fig(k.c['ttft_ms']['p50'] or 0)} ms, p99 "
+                     f"{fig(k.c['ttft_ms']['p99'] or 0)} ms"),
+          "—"),
+    Known("serve", "claim",
+          "`omni serve`: requests/s through POST /v1/graphs/NAME on a no-op graph",
+          lambda k: f"≥ {k.c['target']:g}× the bare server stack's",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} requests/s)",
+          lambda k: (f"the same app and server answering a constant: "
+                     f"{fig(med(k.c['baseline']))} requests/s")),
 )
 
 PLOTS = {  # what each benchmark's --plot draws
@@ -541,6 +556,7 @@ PLOTS = {  # what each benchmark's --plot draws
     "cluster": "hit rate and throughput, KV-aware vs round-robin routing",
     "payloads": "payload calls, TCP path, call and pipeline latency, throughput: Omni vs Ray "
                 "(and vs one copy, raw pyzmq); peak RSS with 1 GiB payloads",
+    "serve": "requests/s through /v1/graphs on a no-op graph vs the bare server stack",
 }
 
 

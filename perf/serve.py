@@ -1,4 +1,12 @@
-"""omni serve: requests per second through POST /v1/graphs/NAME vs the bare server stack.
+"""omni serve: streaming chats through the official client, and the server's own overhead.
+
+Chat: ``omni serve examples/omni_dialogue.py`` (the built-in tiny model) and `chats`
+concurrent streaming chat completions through `openai.AsyncOpenAI`, each a fresh one-message
+conversation asking for `reply_tokens` tokens: completions per second, generated tokens per
+second, time to first token (p50 / p99, from the request to the first content delta) and
+errors (target: 0).
+
+Overhead: requests per second through POST /v1/graphs/NAME vs the bare server stack.
 
 Two server processes, started the same way (`omni.serve.serve`: hypercorn's trio worker,
 FastAPI, the guard, the inputs checked against the graph's annotations, the answer as JSON):
@@ -8,15 +16,17 @@ the two differ only by what Omni adds per request (the scheduler, the request's 
 node call). One client process (httpx on trio, `concurrency` connections, each sending
 requests back to back) loads each server for `seconds`, the two alternating round by round.
 
-Claim: omni requests/s >= 0.7 x constant's (median over rounds of the paired ratio), with 0
-errors. Both servers and the client share this machine's cores, which bounds the absolute
-figures, not the ratio.
+Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
+rounds of the paired ratio), with 0 errors. Both servers and the client share this machine's
+cores, which bounds the absolute figures, not the ratio.
 
 Usage: ``python perf/serve.py [--quick] [--out PATH.json] [--plot PATH.png] [--repeats N]``
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import signal
 import statistics
@@ -49,6 +59,8 @@ __all__ = ["Params", "main", "measure"]
 TARGET = 0.7  # omni requests/s / the constant server's, at least
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = Path(__file__).with_name("_serve_graphs.py")
+DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
+CHAT_MODEL = "chat"  # the dialogue file's chat graph
 READY = "omni serve: http://"
 
 
@@ -60,18 +72,22 @@ class Params:
     repeats: int = 5
     seconds: float = 3.0  # of load per server per round
     concurrency: int = 16
+    chats: int = 64  # streaming chat completions at once
+    reply_tokens: int = 32
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (a few seconds)."""
-        return cls(seed=seed, repeats=1, seconds=0.5, concurrency=4, quick=True)
+        return cls(seed=seed, repeats=1, seconds=0.5, concurrency=4, chats=4, reply_tokens=4,
+                   quick=True)
 
 
 def start(kind: str) -> tuple[subprocess.Popen, str]:
-    """A server process (`kind` "omni" or "constant") and its URL, once it listens."""
-    args = ([sys.executable, "-m", "cli", "serve", str(GRAPHS), "noop", "--port", "0"]
-            if kind == "omni" else [sys.executable, str(GRAPHS)])
+    """A server process (`kind` "omni", "constant" or "chat") and its URL, once it listens."""
+    args = {"omni": [sys.executable, "-m", "cli", "serve", str(GRAPHS), "noop", "--port", "0"],
+            "constant": [sys.executable, str(GRAPHS)],
+            "chat": [sys.executable, "-m", "cli", "serve", str(DIALOGUE), "--port", "0"]}[kind]
     process = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -104,8 +120,72 @@ async def load(url: str, seconds: float, concurrency: int) -> dict[str, float]:
     return {"requests_per_s": done / elapsed, "errors": errors}
 
 
+async def chat_load(url: str, model: str, params: Params) -> dict[str, Any]:
+    """`params.chats` streaming chat completions at once through `openai.AsyncOpenAI`."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    ttfts: list[float] = []
+    tokens, errors = 0, []
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        started, first = time.perf_counter(), None
+        try:
+            stream = await client.chat.completions.create(
+                model=model, max_tokens=params.reply_tokens, stream=True,
+                stream_options={"include_usage": True},
+                messages=[{"role": "user", "content": f"Chat {i}: how are you today?"}])
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+                if chunk.usage is not None:
+                    tokens += chunk.usage.completion_tokens
+        except Exception as exc:  # counted, and the first few kept, not raised: a claim
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            return
+        if first is not None:
+            ttfts.append(first - started)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(params.chats)))
+    elapsed = time.perf_counter() - started
+    await client.close()
+    return {"chats": params.chats, "seconds": round(elapsed, 3),
+            "completions_per_s": round((params.chats - len(errors)) / elapsed, 2),
+            "tokens_per_s": round(tokens / elapsed, 1), "generated_tokens": tokens,
+            "ttft_ms": {"p50": _percentile_ms(ttfts, 50), "p99": _percentile_ms(ttfts, 99)},
+            "errors": len(errors), "first_errors": errors[:3], "pass": not errors}
+
+
+def _percentile_ms(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] * 1e3, 1)
+
+
+def measure_chat(params: Params) -> dict[str, Any]:
+    """The chat server, one warm-up chat, then `params.chats` at once; the chat claim."""
+    process, url = start("chat")
+    try:
+        model = CHAT_MODEL
+        warm = dataclasses.replace(params, chats=1)
+        asyncio.run(chat_load(url, model, warm))
+        result = asyncio.run(chat_load(url, model, params))
+    finally:
+        result_code = _stop(process)
+    return {**result, "model": model, "exit_code": result_code,
+            "note": (f"{params.chats} streaming chat completions at once through "
+                     "openai.AsyncOpenAI (one connection each), max_tokens "
+                     f"{params.reply_tokens}, against omni serve examples/omni_dialogue.py "
+                     "(the built-in tiny model); TTFT from the request to the first content "
+                     "delta")}
+
+
 def measure(params: Params) -> dict[str, Any]:
-    """Start both servers, load them in alternating rounds, stop them; the result dict."""
+    """The chat claim, then both overhead servers in alternating rounds; the result dict."""
+    chat = measure_chat(params)
     servers = {kind: start(kind) for kind in ("omni", "constant")}
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
     errors = 0
@@ -123,7 +203,7 @@ def measure(params: Params) -> dict[str, Any]:
     ratio = statistics.median(o / c for o, c in zip(omni_rate.values, constant.values,
                                                     strict=True))
     return {
-        "benchmark": "serve", "env": environment(), "params": asdict(params),
+        "benchmark": "serve", "env": environment(), "params": asdict(params), "chat": chat,
         "claim": claim(unit="requests per second", target=TARGET, measured=omni_rate,
                        baseline=constant, ratio=ratio,
                        passed=ratio >= TARGET and errors == 0, errors=errors,
