@@ -22,6 +22,7 @@ cancels its request, which releases what it held (KV leases included).
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from sse_starlette import EventSourceResponse
@@ -46,6 +48,7 @@ __all__ = ["build_app", "error_response", "graph_error", "json_body", "until_dis
 
 DONE = "[DONE]"
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"  # the page at /
+SCHEMA_REF = "#/components/schemas/{name}"
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
@@ -84,10 +87,13 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
             {"id": name, "object": "model", "created": created, "owned_by": "omni"}
             for name in graphs]}
 
+    components: dict[str, Any] = {}
     for name, graph in graphs.items():
         app.add_api_route(f"/v1/graphs/{name}", _graph_route(runtime, graph), methods=["POST"],
                           summary=f"Run graph '{name}'", response_model=None,
-                          openapi_extra=_graph_openapi(graph), name=f"graph:{name}")
+                          openapi_extra=_graph_openapi(graph, components),
+                          name=f"graph:{name}")
+    _with_components(app, components)
 
     @app.post("/v1/graphs/{name}", include_in_schema=False)
     async def unknown_graph(name: str) -> Response:
@@ -242,11 +248,38 @@ async def _graph_events(runtime: Any, graph: Graph,
     yield {"data": DONE}
 
 
-def _graph_openapi(graph: Graph) -> dict[str, Any]:
-    """The route's request body in the OpenAPI description (inputs by name)."""
-    properties = {i.name: {"title": i.name} for i in graph.inputs}
+def _graph_openapi(graph: Graph, components: dict[str, Any]) -> dict[str, Any]:
+    """The route's request body in the OpenAPI description: each input with its annotation's
+    JSON schema (msgspec's, as the inputs are checked), its default, and which are required.
+    Named types (dataclasses, structs) go into `components`."""
+    typed = [i for i in graph.inputs if i.type not in (inspect.Parameter.empty, Any)]
+    try:
+        schemas, defs = msgspec.json.schema_components([i.type for i in typed],
+                                                       ref_template=SCHEMA_REF)
+    except (TypeError, ValueError):  # a type msgspec cannot describe: names only
+        schemas, defs = [{} for _ in typed], {}
+    components.update(defs)
+    properties: dict[str, Any] = {i.name: {"title": i.name} for i in graph.inputs}
+    for i, schema in zip(typed, schemas, strict=True):
+        properties[i.name].update(schema)
+    for i in graph.inputs:
+        if i.default is not inspect.Parameter.empty:
+            properties[i.name]["default"] = to_jsonable(i.default)
+    required = [i.name for i in graph.inputs if i.default is inspect.Parameter.empty]
+    inputs = {"type": "object", "properties": properties, "required": required}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-        "type": "object", "properties": {
-            "inputs": {"type": "object", "properties": properties},
-            "stream": {"type": "boolean", "default": False}}}}}}}
+        "type": "object", "required": ["inputs"] if required else [], "properties": {
+            "inputs": inputs, "stream": {"type": "boolean", "default": False}}}}}}}
 
+
+def _with_components(app: FastAPI, components: dict[str, Any]) -> None:
+    """Add the graphs' named input types to the app's OpenAPI description."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

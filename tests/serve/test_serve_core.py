@@ -84,7 +84,9 @@ async def test_models_health_and_the_api_description(url: str) -> None:
     assert {m["id"] for m in models["data"]} == {"echo", "numbers", "held", "refused",
                                                  "crashed"}
     assert health.json() == {"status": "ok", "in_flight": 0}
-    assert "/v1/graphs/echo" in spec["paths"]
+    body = spec["paths"]["/v1/graphs/numbers"]["post"]["requestBody"]["content"]
+    inputs = body["application/json"]["schema"]["properties"]["inputs"]
+    assert inputs["properties"]["n"]["type"] == "integer" and inputs["required"] == ["n"]
 
 
 @pytest.mark.parametrize(("body", "status", "words"), [
