@@ -55,6 +55,10 @@ def serve(
         "--drain-timeout", metavar="SECONDS", min=0,
         help="On Ctrl-C or SIGTERM, how long requests in flight may take to finish.")
     ] = DRAIN_TIMEOUT_S,
+    allow_remote_media: Annotated[bool, typer.Option(
+        "--allow-remote-media",
+        help="Let /v1/chat/completions fetch http(s) image URLs (default: data URLs only).")
+    ] = False,
     kv_device: KvDeviceOption = None,
     kv_host: KvHostOption = None,
     kv_disk: KvDiskOption = None,
@@ -79,7 +83,7 @@ def serve(
         runtime = {"kv": kv, "cluster": cluster, "token_file": token_file}
         try:
             trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
-                                       drain_timeout))
+                                       drain_timeout, allow_remote_media))
         except Stopped as exc:
             sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                              f"{_drained(state)}\n")
@@ -113,7 +117,8 @@ def _drained(state: GuardState) -> str:
 
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
-                 host: str, port: int, drain_timeout: float) -> None:
+                 host: str, port: int, drain_timeout: float,
+                 allow_remote_media: bool = False) -> None:
     stop = trio.Event()
     names = ", ".join(graphs)
 
@@ -125,7 +130,8 @@ async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str,
         async with stopped_by_signals(stop.set), Runtime(
                 graphs=list(graphs.values()), **runtime) as rt:
             await serve_app(rt, graphs, stop, host=host, port=port, state=state,
-                            drain_timeout=drain_timeout, on_ready=ready)
+                            drain_timeout=drain_timeout, on_ready=ready,
+                            allow_remote_media=allow_remote_media)
     except (OSError, BaseExceptionGroup) as exc:
         error = first_of(exc, OSError)
         if error is None:
