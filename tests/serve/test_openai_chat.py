@@ -1,0 +1,199 @@
+"""``POST /v1/chat/completions`` on ``omni serve examples/omni_dialogue.py``, driven by the
+official ``openai`` client: replies, streams, spoken replies, the prefix cache across turns,
+images and audio in messages, and the refusals."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.serve.conftest import REPO_ROOT
+
+DIALOGUE = REPO_ROOT / "examples" / "omni_dialogue.py"
+PAGE_SIZE = 16  # the example's KV page size
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def url(serve) -> str:
+    return serve(DIALOGUE)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_reply_as_one_object(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="chat", messages=user("Hi!"), **GREEDY)
+    (choice,) = reply.choices
+    assert reply.object == "chat.completion" and reply.model == "chat"
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert 1 <= usage.completion_tokens <= 12
+    assert choice.finish_reason == "stop" or usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_a_stream_carries_the_same_reply_and_the_usage_last(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="chat", messages=user("Stream it"), **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=user("Stream it"), stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_the_second_turn_reads_the_first_turns_pages_from_the_store(
+        client: openai.OpenAI) -> None:
+    messages = user("Tell me about paged KV caches, in detail please.")
+    first = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // PAGE_SIZE * PAGE_SIZE > 0
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_spoken_reply_is_a_wav_whose_transcript_is_the_text(client: openai.OpenAI) -> None:
+    text = client.chat.completions.create(model="chat", messages=user("Say it"), **GREEDY)
+    spoken = client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"}, **GREEDY)
+    audio = spoken.choices[0].message.audio
+    assert audio.transcript == text.choices[0].message.content
+    assert audio.id.startswith("audio_") and audio.expires_at > spoken.created
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 16000)
+        assert wav.getnframes() > 0
+
+
+def test_a_spoken_stream_sends_pcm_deltas_and_the_transcript(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"}, **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"}, stream=True, **GREEDY))
+    deltas = [getattr(c.choices[0].delta, "audio", None) for c in chunks if c.choices]
+    deltas = [d for d in deltas if d]
+    pcm = b"".join(base64.b64decode(d.data) for d in deltas if d.data)
+    transcript = "".join(d.transcript or "" for d in deltas)
+    assert all(d.id == deltas[0].id for d in deltas)
+    assert transcript == whole.choices[0].message.audio.transcript
+    assert pcm == base64.b64decode(whole.choices[0].message.audio.data) and pcm
+
+
+def png_data_url(pixels: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
+    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                               **GREEDY)
+    pixels = np.random.default_rng(0).integers(0, 255, (32, 48, 3), dtype=np.uint8)
+    content = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
+               {"type": "text", "text": "What is it?"}]
+    with_image = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def wav_base64(samples: np.ndarray, rate: int = 16000) -> str:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes((samples * 32767).astype("<i2").tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_input_audio_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
+    tone = np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440).astype(np.float32) * 0.5
+    content = [{"type": "input_audio", "input_audio": {"data": wav_base64(tone),
+                                                       "format": "wav"}},
+               {"type": "text", "text": "What is it?"}]
+    heard = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
+    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                               **GREEDY)
+    assert heard.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def test_n_choices_share_one_prompt(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                           temperature=1.0, seed=7, max_tokens=6)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert 3 <= reply.usage.completion_tokens <= 18
+    again = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                           temperature=1.0, seed=7, max_tokens=6)
+    assert [c.message.content for c in again.choices] == [
+        c.message.content for c in reply.choices]
+
+
+def test_models_list_names_the_chat_graph(client: openai.OpenAI) -> None:
+    assert {"chat", "dialogue"} <= {m.id for m in client.models.list()}
+
+
+def test_an_unknown_model_is_a_404_naming_the_models_served(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
+    assert "gpt-4o" in caught.value.message and "chat" in caught.value.message
+    assert caught.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"seed": "seven"}, "seed"),
+])
+def test_a_field_not_served_or_out_of_range_is_a_400_naming_it(
+        client: openai.OpenAI, fields: dict, named: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="chat", messages=user("Hi"), **fields)
+    assert caught.value.body["param"] == named and named in caught.value.message
+
+
+def test_a_remote_image_url_is_refused_without_the_flag(client: openai.OpenAI) -> None:
+    content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="chat",
+                                       messages=[{"role": "user", "content": content}])
+    assert "--allow-remote-media" in caught.value.message
+
+
+async def test_the_async_client_on_trio(url: str) -> None:
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as client:
+        stream = await client.chat.completions.create(model="chat", messages=user("Hi!"),
+                                                      stream=True, **GREEDY)
+        text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        whole = await client.chat.completions.create(model="chat", messages=user("Hi!"),
+                                                     **GREEDY)
+    assert "".join(text) == whole.choices[0].message.content
