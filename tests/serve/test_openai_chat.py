@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 
 import numpy as np
@@ -197,3 +198,33 @@ async def test_the_async_client_on_trio(url: str) -> None:
         whole = await client.chat.completions.create(model="chat", messages=user("Hi!"),
                                                      **GREEDY)
     assert "".join(text) == whole.choices[0].message.content
+
+
+def test_a_stop_string_ends_the_reply_before_it(client: openai.OpenAI) -> None:
+    free = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                          temperature=0, max_tokens=24)
+    text = free.choices[0].message.content
+    stop = next((c for c in text[2:] if c.isascii() and c.isprintable()), None)
+    assert stop is not None, f"no ASCII character to stop at in {text!r}"
+    kept = text[:text.index(stop)]
+    whole = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                           temperature=0, max_tokens=24, stop=[stop])
+    assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (kept, "stop")
+    chunks = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                            temperature=0, max_tokens=24, stop=stop,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept
+
+
+def test_a_json_schema_response_format_constrains_the_reply(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    # The tiny model's byte tokenizer: token = byte + 3. Whitespace is what the grammar allows
+    # between any two JSON tokens and what a random model then picks forever; bias it out.
+    no_space = {str(ord(c) + 3): -100 for c in " \t\r\n"}
+    reply = client.chat.completions.create(
+        model="chat", messages=user("JSON please"), temperature=0, max_tokens=64,
+        logit_bias=no_space, response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop", repr(reply.choices[0].message.content)
+    assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
