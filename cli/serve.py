@@ -67,7 +67,8 @@ def serve(
     debug: DebugOption = False,
 ) -> None:
     """Serve the graphs of FILE over HTTP: POST /v1/graphs/NAME for each, /v1/models,
-    /health, /metrics and the API's docs at /docs.
+    /health, /metrics and the API's docs at /docs; POST /v1/chat/completions and
+    /v1/images/generations for graphs marked with omni.serve.openai's decorators.
 
     Prints one line with the URL once it listens. Ctrl-C or SIGTERM stops taking requests,
     lets those in flight finish (up to --drain-timeout seconds), then exits 0.

@@ -4,6 +4,7 @@
     omni run examples/omni_dialogue.py --inputs-json examples/dialogue_turns.jsonl --json \\
         --kv-device 80KiB --kv-disk 16MiB:/tmp/omni-kv    # idle sessions go to disk and back
     omni graph show examples/omni_dialogue.py --format mermaid
+    omni serve examples/omni_dialogue.py --port 8000    # OpenAI's /v1/chat/completions
 
 One request is one turn of a conversation: ``{"session": "alice", "text": "Hi!"}`` plus,
 optionally, ``"audio"`` (a 16 kHz mono 16-bit WAV file), ``"image"`` (PNG, JPEG or a ``.npy``
@@ -46,6 +47,15 @@ real vocoder takes its place through the same `decode_chunk` method. The model i
 process, because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
 before any request runs.
 
+The file's second graph, `chat`, serves the same LLM and speech decoder to chat clients:
+``omni serve examples/omni_dialogue.py`` answers ``POST /v1/chat/completions`` with it
+(``model: "chat"``; it is marked with `omni.serve.openai.chat_completions`, and ``omni run``
+still picks `dialogue`). A chat client sends the whole conversation every turn, so `chat`
+keeps no sessions: `Chat` renders the messages as `Dialogue` renders a session (text, images
+and audio clips in place) and the store finds the earlier turns' pages; `to_openai` turns the
+events into the endpoint's (text as it decodes, audio chunks when the request asks for
+audio, the finish).
+
 Each result reports `cached_tokens` (prompt tokens whose KV came from the store),
 `new_tokens` (prompt tokens this turn computed), `ttft_s` and `first_audio_s` (seconds from
 the request's start until the first token and the first audio chunk reached `write_reply`),
@@ -62,9 +72,10 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -414,7 +425,7 @@ def dialogue(session: str, text: str, audio: str = "", image: str = "", out: str
 # -- the same LLM and speech decoder behind POST /v1/chat/completions (`omni serve`) ---------
 
 
-@omni.node
+@omni.node(concurrency=8)  # concurrent requests share the engine's decode steps
 class Chat:
     """The LLM for a chat client, which sends the whole conversation every turn: no session
     state here. The messages are rendered as `Dialogue` renders a session, so turn k's prompt
@@ -466,7 +477,8 @@ class Chat:
         return segments
 
 
-def _segment(part: object, encode) -> object:
+def _segment(part: object, encode: Callable[[str], list[int]]) -> object:
+    """A message part as a prompt segment; ValueError for audio the encoder cannot take."""
     if isinstance(part, ImagePart):
         return Image(part.pixels)
     if isinstance(part, AudioPart):
@@ -500,7 +512,7 @@ class _Deltas:
     """A reply's text as tokens arrive: what is new once it decodes whole, never the start of
     a `stop` string (held back until it is known not to be one; the engine cuts the rest)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []

@@ -12,6 +12,7 @@ import wave
 import numpy as np
 import openai
 import pytest
+import trio
 from PIL import Image
 
 from tests.serve.conftest import REPO_ROOT
@@ -189,15 +190,25 @@ def test_a_remote_image_url_is_refused_without_the_flag(client: openai.OpenAI) -
     assert "--allow-remote-media" in caught.value.message
 
 
-async def test_the_async_client_on_trio(url: str) -> None:
+async def test_the_async_client_on_trio_with_requests_in_parallel(url: str) -> None:
+    prompts = ["Hi!", "Hello there, how are you?", "Tell me a story"]
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
                                   timeout=120) as client:
-        stream = await client.chat.completions.create(model="chat", messages=user("Hi!"),
-                                                      stream=True, **GREEDY)
-        text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        whole = await client.chat.completions.create(model="chat", messages=user("Hi!"),
-                                                     **GREEDY)
-    assert "".join(text) == whole.choices[0].message.content
+        alone = [(await client.chat.completions.create(
+            model="chat", messages=user(p), **GREEDY)).choices[0].message.content
+            for p in prompts]
+        streamed: dict[int, str] = {}
+
+        async def stream(i: int) -> None:
+            chunks = await client.chat.completions.create(
+                model="chat", messages=user(prompts[i]), stream=True, **GREEDY)
+            streamed[i] = "".join([c.choices[0].delta.content or "" async for c in chunks
+                                   if c.choices])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(stream, i)
+    assert [streamed[i] for i in range(len(prompts))] == alone
 
 
 def test_a_stop_string_ends_the_reply_before_it(client: openai.OpenAI) -> None:
