@@ -510,21 +510,32 @@ async def to_openai(spoken: AsyncIterator[Event]) -> AsyncIterator[object]:
 
 class _Deltas:
     """A reply's text as tokens arrive: what is new once it decodes whole, never the start of
-    a `stop` string (held back until it is known not to be one; the engine cuts the rest)."""
+    a `stop` string (held back until it is known not to be one; the engine cuts the rest).
+
+    Why the window: a token's text can depend on the one before it (a word-start marker), so
+    each step decodes the last few tokens and keeps what the new one added; decoding the
+    whole reply every step would cost quadratic time."""
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
+        self.decode, self.stops = tokenizer.decode, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
+        self.start = self.read = 0  # ids[start:read] decoded already: the context of the next
+        self.text = ""
         self.sent = 0
 
     def add(self, token_id: int) -> str:
         """The text that `token_id` makes safe to send ("" while it is pending)."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        end = min(cuts) if cuts else len(text) - self.hold - text.endswith("\ufffd")
-        new = text[self.sent:end] if end > self.sent else ""
+        before = self.decode(self.ids[self.start:self.read])
+        after = self.decode(self.ids[self.start:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.start, self.read = self.read, len(self.ids)
+        tail = max(0, self.sent - self.hold)
+        cuts = [i for i in (self.text.find(s, tail) for s in self.stops) if i >= 0]
+        end = min(cuts) if cuts else len(self.text) - self.hold
+        new = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(new)
         return new
 
