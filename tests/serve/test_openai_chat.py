@@ -9,6 +9,7 @@ import io
 import json
 import wave
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -239,3 +240,13 @@ def test_a_json_schema_response_format_constrains_the_reply(client: openai.OpenA
                          "json_schema": {"name": "answer", "schema": schema}})
     assert reply.choices[0].finish_reason == "stop", repr(reply.choices[0].message.content)
     assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
+
+
+def test_the_api_description_shows_the_chat_body(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        api = http.get("/openapi.json").json()
+        assert http.get("/docs").status_code == 200
+    body = api["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert {"model", "messages", "stream", "modalities", "seed"} <= set(schema["properties"])
+    assert "$ref" not in json.dumps(schema)

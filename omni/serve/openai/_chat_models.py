@@ -55,6 +55,10 @@ class StreamOptions(_Strict):
 
 
 class AudioOptions(_Strict):
+    """The spoken reply: `voice` is accepted (the example's speech decoder has one voice);
+    `format` is "wav" (a whole reply) or "pcm16" (raw 16-bit samples); a stream always
+    sends PCM16 chunks."""
+
     voice: str | dict[str, Any]
     format: Literal["wav", "pcm16"] = "wav"
 
