@@ -155,6 +155,13 @@ def test_n_choices_share_one_prompt(client: openai.OpenAI) -> None:
                                            temperature=1.0, seed=7, max_tokens=6)
     assert [c.message.content for c in again.choices] == [
         c.message.content for c in reply.choices]
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                                temperature=1.0, seed=7, max_tokens=6,
+                                                stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in reply.choices]
 
 
 def test_models_list_names_the_chat_graph(client: openai.OpenAI) -> None:
