@@ -116,7 +116,9 @@ def find_graphs(module: ModuleType) -> dict[str, Graph]:
 def select_graph(module: ModuleType, name: str | None, path: str) -> Graph:
     """The graph (or node, wrapped with `Graph.of`) called `name`; without a name, the graph.
 
-    Without a name, graphs defined in the file itself win over graphs it imports.
+    Without a name, graphs defined in the file itself win over graphs it imports, and plain
+    graphs over those marked as an OpenAI endpoint (`omni.serve.openai`: they take a
+    request object, not inputs a command line gives).
 
     Raises:
         CliError: no graph, several graphs and no name, or no graph or node with that name.
@@ -125,6 +127,8 @@ def select_graph(module: ModuleType, name: str | None, path: str) -> Graph:
     if name is None:
         own = {k: g for k, g in graphs.items()
                if getattr(g, "__module__", None) == module.__name__} or graphs
+        own = {k: g for k, g in own.items()
+               if getattr(g, "openai_endpoint", None) is None} or own
         if len(own) == 1:
             return next(iter(own.values()))
         if not own:

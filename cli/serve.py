@@ -56,6 +56,10 @@ def serve(
         "--drain-timeout", metavar="SECONDS", min=0,
         help="On Ctrl-C or SIGTERM, how long requests in flight may take to finish.")
     ] = DRAIN_TIMEOUT_S,
+    allow_remote_media: Annotated[bool, typer.Option(
+        "--allow-remote-media",
+        help="Let /v1/chat/completions fetch http(s) image URLs (default: data URLs only).")
+    ] = False,
     kv_device: KvDeviceOption = None,
     kv_host: KvHostOption = None,
     kv_disk: KvDiskOption = None,
@@ -65,7 +69,9 @@ def serve(
     debug: DebugOption = False,
 ) -> None:
     """Serve the graphs of FILE over HTTP: POST /v1/graphs/NAME for each, /v1/models,
-    /health, /metrics (also on --metrics-port when given) and the API's docs at /docs.
+    /health, /metrics (also on --metrics-port when given) and the API's docs at /docs;
+    POST /v1/chat/completions and /v1/images/generations for graphs marked with
+    omni.serve.openai's decorators; the playground page at /.
 
     Prints one line with the URL once it listens. Ctrl-C or SIGTERM stops taking requests,
     lets those in flight finish (up to --drain-timeout seconds), then exits 0.
@@ -82,7 +88,7 @@ def serve(
                    "metrics_port": metrics_port}
         try:
             trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
-                                       drain_timeout))
+                                       drain_timeout, allow_remote_media))
         except Stopped as exc:
             sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                              f"{_drained(state)}\n")
@@ -116,7 +122,8 @@ def _drained(state: GuardState) -> str:
 
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
-                 host: str, port: int, drain_timeout: float) -> None:
+                 host: str, port: int, drain_timeout: float,
+                 allow_remote_media: bool = False) -> None:
     stop = trio.Event()
     names = ", ".join(graphs)
 
@@ -128,7 +135,8 @@ async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str,
         async with stopped_by_signals(stop.set), Runtime(
                 graphs=list(graphs.values()), **runtime) as rt:
             await serve_app(rt, graphs, stop, host=host, port=port, state=state,
-                            drain_timeout=drain_timeout, on_ready=ready)
+                            drain_timeout=drain_timeout, on_ready=ready,
+                            allow_remote_media=allow_remote_media)
     except (OSError, BaseExceptionGroup) as exc:
         error = first_of(exc, OSError)
         if error is None:

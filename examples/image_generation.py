@@ -9,7 +9,9 @@ and ONE copy of the prompt's KV cache.
 
 Inputs: `prompt`, `out` (the PNG to write), and optionally `image` (a PNG or JPEG reference
 image), `width` and `height` (pixels, multiples of 16; 128), `steps` (8), `guidance` (3.0),
-`seed` (0), `expand` (tokens the LLM role writes; 8) and `reuse` (true).
+`seed` (0), `expand` (tokens the LLM role writes; 8), `reuse` (true) and `png` (false; true
+with ``out=""``: the result carries the PNG's bytes under "png" and no file is written, which
+is how ``omni serve`` answers ``POST /v1/images/generations`` with this graph).
 
 The graph (`check_settings` feeds both roles):
 
@@ -82,6 +84,7 @@ from omni.compute import (
 )
 from omni.compute.diffusion import to_png
 from omni.compute.models import DecoderConfig, tiny_config
+from omni.serve.openai import image_generations
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
 PAGE_SIZE = 16
@@ -218,8 +221,13 @@ def read_reference(image: str) -> list[Image]:
 
 
 @omni.node
-async def check_out(out: str) -> str:
-    """The absolute path to write the PNG to, once it is known to be writable."""
+async def check_out(out: str, png: bool) -> str:
+    """The absolute path to write the PNG to, once it is known to be writable ("" with
+    `png` and no `out`: the result carries the PNG instead of a file)."""
+    if not isinstance(png, bool):
+        raise ValueError(f"png must be true or false, got {png!r}")
+    if png and out == "":
+        return ""
     if not isinstance(out, str) or not out.strip():
         raise ValueError(f"out must be the path of the PNG to write, got {out!r}")
     path = Path(out).expanduser().resolve()
@@ -281,25 +289,17 @@ class Paint:
 
 
 @omni.node(thread=True)
-def write_png(painted: Painted, path: str) -> dict:
-    """Encode the image as PNG, write it to `path` (whole or not at all), report the run."""
+def write_png(painted: Painted, path: str, png: bool) -> dict:
+    """Encode the image as PNG, write it to `path` (whole or not at all; nothing for ""),
+    report the run (with the PNG's bytes under "png" when `png`)."""
     started = time.perf_counter()
     data = to_png(painted.result.image)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".omni-", suffix=".png.tmp", dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+    if path:
+        _write(path, data)
     result, understood = painted.result, painted.understood
     height, width, _ = result.image.shape
-    return {
-        "out": path, "width": width, "height": height, "png_bytes": len(data),
+    report = {
+        "out": path or None, "width": width, "height": height, "png_bytes": len(data),
         "model": painted.model, "steps": result.steps,
         "prompt_tokens": result.prompt_tokens,
         "prompt_tokens_reused": result.prompt_tokens_reused,
@@ -315,18 +315,35 @@ def write_png(painted: Painted, path: str) -> dict:
                    "diffusion_s": round(painted.seconds, 4),
                    "write_s": round(time.perf_counter() - started, 4)},
     }
+    return {**report, "png": data} if png else report
 
 
+def _write(path: str, data: bytes) -> None:
+    """`data` to `path`, whole or not at all (a temporary file renamed over it)."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".omni-", suffix=".png.tmp", dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+@image_generations  # POST /v1/images/generations with `omni serve` (out="", png=true)
 @omni.graph
 def image_generation(prompt: str, out: str, image: str = "", width: int = 128,
                      height: int = 128, steps: int = 8, guidance: float = 3.0, seed: int = 0,
-                     expand: int = 8, reuse: bool = True):
+                     expand: int = 8, reuse: bool = True, png: bool = False):
     settings = check_settings(width, height, steps, guidance, seed, expand)
     references = read_reference(image)
-    path = check_out(out)
+    path = check_out(out, png)
     understood = Understand()(prompt, references, settings)
     painted = Paint()(understood, settings, reuse)
-    return write_png(painted, path)
+    return write_png(painted, path, png)
 
 
 def _is_int(value: Any) -> bool:

@@ -4,6 +4,7 @@
     omni run examples/omni_dialogue.py --inputs-json examples/dialogue_turns.jsonl --json \\
         --kv-device 80KiB --kv-disk 16MiB:/tmp/omni-kv    # idle sessions go to disk and back
     omni graph show examples/omni_dialogue.py --format mermaid
+    omni serve examples/omni_dialogue.py --port 8000    # OpenAI's /v1/chat/completions
 
 One request is one turn of a conversation: ``{"session": "alice", "text": "Hi!"}`` plus,
 optionally, ``"audio"`` (a 16 kHz mono 16-bit WAV file), ``"image"`` (PNG, JPEG or a ``.npy``
@@ -46,6 +47,15 @@ real vocoder takes its place through the same `decode_chunk` method. The model i
 process, because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
 before any request runs.
 
+The file's second graph, `chat`, serves the same LLM and speech decoder to chat clients:
+``omni serve examples/omni_dialogue.py`` answers ``POST /v1/chat/completions`` with it
+(``model: "chat"``; it is marked with `omni.serve.openai.chat_completions`, and ``omni run``
+still picks `dialogue`). A chat client sends the whole conversation every turn, so `chat`
+keeps no sessions: `Chat` renders the messages as `Dialogue` renders a session (text, images
+and audio clips in place) and the store finds the earlier turns' pages; `to_openai` turns the
+events into the endpoint's (text as it decodes, audio chunks when the request asks for
+audio, the finish).
+
 Each result reports `cached_tokens` (prompt tokens whose KV came from the store),
 `new_tokens` (prompt tokens this turn computed), `ttft_s` and `first_audio_s` (seconds from
 the request's start until the first token and the first audio chunk reached `write_reply`),
@@ -62,9 +72,10 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +85,17 @@ import omni
 from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
 from omni.compute.models import DecoderConfig, tiny_config
 from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter, read_wav
+from omni.serve.openai import (
+    AudioPart,
+    ChatAudio,
+    ChatEnd,
+    ChatMessage,
+    ChatRequest,
+    ChatStart,
+    ChatText,
+    ImagePart,
+    chat_completions,
+)
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
 PAGE_SIZE = 16
@@ -127,13 +149,15 @@ class Started(Event):
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV came from the store
     trimmed_turns: int  # oldest turns dropped so that the prompt fits the context
+    speak: bool = True  # the speech decoder voices this reply
 
 
 @dataclass(frozen=True)
 class Token(Event):
-    """One generated token."""
+    """One generated token (and, for a chat client, the text it completes)."""
 
     id: int
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,6 +175,7 @@ class Finished(Event):
     token_ids: tuple[int, ...]
     finish_reason: str  # "stop" (an end-of-sequence token) or "length" (max_tokens)
     kv: dict[str, int]
+    index: int = 0  # which choice, when a chat request asks for n of them
 
 
 # -- the nodes ------------------------------------------------------------------------------
@@ -215,15 +240,8 @@ class Dialogue:
     streams a turn's reply token by token, between a `Started` and a `Finished` event."""
 
     def __init__(self, model: str = MODEL, max_sessions: int = MAX_SESSIONS, seed: int = 0):
-        kv = omni.context().kv  # None when the runtime has no KV store: the engine's own
-        store = kv if kv is not None else "auto"
-        if not model:
-            self.engine = TorchEngine.tiny(seed=seed, store=store, page_size=PAGE_SIZE)
-        else:
-            self.engine = TorchEngine.from_pretrained(model, store=store, page_size=PAGE_SIZE)
+        self.engine = _engine(model, seed)
         self.store = self.engine.store
-        if self.engine.tokenizer is None:
-            raise ValueError(f"{model} has no tokenizer.json: the dialogue needs text")
         self.tokenizer = self.engine.tokenizer
         self.max_sessions = max_sessions
         self.sessions: OrderedDict[str, _Session] = OrderedDict()
@@ -303,6 +321,19 @@ class Dialogue:
                 "demoted": sum(stats[name]["demotions"] for name in tiers)}
 
 
+def _engine(model: str, seed: int) -> TorchEngine:
+    """The LLM on the runtime's KV store (None when the runtime has none: the engine's own)."""
+    kv = omni.context().kv
+    store = kv if kv is not None else "auto"
+    if not model:
+        engine = TorchEngine.tiny(seed=seed, store=store, page_size=PAGE_SIZE)
+    else:
+        engine = TorchEngine.from_pretrained(model, store=store, page_size=PAGE_SIZE)
+    if engine.tokenizer is None:
+        raise ValueError(f"{model} has no tokenizer.json: the dialogue needs text")
+    return engine
+
+
 def _count(segments: list) -> int:
     """Tokens of prompt segments whose text is token ids."""
     return sum(len(s.content) if isinstance(s, Text) else s.num_positions for s in segments)
@@ -319,12 +350,15 @@ class Speech:
 
     async def __call__(self, reply: AsyncIterator[Event]) -> AsyncIterator[Event]:
         pending: list[int] = []
+        speak = True
         async for event in reply:
+            if isinstance(event, Started):
+                speak = event.speak
             if isinstance(event, Finished) and pending:
                 yield await self._chunk(pending)
                 pending = []
             yield event
-            if isinstance(event, Token):
+            if isinstance(event, Token) and speak:
                 pending.append(event.id)
                 if len(pending) == self.tokens_per_chunk:
                     yield await self._chunk(pending)
@@ -386,3 +420,128 @@ def dialogue(session: str, text: str, audio: str = "", image: str = "", out: str
     turn = begin(session, text, out, max_tokens)
     reply = Dialogue()(turn, hear(audio), look(image))
     return write_reply(turn, Speech()(reply))
+
+
+# -- the same LLM and speech decoder behind POST /v1/chat/completions (`omni serve`) ---------
+
+
+@omni.node(concurrency=8)  # concurrent requests share the engine's decode steps
+class Chat:
+    """The LLM for a chat client, which sends the whole conversation every turn: no session
+    state here. The messages are rendered as `Dialogue` renders a session, so turn k's prompt
+    starts with turn k-1's and the store holds its pages (`cached_tokens`)."""
+
+    def __init__(self, model: str = MODEL, seed: int = 0):
+        self.engine = _engine(model, seed)
+        self.tokenizer = self.engine.tokenizer
+
+    async def __call__(self, request: ChatRequest) -> AsyncIterator[Event]:
+        prompt = Prompt(self._render(request.messages))
+        size = len(self.engine.prepare(prompt))
+        if request.params.n > 1:  # one prefill, n rows: the whole replies at the end
+            result = await self.engine.generate(prompt, request.params)
+            yield Started("", 0, size, result.cached_tokens, 0, speak=False)
+            for i, sample in enumerate(result.samples):
+                yield Finished(sample.text or "", tuple(sample.token_ids),
+                               sample.finish_reason, {}, index=i)
+            return
+        stream = self.engine.stream(prompt, request.params)
+        deltas, started = _Deltas(self.tokenizer, request.params.stop), False
+        async with contextlib.aclosing(stream):
+            async for token_id in stream:
+                if not started:
+                    started = True
+                    yield Started("", 0, size, stream.cached_tokens, 0, speak=request.audio)
+                yield Token(token_id, deltas.add(token_id))
+        result = stream.result
+        if not started:
+            yield Started("", 0, size, result.cached_tokens, 0, speak=request.audio)
+        yield Finished(result.text or "", tuple(result.token_ids), result.finish_reason, {})
+
+    def _render(self, messages: tuple[ChatMessage, ...]) -> list:
+        """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them."""
+        system = [p for m in messages if m.role == "system" for p in m.parts]
+        encode = self.tokenizer.encode
+        segments: list = [Text(encode("".join(system) + "\n")) if system else Text(
+            encode(SYSTEM))]
+        first = True
+        for message in (m for m in messages if m.role != "system"):
+            if message.role == "user":
+                segments.append(Text(encode("User: " if first else "\nUser: ")))
+                first = False
+            else:
+                segments.append(Text(encode("\nAssistant:")))
+            segments += [_segment(part, encode) for part in message.parts]
+        if messages[-1].role != "assistant":
+            segments.append(Text(encode("\nAssistant:")))
+        return segments
+
+
+def _segment(part: object, encode: Callable[[str], list[int]]) -> object:
+    """A message part as a prompt segment; ValueError for audio the encoder cannot take."""
+    if isinstance(part, ImagePart):
+        return Image(part.pixels)
+    if isinstance(part, AudioPart):
+        if part.sample_rate != SAMPLE_RATE:
+            raise ValueError(f"input_audio must be {SAMPLE_RATE} Hz, got {part.sample_rate} "
+                             f"Hz (ffmpeg -i IN -ac 1 -ar {SAMPLE_RATE} OUT.wav)")
+        return Audio(part.samples, part.sample_rate)
+    return Text(encode(part))
+
+
+@omni.node
+async def to_openai(spoken: AsyncIterator[Event]) -> AsyncIterator[object]:
+    """The reply as the chat endpoint's events: the start, text, audio chunks, the finish."""
+    sent: dict[int, int] = {}  # characters of text sent, per choice
+    async for event in spoken:
+        if isinstance(event, Started):
+            yield ChatStart(event.prompt_tokens, event.cached_tokens)
+        elif isinstance(event, AudioChunk):
+            yield ChatAudio(event.samples, SAMPLE_RATE)
+        elif isinstance(event, Token) and event.text:
+            sent[0] = sent.get(0, 0) + len(event.text)
+            yield ChatText(event.text)
+        elif isinstance(event, Finished):
+            rest = event.text[sent.get(event.index, 0):]
+            if rest:
+                yield ChatText(rest, event.index)
+            yield ChatEnd(event.finish_reason, len(event.token_ids), event.index)
+
+
+class _Deltas:
+    """A reply's text as tokens arrive: what is new once it decodes whole, never the start of
+    a `stop` string (held back until it is known not to be one; the engine cuts the rest).
+
+    Why the window: a token's text can depend on the one before it (a word-start marker), so
+    each step decodes the last few tokens and keeps what the new one added; decoding the
+    whole reply every step would cost quadratic time."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]):
+        self.decode, self.stops = tokenizer.decode, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.start = self.read = 0  # ids[start:read] decoded already: the context of the next
+        self.text = ""
+        self.sent = 0
+
+    def add(self, token_id: int) -> str:
+        """The text that `token_id` makes safe to send ("" while it is pending)."""
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.start:self.read])
+        after = self.decode(self.ids[self.start:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.start, self.read = self.read, len(self.ids)
+        tail = max(0, self.sent - self.hold)
+        cuts = [i for i in (self.text.find(s, tail) for s in self.stops) if i >= 0]
+        end = min(cuts) if cuts else len(self.text) - self.hold
+        new = self.text[self.sent:end] if end > self.sent else ""
+        self.sent += len(new)
+        return new
+
+
+@chat_completions
+@omni.graph
+def chat(request: ChatRequest):
+    reply = Chat()(request)
+    return to_openai(Speech()(reply))

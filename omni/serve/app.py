@@ -8,6 +8,8 @@ Routes:
   one output). With ``"stream": true`` the answer is a server-sent event stream: one event
   ``{"output": NAME, "item": VALUE}`` per output item as it is produced, then ``[DONE]``.
 - ``GET /v1/models``: the graphs served, as OpenAI's model list.
+- ``POST /v1/chat/completions``, ``POST /v1/images/generations``: for graphs marked with
+  them (`omni.serve.openai`).
 - ``GET /health``: ``{"status": "ok"}`` (``"draining"``, status 503, while shutting down).
 - ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them.
 - ``GET /docs``, ``GET /openapi.json``: the API's description.
@@ -52,7 +54,7 @@ SCHEMA_REF = "#/components/schemas/{name}"
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
-              *, metrics_app: Any = None) -> Any:
+              *, metrics_app: Any = None, allow_remote_media: bool = False) -> Any:
     """The ASGI app serving `graphs` (by name) on a started `runtime`.
 
     Args:
@@ -61,6 +63,7 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         state: the API key and limits (`GuardState`); defaults: no key, no limit.
         metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None
             (then the runtime's own, when it keeps metrics).
+        allow_remote_media: the OpenAI chat endpoint fetches http(s) image URLs.
     """
     state = state or GuardState()
     created = int(time.time())
@@ -94,6 +97,10 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
                           openapi_extra=_graph_openapi(graph, components),
                           name=f"graph:{name}")
     _with_components(app, components)
+
+    from omni.serve.openai import add_openai_routes  # imported here: it uses this module
+
+    add_openai_routes(app, runtime, graphs, allow_remote_media=allow_remote_media)
 
     @app.post("/v1/graphs/{name}", include_in_schema=False)
     async def unknown_graph(name: str) -> Response:

@@ -27,19 +27,22 @@ DRAIN_TIMEOUT_S = 30.0
 async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
                 host: str = "127.0.0.1", port: int = 8000, state: GuardState | None = None,
                 drain_timeout: float = DRAIN_TIMEOUT_S, metrics_app: Any = None,
-                on_ready: Callable[[str], None] | None = None) -> None:
+                on_ready: Callable[[str], None] | None = None,
+                allow_remote_media: bool = False) -> None:
     """Serve `graphs` on `runtime` at ``http://host:port`` until `stop` is set, then drain.
 
     Args:
         port: 0 takes a free port; `on_ready` gets the URL actually bound.
         state: the API key and limits (see `GuardState`).
         drain_timeout: seconds in-flight requests get to finish once `stop` is set.
+        allow_remote_media: the OpenAI chat endpoint fetches http(s) image URLs.
 
     Raises:
         OSError: the address cannot be bound (in use, not this machine's).
     """
     state = state or GuardState()
-    app = build_app(runtime, graphs, state, metrics_app=metrics_app)
+    app = build_app(runtime, graphs, state, metrics_app=metrics_app,
+                    allow_remote_media=allow_remote_media)
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = drain_timeout

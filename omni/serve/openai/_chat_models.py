@@ -1,0 +1,102 @@
+"""The body of ``POST /v1/chat/completions`` as pydantic models: OpenAI's field names, the
+fields Omni serves and nothing else (an unknown field is refused by name)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["ChatCompletionRequest", "Message"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(_Strict):
+    data: str
+    format: str
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+Part = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+
+
+class Message(_Strict):
+    """One message: system and developer messages are text, user messages may hold images
+    and audio, assistant messages are the earlier replies (text)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class AudioOptions(_Strict):
+    """The spoken reply: `voice` is accepted (the example's speech decoder has one voice);
+    `format` is "wav" (a whole reply) or "pcm16" (raw 16-bit samples); a stream always
+    sends PCM16 chunks."""
+
+    voice: str | dict[str, Any]
+    format: Literal["wav", "pcm16"] = "wav"
+
+
+class JsonSchema(_Strict):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    """The fields Omni serves: OpenAI's, plus SGLang's ``top_k``, ``min_p`` and
+    ``repetition_penalty`` (as ``extra_body`` from the official client)."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None

@@ -1,0 +1,98 @@
+"""A chat completion's body checked and turned into the `ChatRequest` its graph takes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+from omni.serve._errors import ApiError
+from omni.serve.openai._chat_models import ChatCompletionRequest, Message
+from omni.serve.openai._declare import ChatMessage, ChatRequest
+from omni.serve.openai._media import decode_audio, decode_image
+
+__all__ = ["DEFAULT_MAX_TOKENS", "chat_request", "sampling_params"]
+
+DEFAULT_MAX_TOKENS = 128
+# SamplingParams' names as the request spells them, for errors that name the field.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed",
+                 "json_schema": "response_format"}
+_SAMPLING = ("temperature", "top_p", "n", "stop", "frequency_penalty", "presence_penalty",
+             "logit_bias", "top_k", "min_p", "repetition_penalty")
+
+
+async def chat_request(body: ChatCompletionRequest, *, allow_remote: bool) -> ChatRequest:
+    """The graph's input for a checked body; `ApiError` 400 for values out of range."""
+    audio = "audio" in (body.modalities or ["text"])
+    if audio and body.audio is None:
+        raise ApiError(400, 'audio: modalities ["text", "audio"] needs audio: {"voice": '
+                            '..., "format": "wav"}', param="audio")
+    if audio and (body.n or 1) > 1:
+        raise ApiError(400, "n: a spoken reply has one choice; send n=1 or no audio",
+                       param="n")
+    messages = tuple([await _message(m, f"messages.{i}", allow_remote=allow_remote)
+                      for i, m in enumerate(body.messages)])
+    return ChatRequest(body.model, messages, sampling_params(body), audio)
+
+
+def sampling_params(body: ChatCompletionRequest) -> Any:
+    """The request's `SamplingParams`; `ApiError` 400 naming the field out of range."""
+    from omni.compute.sampling_params import SamplingParams
+
+    fields: dict[str, Any] = {k: getattr(body, k) for k in _SAMPLING
+                              if getattr(body, k) is not None}
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else (
+        body.max_tokens)
+    fields["max_new_tokens"] = DEFAULT_MAX_TOKENS if limit is None else limit
+    if body.seed is not None:
+        fields["sampling_seed"] = body.seed
+    grammar = _json_schema(body)
+    if grammar is not None:
+        fields["json_schema"] = grammar
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        text = str(exc)
+        name = text.split(" ", 1)[0]
+        param = _OPENAI_NAMES.get(name, name)
+        raise ApiError(400, text.replace(name, param, 1) if name in _OPENAI_NAMES else text,
+                       param=param) from None
+
+
+def _json_schema(body: ChatCompletionRequest) -> str | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if importlib.util.find_spec("xgrammar") is None:
+        raise ApiError(400, f"response_format {fmt.type}: this server cannot constrain "
+                            "output (xgrammar is not installed)", param="response_format")
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError(400, "response_format.json_schema.schema: required for type "
+                            "json_schema", param="response_format.json_schema.schema")
+    return json.dumps(fmt.json_schema.schema_)
+
+
+async def _message(message: Message, where: str, *, allow_remote: bool) -> ChatMessage:
+    role = "system" if message.role == "developer" else message.role
+    content = message.content
+    if content is None:
+        raise ApiError(400, f"{where}.content: required", param=f"{where}.content")
+    if isinstance(content, str):
+        return ChatMessage(role, (content,))
+    parts: list[Any] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content.{j}"
+        if part.type == "text":
+            parts.append(part.text)
+        elif role != "user":
+            raise ApiError(400, f"{at}: only user messages may hold {part.type} parts",
+                           param=at)
+        elif part.type == "image_url":
+            parts.append(await decode_image(part.image_url.url, f"{at}.image_url.url",
+                                            allow_remote=allow_remote))
+        else:
+            parts.append(decode_audio(part.input_audio.data, part.input_audio.format,
+                                      f"{at}.input_audio"))
+    return ChatMessage(role, tuple(parts))

@@ -1,0 +1,137 @@
+"""Which OpenAI endpoint a graph serves, and the values that cross between route and graph.
+
+A graph file marks a graph with `chat_completions` or `image_generations` (decorators above
+``@omni.graph``); ``omni serve`` then adds the endpoint for it. The marks only set an
+attribute: the graph is returned unchanged and ``omni run`` runs it as before. This module
+imports neither torch nor the web stack, so a graph file pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CHAT_COMPLETIONS", "IMAGE_GENERATIONS", "AudioPart", "ChatAudio", "ChatEnd",
+           "ChatMessage", "ChatRequest", "ChatStart", "ChatText", "ImagePart",
+           "chat_completions", "endpoint_of", "image_generations"]
+
+CHAT_COMPLETIONS = "chat.completions"
+IMAGE_GENERATIONS = "images.generations"
+IMAGE_INPUTS = ("prompt", "out", "width", "height", "seed", "png")
+_ATTRIBUTE = "openai_endpoint"
+
+
+def chat_completions(graph: Any) -> Any:
+    """Mark `graph` as the one behind ``POST /v1/chat/completions`` (model id: its name).
+
+    The graph takes one input, ``request`` (a `ChatRequest`), and returns a stream of
+    `ChatStart`, `ChatText`, `ChatAudio` and `ChatEnd` events.
+
+    Raises:
+        TypeError: `graph` is not an ``@omni.graph`` or has no input named ``request``.
+    """
+    return _mark(graph, CHAT_COMPLETIONS, ("request",))
+
+
+def image_generations(graph: Any) -> Any:
+    """Mark `graph` as the one behind ``POST /v1/images/generations`` (model id: its name).
+
+    The graph has the inputs ``prompt``, ``out``, ``width``, ``height``, ``seed`` and
+    ``png``; the route passes ``out=""`` and ``png=True``, and the graph's result is a dict
+    whose ``"png"`` holds the image's PNG bytes.
+
+    Raises:
+        TypeError: `graph` is not an ``@omni.graph`` or lacks one of those inputs.
+    """
+    return _mark(graph, IMAGE_GENERATIONS, IMAGE_INPUTS)
+
+
+def endpoint_of(graph: Any) -> str | None:
+    """The OpenAI endpoint `graph` is marked for (`CHAT_COMPLETIONS`...), or None."""
+    return getattr(graph, _ATTRIBUTE, None)
+
+
+def _mark(graph: Any, endpoint: str, inputs: tuple[str, ...]) -> Any:
+    names = [i.name for i in getattr(graph, "inputs", None) or ()]
+    if not hasattr(graph, "plan") or not hasattr(graph, "inputs"):
+        raise TypeError(f"@{endpoint.replace('.', '_')} marks a graph: put it above "
+                        f"@omni.graph, got {graph!r}")
+    missing = [name for name in inputs if name not in names]
+    if missing:
+        raise TypeError(f"graph '{graph.name}' serves {endpoint} only with the input(s) "
+                        f"{', '.join(inputs)}; it lacks {', '.join(missing)}")
+    setattr(graph, _ATTRIBUTE, endpoint)
+    return graph
+
+
+# -- what the chat route hands its graph, and what the graph streams back -------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePart:
+    """An image of a message: RGB pixels, ``uint8 [H, W, 3]`` (a numpy array)."""
+
+    pixels: Any
+
+
+@dataclass(frozen=True, eq=False)
+class AudioPart:
+    """An audio clip of a message: mono float32 samples in [-1, 1] and their rate."""
+
+    samples: Any
+    sample_rate: int
+
+
+@dataclass(frozen=True, eq=False)
+class ChatMessage:
+    """One message of the conversation: its role ("system", "user" or "assistant") and
+    its parts in order (str, `ImagePart`, `AudioPart`)."""
+
+    role: str
+    parts: tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class ChatRequest:
+    """A checked chat request. Why a plain object: the graph renders the whole conversation
+    itself (no session state), and `params` is already an `omni.compute.SamplingParams`."""
+
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: Any  # omni.compute.SamplingParams
+    audio: bool = False  # modalities includes "audio": the reply is spoken too
+
+
+@dataclass(frozen=True)
+class ChatStart:
+    """The graph's first event, once the prompt is read: its tokens, and how many of them
+    had their KV found in the store."""
+
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """Text of choice `index`, in order (concatenated, the choice's whole reply)."""
+
+    text: str
+    index: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class ChatAudio:
+    """Speech of choice `index`: mono float32 samples, in order."""
+
+    samples: Any
+    sample_rate: int
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class ChatEnd:
+    """Choice `index` is done: why ("stop" or "length") and how many tokens it generated."""
+
+    finish_reason: str
+    completion_tokens: int
+    index: int = 0

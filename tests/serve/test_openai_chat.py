@@ -1,0 +1,259 @@
+"""``POST /v1/chat/completions`` on ``omni serve examples/omni_dialogue.py``, driven by the
+official ``openai`` client: replies, streams, spoken replies, the prefix cache across turns,
+images and audio in messages, and the refusals."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import wave
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import trio
+from PIL import Image
+
+from tests.serve.conftest import REPO_ROOT
+
+DIALOGUE = REPO_ROOT / "examples" / "omni_dialogue.py"
+PAGE_SIZE = 16  # the example's KV page size
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def url(serve) -> str:
+    return serve(DIALOGUE)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_reply_as_one_object(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="chat", messages=user("Hi!"), **GREEDY)
+    (choice,) = reply.choices
+    assert reply.object == "chat.completion" and reply.model == "chat"
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert 1 <= usage.completion_tokens <= 12
+    assert choice.finish_reason == "stop" or usage.completion_tokens == 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+
+
+def test_a_stream_carries_the_same_reply_and_the_usage_last(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="chat", messages=user("Stream it"), **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=user("Stream it"), stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_the_second_turn_reads_the_first_turns_pages_from_the_store(
+        client: openai.OpenAI) -> None:
+    messages = user("Tell me about paged KV caches, in detail please.")
+    first = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    second = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // PAGE_SIZE * PAGE_SIZE > 0
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_spoken_reply_is_a_wav_whose_transcript_is_the_text(client: openai.OpenAI) -> None:
+    text = client.chat.completions.create(model="chat", messages=user("Say it"), **GREEDY)
+    spoken = client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"}, **GREEDY)
+    audio = spoken.choices[0].message.audio
+    assert audio.transcript == text.choices[0].message.content
+    assert audio.id.startswith("audio_") and audio.expires_at > spoken.created
+    with wave.open(io.BytesIO(base64.b64decode(audio.data))) as wav:
+        assert (wav.getnchannels(), wav.getsampwidth(), wav.getframerate()) == (1, 2, 16000)
+        assert wav.getnframes() > 0
+
+
+def test_a_spoken_stream_sends_pcm_deltas_and_the_transcript(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"}, **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=user("Say it"), modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"}, stream=True, **GREEDY))
+    deltas = [getattr(c.choices[0].delta, "audio", None) for c in chunks if c.choices]
+    deltas = [d for d in deltas if d]
+    pcm = b"".join(base64.b64decode(d.data) for d in deltas if d.data)
+    transcript = "".join(d.transcript or "" for d in deltas)
+    assert all(d.id == deltas[0].id for d in deltas)
+    assert transcript == whole.choices[0].message.audio.transcript
+    assert pcm == base64.b64decode(whole.choices[0].message.audio.data) and pcm
+
+
+def png_data_url(pixels: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
+    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                               **GREEDY)
+    pixels = np.random.default_rng(0).integers(0, 255, (32, 48, 3), dtype=np.uint8)
+    content = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
+               {"type": "text", "text": "What is it?"}]
+    with_image = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
+    assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def wav_base64(samples: np.ndarray, rate: int = 16000) -> str:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate)
+        wav.writeframes((samples * 32767).astype("<i2").tobytes())
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def test_input_audio_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
+    tone = np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440).astype(np.float32) * 0.5
+    content = [{"type": "input_audio", "input_audio": {"data": wav_base64(tone),
+                                                       "format": "wav"}},
+               {"type": "text", "text": "What is it?"}]
+    heard = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
+    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                               **GREEDY)
+    assert heard.usage.prompt_tokens > text_only.usage.prompt_tokens
+
+
+def test_n_choices_share_one_prompt(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                           temperature=1.0, seed=7, max_tokens=6)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert 3 <= reply.usage.completion_tokens <= 18
+    again = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                           temperature=1.0, seed=7, max_tokens=6)
+    assert [c.message.content for c in again.choices] == [
+        c.message.content for c in reply.choices]
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                                temperature=1.0, seed=7, max_tokens=6,
+                                                stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in reply.choices]
+
+
+def test_models_list_names_the_chat_graph(client: openai.OpenAI) -> None:
+    assert {"chat", "dialogue"} <= {m.id for m in client.models.list()}
+
+
+def test_an_unknown_model_is_a_404_naming_the_models_served(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
+    assert "gpt-4o" in caught.value.message and "chat" in caught.value.message
+    assert caught.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+    ({"logprobs": True}, "logprobs"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"seed": "seven"}, "seed"),
+])
+def test_a_field_not_served_or_out_of_range_is_a_400_naming_it(
+        client: openai.OpenAI, fields: dict, named: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="chat", messages=user("Hi"), **fields)
+    assert caught.value.body["param"] == named and named in caught.value.message
+
+
+def test_a_remote_image_url_is_refused_without_the_flag(client: openai.OpenAI) -> None:
+    content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="chat",
+                                       messages=[{"role": "user", "content": content}])
+    assert "--allow-remote-media" in caught.value.message
+
+
+async def test_the_async_client_on_trio_with_requests_in_parallel(url: str) -> None:
+    prompts = ["Hi!", "Hello there, how are you?", "Tell me a story"]
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as client:
+        alone = [(await client.chat.completions.create(
+            model="chat", messages=user(p), **GREEDY)).choices[0].message.content
+            for p in prompts]
+        streamed: dict[int, str] = {}
+
+        async def stream(i: int) -> None:
+            chunks = await client.chat.completions.create(
+                model="chat", messages=user(prompts[i]), stream=True, **GREEDY)
+            streamed[i] = "".join([c.choices[0].delta.content or "" async for c in chunks
+                                   if c.choices])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(stream, i)
+    assert [streamed[i] for i in range(len(prompts))] == alone
+
+
+def test_a_stop_string_ends_the_reply_before_it(client: openai.OpenAI) -> None:
+    free = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                          temperature=0, max_tokens=24)
+    text = free.choices[0].message.content
+    stop = next((c for c in text[2:] if c.isascii() and c.isprintable()), None)
+    assert stop is not None, f"no ASCII character to stop at in {text!r}"
+    kept = text[:text.index(stop)]
+    whole = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                           temperature=0, max_tokens=24, stop=[stop])
+    assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (kept, "stop")
+    chunks = client.chat.completions.create(model="chat", messages=user("Go on"),
+                                            temperature=0, max_tokens=24, stop=stop,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept
+
+
+def test_a_json_schema_response_format_constrains_the_reply(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    # The tiny model's byte tokenizer: token = byte + 3. Whitespace is what the grammar allows
+    # between any two JSON tokens and what a random model then picks forever; bias it out.
+    no_space = {str(ord(c) + 3): -100 for c in " \t\r\n"}
+    reply = client.chat.completions.create(
+        model="chat", messages=user("JSON please"), temperature=0, max_tokens=64,
+        logit_bias=no_space, response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop", repr(reply.choices[0].message.content)
+    assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
+
+
+def test_the_api_description_shows_the_chat_body(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        api = http.get("/openapi.json").json()
+        assert http.get("/docs").status_code == 200
+    body = api["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert {"model", "messages", "stream", "modalities", "seed"} <= set(schema["properties"])
+    assert "$ref" not in json.dumps(schema)
