@@ -60,7 +60,7 @@ TARGET = 0.7  # omni requests/s / the constant server's, at least
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = Path(__file__).with_name("_serve_graphs.py")
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
-CHAT_MODEL = "chat"  # the dialogue file's chat graph
+CHAT_MODEL = "chat"  # the dialogue file's chat graph (a model is named after its graph)
 READY = "omni serve: http://"
 
 

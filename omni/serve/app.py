@@ -7,7 +7,8 @@ Routes:
   request's outputs as ``omni run --json`` prints them (``{"output": value}`` for a graph with
   one output). With ``"stream": true`` the answer is a server-sent event stream: one event
   ``{"output": NAME, "item": VALUE}`` per output item as it is produced, then ``[DONE]``.
-- ``GET /v1/models``: the graphs served, as OpenAI's model list.
+- ``GET /v1/models``: the graphs served, as OpenAI's model list (each with the path its
+  requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``).
 - ``POST /v1/chat/completions``, ``POST /v1/images/generations``: for graphs marked with
   them (`omni.serve.openai`).
 - ``GET /health``: ``{"status": "ok"}`` (``"draining"``, status 503, while shutting down).
@@ -87,8 +88,8 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
     @app.get("/v1/models", summary="The graphs served, as OpenAI's model list")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "omni"}
-            for name in graphs]}
+            {"id": name, "object": "model", "created": created, "owned_by": "omni",
+             "omni": {"endpoint": _endpoint(name, graph)}} for name, graph in graphs.items()]}
 
     components: dict[str, Any] = {}
     for name, graph in graphs.items():
@@ -110,6 +111,14 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
     if metrics_app is not None:  # an object, not a function: Starlette then calls it as ASGI
         app.add_route("/metrics", _Asgi(metrics_app), include_in_schema=False)
     return Guard(app, state)
+
+
+def _endpoint(name: str, graph: Graph) -> str:
+    """The path a client sends `graph`'s requests to: its OpenAI endpoint when it is marked
+    for one (`omni.serve.openai`'s mark, read by name: that package builds on this module),
+    else its own route."""
+    marked = getattr(graph, "openai_endpoint", None)
+    return f"/v1/{marked.replace('.', '/')}" if marked else f"/v1/graphs/{name}"
 
 
 class _Asgi:

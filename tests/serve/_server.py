@@ -1,69 +1,90 @@
-"""`omni serve` as a real subprocess on an OS-chosen loopback port, for the serving tests."""
+"""``omni serve`` as a real subprocess on a loopback port the OS chooses.
+
+A `Server` runs ``python -m cli serve FILE --port 0 ARGS`` in a folder of its own, its
+stderr going to a file there (a pipe nobody reads would fill and stall the server); its URL
+is read from the one line the command prints once it listens. `running` is the same as a
+context manager for a test of its own; the `serve` fixture (conftest.py) shares servers
+across a module.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests._wait import wait_until_sync
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-READY = "omni serve: http://"
+START_CAP_S = 180.0  # importing torch and building engines on a loaded 2-core machine
+STOP_CAP_S = 60.0
+_URL = re.compile(r"omni serve: (http://\S+)")
 
 
-@dataclass
 class Server:
-    """A running ``omni serve``: its URL, process and what it wrote on stderr so far."""
+    """One ``omni serve`` process and the file its stderr goes to."""
 
-    process: subprocess.Popen
-    lines: list[str] = field(default_factory=list)
-    url: str = ""
+    def __init__(self, file: str | Path, args: tuple[str, ...], folder: Path, number: int = 0,
+                 env: dict[str, str] | None = None):
+        self.log = folder / f"serve-{number}.stderr"
+        self.url = ""  # set by `running` once it listens
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            "NO_COLOR": "1", "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+        with open(self.log, "wb") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "cli", "serve", str(file), "--port", "0", *args],
+                cwd=folder, env=environment, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=err)
+
+    def wait_url(self) -> str:
+        """The URL once the server listens; fails naming its stderr if it exits first."""
+        deadline = time.monotonic() + START_CAP_S
+        while time.monotonic() < deadline:
+            match = _URL.search(self.stderr())
+            if match:
+                return match[1]
+            if self.process.poll() is not None:
+                pytest.fail(f"omni serve exited {self.process.returncode} before listening:"
+                            f"\n{self.stderr()}")
+            time.sleep(0.05)
+        pytest.fail(f"omni serve printed no URL within {START_CAP_S:g} s:\n{self.stderr()}")
 
     def stderr(self) -> str:
-        return "".join(self.lines)
+        return self.log.read_text(errors="replace")
 
-    def stop(self, signum: int = signal.SIGTERM) -> int:
-        """Send `signum` (unless it exited already) and wait for the exit; the exit code."""
+    def stop(self, signum: int = signal.SIGTERM) -> int | None:
+        """Send `signum` (unless it exited already) and wait; the exit status, or None (then
+        killed) past the cap."""
         if self.process.poll() is None:
             self.process.send_signal(signum)
         return self.wait()
 
-    def wait(self) -> int:
-        """Wait for the exit (a generous cap); the exit code."""
-        wait_until_sync(lambda: self.process.poll() is not None, "omni serve to exit")
-        return self.process.returncode
+    def wait(self) -> int | None:
+        """Wait for the exit; the status, or None (then killed) past the cap."""
+        try:
+            return self.process.wait(timeout=STOP_CAP_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
 
 
 @contextmanager
-def running(file: str | Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
-    """``omni serve FILE --port 0 ARGS...`` until the block ends (then SIGTERM, and a check
-    that it exited)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cli", "serve", str(file), "--port", "0", *args], cwd=ROOT,
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
-    server = Server(process)
-    reader = threading.Thread(target=_collect, args=(process, server.lines), daemon=True)
-    reader.start()
-    try:
-        wait_until_sync(lambda: any(READY in line for line in server.lines)
-                        or process.poll() is not None, "omni serve's startup line")
-        ready = [line for line in server.lines if READY in line]
-        assert ready, f"omni serve did not start:\n{server.stderr()}"
-        server.url = ready[0].split()[2]
-        yield server
-    finally:
-        server.stop()
-        reader.join(timeout=10)
-
-
-def _collect(process: subprocess.Popen, lines: list[str]) -> None:
-    for line in process.stderr:
-        lines.append(line)
+def running(file: str | Path, *args: str, env: dict[str, str] | None = None
+            ) -> Iterator[Server]:
+    """A server until the block ends (then SIGTERM); `server.url` is set."""
+    with tempfile.TemporaryDirectory(prefix="omni-serve-") as folder:
+        server = Server(file, args, Path(folder), env=env)
+        try:
+            server.url = server.wait_url()
+            yield server
+        finally:
+            server.stop()

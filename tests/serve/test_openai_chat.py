@@ -16,9 +16,9 @@ import pytest
 import trio
 from PIL import Image
 
-from tests.serve.conftest import REPO_ROOT
+from tests.serve._server import ROOT
 
-DIALOGUE = REPO_ROOT / "examples" / "omni_dialogue.py"
+DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 PAGE_SIZE = 16  # the example's KV page size
 GREEDY = {"temperature": 0, "max_tokens": 12}
 

@@ -26,7 +26,7 @@ from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
 from omni.serve.openai._chat_request import sampling_params
 from omni.serve.openai._media import decode_audio
-from tests.serve.conftest import REPO_ROOT
+from tests.serve._server import ROOT
 
 
 @omni.node
@@ -38,7 +38,7 @@ def test_importing_the_marks_does_not_import_torch() -> None:
     code = ("import sys, omni.serve.openai; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(REPO_ROOT)})
+                          timeout=120, env={"PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
 
 

@@ -15,9 +15,9 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.conftest import REPO_ROOT
+from tests.serve._server import ROOT
 
-IMAGES = REPO_ROOT / "examples" / "image_generation.py"
+IMAGES = ROOT / "examples" / "image_generation.py"
 PROMPT = "a red fox in snow"
 
 
@@ -32,7 +32,7 @@ def omni_run_png(tmp_path: Path, **inputs: object) -> bytes:
     args = [f"--input={k}={v}" for k, v in {**inputs, "out": out}.items()]
     done = subprocess.run([sys.executable, "-m", "cli", "run", str(IMAGES), *args],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
     return out.read_bytes()
 

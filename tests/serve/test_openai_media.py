@@ -14,9 +14,9 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.serve.conftest import REPO_ROOT
+from tests.serve._server import ROOT
 
-DIALOGUE = REPO_ROOT / "examples" / "omni_dialogue.py"
+DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 
 
 def png_bytes() -> bytes:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import REPO_ROOT
+from tests.serve._server import ROOT
 
-README = REPO_ROOT / "README.md"
+README = ROOT / "README.md"
 SECTION = "### Serve it"
 
 
@@ -27,7 +27,7 @@ def blocks(language: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def url(serve) -> str:
-    return serve(REPO_ROOT / "examples" / "omni_dialogue.py")
+    return serve(ROOT / "examples" / "omni_dialogue.py")
 
 
 def test_the_curl_example_answers_a_chat_completion(url: str) -> None:
