@@ -339,7 +339,7 @@ def _count(segments: list) -> int:
     return sum(len(s.content) if isinstance(s, Text) else s.num_positions for s in segments)
 
 
-@omni.node(concurrency=8)
+@omni.node(concurrency=16)  # a stream per reply the LLM writes at once
 class Speech:
     """The speech decoder: passes the LLM's events on and adds an `AudioChunk` after every
     `tokens_per_chunk` tokens (and after the last ones)."""
@@ -425,7 +425,7 @@ def dialogue(session: str, text: str, audio: str = "", image: str = "", out: str
 # -- the same LLM and speech decoder behind POST /v1/chat/completions (`omni serve`) ---------
 
 
-@omni.node(concurrency=8)  # concurrent requests share the engine's decode steps
+@omni.node(concurrency=16)  # as many as the engine decodes at once (its max_batch)
 class Chat:
     """The LLM for a chat client, which sends the whole conversation every turn: no session
     state here. The messages are rendered as `Dialogue` renders a session, so turn k's prompt

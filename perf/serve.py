@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -62,6 +63,7 @@ GRAPHS = Path(__file__).with_name("_serve_graphs.py")
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 CHAT_MODEL = "chat"  # the dialogue file's chat graph (a model is named after its graph)
 READY = "omni serve: http://"
+START_CAP_S = 180.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,19 +85,26 @@ class Params:
                    quick=True)
 
 
-def start(kind: str) -> tuple[subprocess.Popen, str]:
-    """A server process (`kind` "omni", "constant" or "chat") and its URL, once it listens."""
+def start(kind: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    """A server process (`kind` "omni", "constant" or "chat") and its URL, once it listens.
+
+    Its stderr goes to a file in `folder` (a pipe left unread would fill and stall it)."""
     args = {"omni": [sys.executable, "-m", "cli", "serve", str(GRAPHS), "noop", "--port", "0"],
             "constant": [sys.executable, str(GRAPHS)],
             "chat": [sys.executable, "-m", "cli", "serve", str(DIALOGUE), "--port", "0"]}[kind]
-    process = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert process.stderr is not None
-    for line in process.stderr:
-        if READY in line:
-            return process, line.split()[2]
-    raise RuntimeError(f"{kind} server did not start (exit {process.wait()})")
+    log = folder / f"{kind}.stderr"
+    with open(log, "wb") as err:
+        process = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=err,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + START_CAP_S
+    while time.monotonic() < deadline and process.poll() is None:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if READY in line]
+        if lines:
+            return process, lines[0].split()[2]
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"{kind} server did not start:\n{log.read_text(errors='replace')}")
 
 
 async def load(url: str, seconds: float, concurrency: int) -> dict[str, float]:
@@ -165,9 +174,9 @@ def _percentile_ms(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] * 1e3, 1)
 
 
-def measure_chat(params: Params) -> dict[str, Any]:
+def measure_chat(params: Params, folder: Path) -> dict[str, Any]:
     """The chat server, one warm-up chat, then `params.chats` at once; the chat claim."""
-    process, url = start("chat")
+    process, url = start("chat", folder)
     try:
         model = CHAT_MODEL
         warm = dataclasses.replace(params, chats=1)
@@ -185,8 +194,13 @@ def measure_chat(params: Params) -> dict[str, Any]:
 
 def measure(params: Params) -> dict[str, Any]:
     """The chat claim, then both overhead servers in alternating rounds; the result dict."""
-    chat = measure_chat(params)
-    servers = {kind: start(kind) for kind in ("omni", "constant")}
+    with tempfile.TemporaryDirectory(prefix="omni-perf-serve-") as folder:
+        return _measure(params, Path(folder))
+
+
+def _measure(params: Params, folder: Path) -> dict[str, Any]:
+    chat = measure_chat(params, folder)
+    servers = {kind: start(kind, folder) for kind in ("omni", "constant")}
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
     errors = 0
     try:
