@@ -34,7 +34,8 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 "--window-size=1280,800", "--autoplay-policy=no-user-gesture-required"):
+                 "--window-size=1280,800", "--autoplay-policy=no-user-gesture-required",
+                 "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(DRIVER), options=options)
     try:
@@ -87,7 +88,38 @@ def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply(browser, tmp_path:
         browser.save_screenshot(str(tmp_path / "chat.png"))
         if KEEP:
             shutil.copy(tmp_path / "chat.png", KEEP)
+        browser.find_element(By.ID, "speak").click()  # text replies again
+        prompt_tokens = [_prompt_tokens(m) for m in assistant_metas(browser)]
+        # an uploaded image, then a recorded clip (chromium's fake microphone): each adds
+        # its placeholder tokens to the prompt
+        browser.find_element(By.ID, "image-file").send_keys(str(_png(tmp_path)))
+        wait_until_sync(lambda: "image" in texts(browser, "#attached")[0], "the image attached")
+        send(browser, "What is this?")
+        wait_until_sync(lambda: len(assistant_metas(browser)) == 4, "the reply to the image")
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg.user img")
+        browser.find_element(By.ID, "record").click()
+        wait_until_sync(lambda: browser.execute_script(
+            "return recording !== null && recording.chunks.length >= 2"), "a recorded clip")
+        browser.find_element(By.ID, "record").click()
+        wait_until_sync(lambda: "audio" in texts(browser, "#attached")[0], "the clip attached")
+        send(browser, "And this?")
+        wait_until_sync(lambda: len(assistant_metas(browser)) == 5, "the reply to the clip")
+        assert not texts(browser, ".msg.error"), texts(browser, ".msg.error")
+        grown = [_prompt_tokens(m) for m in assistant_metas(browser)][len(prompt_tokens):]
+        assert grown[0] > prompt_tokens[-1] + 16 and grown[1] > grown[0] + 16, grown
         assert (tmp_path / "chat.png").stat().st_size > 10_000
+
+
+def _prompt_tokens(meta: str) -> int:
+    return int(meta.split(" prompt tokens")[0])
+
+
+def _png(folder: Path) -> Path:
+    from PIL import Image
+
+    path = folder / "square.png"
+    Image.new("RGB", (32, 32), (200, 40, 40)).save(path)
+    return path
 
 
 def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
