@@ -9,7 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omni.serve._errors import error_body
@@ -28,15 +28,15 @@ UNCOUNTED_PATHS = frozenset({"/metrics"})  # behind the key, but never refused a
 
 @dataclass
 class GuardState:
-    """What the guard counts. Why shared: the app reports it (`/health`) and the server's
-    drain waits on it."""
+    """The key, the limits and what the guard counts. Why shared: the app reports it
+    (`/health`), the server sets `draining`, and ``omni serve`` says at its stop whether
+    requests were still in flight."""
 
     api_key: str | None = None
     max_concurrency: int | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     in_flight: int = 0
     draining: bool = False
-    refused: dict[int, int] = field(default_factory=dict)  # status -> count
 
 
 class Guard:
@@ -107,7 +107,6 @@ class Guard:
 
     async def _refuse(self, send: Send, status: int, message: str,
                       headers: dict[str, str]) -> None:
-        self.state.refused[status] = self.state.refused.get(status, 0) + 1
         body = json.dumps(error_body(status, message)).encode()
         raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                *((k.encode(), v.encode()) for k, v in headers.items())]
