@@ -9,6 +9,8 @@ that the attention mask hides.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["BatchKV"]
@@ -67,16 +69,24 @@ class BatchKV:
         self._clean[new] = max(self._clean[new], length)
         return new
 
-    def write_pages(self, row: int, pages: torch.Tensor) -> None:
-        """Fill an empty row from KV pages ``[n, L, 2, P, H, D]`` (one copy per layer)."""
-        n, _, _, page_size, num_heads, head_dim = pages.shape
-        length = n * page_size
+    def write_pages(self, row: int, layer_pages: Callable[[int], torch.Tensor]) -> None:
+        """Fill an empty row from KV pages, one layer at a time: ``layer_pages(layer)`` gives
+        that layer's ``[n, 2, P, H, D]`` (e.g. `Lease.pages`); one copy per layer's K and V.
+
+        Why per layer: a gather of one layer's pages is small enough to still be in cache
+        when it is copied into the row (gathering every layer first reads and writes the whole
+        prefix twice from memory).
+        """
+        length = 0
         for layer in range(len(self.k)):
+            pages = layer_pages(layer)
+            n, _, page_size, num_heads, head_dim = pages.shape
+            length = n * page_size
             for which, buffers in enumerate((self.k, self.v)):
                 # [n, P, H, D] -> the row's [H, n * P, D] seen as [H, n, P, D]: one copy, into
                 # place (a reshape of the permuted pages would copy them once more first)
                 buffers[layer][row, :, :length].view(num_heads, n, page_size, head_dim).copy_(
-                    pages[:, layer, which].permute(2, 0, 1, 3))
+                    pages[:, which].permute(2, 0, 1, 3))
         self.lengths[row] = length
         self._clean[row] = max(self._clean[row], length)
 

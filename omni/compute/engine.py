@@ -346,16 +346,17 @@ class TorchEngine(ChatMixin):
         self._note_prefill(time.perf_counter() - began, len(ids) - start)
         self._counts["prefills"] += 1
         self._counts["prefill_tokens"] += len(ids) - start
+        logits = self.model.logits(hidden[:, -1])
+        samples = [sample for sample in r.samples if not sample.cancelled]
+        firsts = [(sample, self._first_token(sample, logits)) for sample in samples]
+        # After the first tokens, which need none of it: the row's KV, the forks' copies of
+        # it, the new pages in the store
         self._batch.extend(r.row, new_kv)
         r.length = len(ids)
         r.stored_pages = start // self.page_size
-        for fork in r.forks:
-            if not fork.cancelled:
-                self._fork(r, fork)
-        logits = self.model.logits(hidden[:, -1])
-        firsts = [(sample, self._first_token(sample, logits)) for sample in r.samples
-                  if sample.row is not None]
-        self._store_pages(r, ids)  # after the first tokens: they need not wait for it
+        for fork in samples[1:]:
+            self._fork(r, fork)
+        self._store_pages(r, ids)
         for sample, token in firsts:
             if token is None:  # max_new_tokens=0: the prompt is cached only
                 sample.finish_reason = sample.sampling.finish_reason
@@ -392,7 +393,7 @@ class TorchEngine(ChatMixin):
             return
         with lease:
             if len(lease):
-                self._batch.write_pages(r.row, lease.pages())
+                self._batch.write_pages(r.row, lease.pages)
                 r.cached_tokens = len(lease) * self.page_size
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:

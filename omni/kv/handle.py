@@ -74,11 +74,13 @@ class Lease:
         if self._released:
             raise KVLeaseError("this lease was released")
 
-    def pages(self) -> torch.Tensor:
-        """The pages as one tensor ``[n, *layout.page_shape]`` (a copy unless they happen to
-        lie in consecutive slots)."""
+    def pages(self, layer: int | None = None) -> torch.Tensor:
+        """The pages as one tensor ``[n, *layout.page_shape]``, or only `layer`'s part of
+        each, ``[n, *layout.page_shape[1:]]`` (a copy unless they happen to lie in consecutive
+        slots). Taking them a layer at a time keeps each copy small enough to stay in cache
+        for whatever the caller copies it into next."""
         self._check()
-        return self._store._top_tier().gather(self._slots)
+        return self._store._top_tier().gather(self._slots, layer)
 
     def page(self, index: int) -> torch.Tensor:
         """Page `index` itself, in the top tier (a view: valid while the lease is held)."""

@@ -41,7 +41,7 @@ def test_pages_load_into_a_row_in_token_order():
     batch = BatchKV(num_layers=2, num_kv_heads=2, head_dim=4, max_batch=1,
                     dtype=torch.float32)
     row = batch.open_row(6)
-    batch.write_pages(row, pages)
+    batch.write_pages(row, lambda layer: pages[:, layer])
     k = batch.row_kv(row, 0, 6)[1][0]  # layer 1, K: [1, H, 6, D]
     expected = pages[:, 1, 0].permute(2, 0, 1, 3).reshape(2, 6, 4)
     assert torch.equal(k[0], expected)

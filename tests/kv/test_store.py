@@ -52,6 +52,18 @@ def test_put_match_acquire_round_trip(tmp_path):
         assert store.stats()["leases"] == {"open": 0, "exported": 0, "pinned_pages": 0}
 
 
+def test_a_lease_gives_one_layer_of_its_pages_in_slot_order_or_not(tmp_path):
+    keys, pages = keys_and_pages(4)
+    with make_store(tmp_path) as store:
+        store.put(keys, pages)  # consecutive slots: each layer's pages are a view
+        with store.acquire(keys) as lease:
+            for layer in range(LAYOUT.num_layers):
+                assert torch.equal(lease.pages(layer), pages[:, layer])
+        with store.acquire([keys[2], keys[0], keys[3]]) as lease:  # not in slot order: a copy
+            assert torch.equal(lease.pages(1), pages[[2, 0, 3], 1])
+            assert torch.equal(lease.pages(), pages[[2, 0, 3]])
+
+
 def test_match_counts_the_leading_run_only(tmp_path):
     keys, pages = keys_and_pages(4)
     with make_store(tmp_path) as store:

@@ -206,20 +206,22 @@ class MemoryTier:
         self._check_slot(slot, reserved=True)
         return self.pool[slot]
 
-    def gather(self, slots: list[int]) -> torch.Tensor:
-        """The pages in `slots` as ``[n, *page_shape]``.
+    def gather(self, slots: list[int], layer: int | None = None) -> torch.Tensor:
+        """The pages in `slots` as ``[n, *page_shape]``, or only `layer`'s part of each,
+        ``[n, *page_shape[1:]]`` (the layout's first axis is the layer).
 
         A view of the pool when the slots are consecutive and ascending (writing to it changes
         the tier); otherwise a copy.
         """
         for slot in slots:
             self._check_slot(slot, reserved=True)
+        pool = self.pool if layer is None else self.pool[:, layer]
         if not slots:
-            return self.pool[:0]
+            return pool[:0]
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
-            return self.pool[first:first + len(slots)]
-        return self.pool.index_select(0, torch.tensor(slots, device=self.pool.device))
+            return pool[first:first + len(slots)]
+        return pool.index_select(0, torch.tensor(slots, device=pool.device))
 
     def close(self) -> None:
         """Drop the pool and close the arena. Idempotent; views already taken stay valid."""
