@@ -208,6 +208,14 @@ class TierManager:
         return Placement(None if tier is None else self._tiers[tier].name, slot, entry.disk,
                          entry.pins)
 
+    def in_memory(self, key: bytes, target: int) -> bool | None:
+        """Whether `promote(key, target)` would find the page already in memory at tier
+        `target` or above, with nothing to move or read (None: no such page)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        return entry.mem is not None and entry.mem[0] <= target and entry.transfer is None
+
     def resident(self, index: int) -> list[bytes]:
         """Keys in tier `index`, next victim first (the policy's order)."""
         return self._tiers[index].policy.order()

@@ -277,7 +277,9 @@ class KVStore:
 
         self._check_keys(keys)
         keys = list(keys)
-        n = await trio.to_thread.run_sync(self._prefetch_sync, keys)
+        n = self._prefetch_in_memory(keys)
+        if n is None:  # a page to read from disk or to move between tiers
+            n = await trio.to_thread.run_sync(self._prefetch_sync, keys)
         if self.peers is None or n >= len(keys):
             return n
         got = await self.peers.fetch(self, keys[n:], recompute_page_s=recompute_page_s)
@@ -286,9 +288,31 @@ class KVStore:
             self._peer_pages += got
         return n + got
 
-    def _prefetch_sync(self, keys: list[bytes]) -> int:
+    def _prefetch_target(self) -> int:
         names = self._manager.tier_names
-        target = names.index("host") if "host" in names else 0
+        return names.index("host") if "host" in names else 0
+
+    def _prefetch_in_memory(self, keys: list[bytes]) -> int | None:
+        """`_prefetch_sync` without a worker thread when the leading run's pages are already
+        where it would put them (the common case of a warm store: a thread hop then costs
+        more than the prefetch); None when some page needs a move or a disk read."""
+        manager, target = self._manager, self._prefetch_target()
+        with self._mutating():
+            self._check_open()
+            run = []
+            for key in keys:
+                ready = manager.in_memory(key, target)
+                if ready is None:
+                    break
+                if not ready:
+                    return None
+                run.append(key)
+            for key in run:
+                manager.promote(key, target)  # touches the policy and counts the hit
+        return len(run)
+
+    def _prefetch_sync(self, keys: list[bytes]) -> int:
+        target = self._prefetch_target()
         with self._emitting():
             for n, key in enumerate(keys):
                 if self._run(functools.partial(self._manager.promote, key, target)) is None:

@@ -192,6 +192,19 @@ def test_a_full_disk_drops_pages_and_keeps_serving(tmp_path, monkeypatch):
         store.put(*keys_and_pages(2, seed=1))  # more pages keep coming: still serving
 
 
+async def test_prefetch_of_pages_in_memory_counts_hits_and_stops_at_the_first_miss(tmp_path):
+    keys, pages = keys_and_pages(4)
+    with make_store(tmp_path) as store:
+        store.put(keys[:3], pages[:3])
+        hits = store.stats()["device"]["hits"]
+        assert await store.prefetch(keys) == 3  # keys[3] was never put
+        assert store.stats()["device"]["hits"] == hits + 3
+        assert await store.prefetch(keys[:1]) == 1  # touches keys[0]: keys[1] is coldest
+        store.put(*keys_and_pages(2, seed=1))  # the device tier (4 pages) evicts one
+        assert store._manager.placement(keys[1]).tier == "host"
+        assert store._manager.placement(keys[0]).tier == "device"
+
+
 async def test_prefetch_brings_disk_pages_up_off_the_event_loop(tmp_path):
     keys, pages = keys_and_pages(6)
     with make_store(tmp_path, device=2, host=4, disk=8) as store:
