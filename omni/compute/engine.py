@@ -235,7 +235,8 @@ class TorchEngine(ChatMixin):
             sample.sampling = RequestSamplingState(
                 sample.params, tokens.token_ids, context_length=self.config.max_position_embeddings,
                 eos_token_ids=self._eos_ids(), vocab_size=self.config.vocab_size,
-                constraint=constraint)
+                constraint=constraint,
+                encode=None if self.tokenizer is None else self.tokenizer.encode)
         request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
@@ -440,9 +441,11 @@ class TorchEngine(ChatMixin):
     def _finish_or_continue(self, r: _Request, token: int) -> None:
         r.output.append(token)
         text = None
-        if (r.params.stop or r.params.stop_regex) and self.tokenizer is not None:
-            # SGLang matches stop strings and regexes in the text with special tokens kept
-            text = self.tokenizer.decode(r.output, skip_special_tokens=False)
+        tail = r.sampling.stop_tail_ids()
+        if tail and self.tokenizer is not None:
+            # SGLang matches stop strings and regexes in the text of the output's last tokens
+            # only (its tail window), decoded with special tokens kept
+            text = self.tokenizer.decode(tail, skip_special_tokens=False)
         reason = r.sampling.check_stop(token, text, self._eos_ids())
         if reason is not None:
             r.finish_reason = reason
