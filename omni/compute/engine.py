@@ -171,7 +171,8 @@ class TorchEngine(ChatMixin):
 
         Raises:
             ValueError: a prompt the model cannot serve, an invalid grammar or stop_regex,
-                n above `max_batch`.
+                n above `max_batch`, stop strings or regexes on an engine without a
+                tokenizer (as SGLang without one).
             ImportError: a grammar field is set and xgrammar is not installed.
         """
         request = await self._admit(prompt, params)
@@ -223,6 +224,9 @@ class TorchEngine(ChatMixin):
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "
                              f"decodes {self.max_batch} at most (max_batch)")
+        if (params.stop or params.stop_regex) and self.tokenizer is None:
+            raise ValueError("stop and stop_regex need a tokenizer to read the output's text; "
+                             "this engine has none (stop_token_ids work without one)")
         grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
