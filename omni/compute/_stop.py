@@ -17,6 +17,7 @@ from __future__ import annotations
 import re._constants as sre_constants
 import re._parser as sre_parse
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 
 __all__ = ["UNBOUNDED_REGEX_LEN", "regex_max_length", "stop_tail_len", "stop_window"]
 
@@ -25,6 +26,7 @@ _ONE_CHARACTER = frozenset({sre_constants.LITERAL, sre_constants.IN, sre_constan
 _REPEATS = frozenset({sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT})
 
 
+@lru_cache(maxsize=1024)  # requests repeat their patterns; each is parsed once
 def regex_max_length(pattern: str) -> int:
     """The longest text `pattern` can match, in characters, as SGLang's `get_max_seq_length`
     bounds it: `UNBOUNDED_REGEX_LEN` (or more) for an unbounded repeat or an unknown construct.

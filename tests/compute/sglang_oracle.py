@@ -8,8 +8,19 @@ sampling rows through SGLang's penalizers (penaltylib, accumulated as
 ``SamplingBatchInfo.update_penalties`` does), ``SamplingBatchInfo.apply_logits_bias``, the
 temperature division and softmax of ``Sampler.forward``, and
 ``top_k_top_p_min_p_sampling_from_probs_torch``, whose source is read from the installed
-``sglang/srt/layers/sampler.py`` (that module's import pulls in GPU kernels). Prints one line
-per disagreement and a summary; exits 1 if any row disagrees.
+``sglang/srt/layers/sampler.py`` (that module's import pulls in GPU kernels); stop rows
+through ``Req.update_finish_state`` and its helpers (``tail_str``, ``_stop_match_tail_len``),
+compiled from the installed ``sglang/srt/managers/schedule_batch.py``, with the rows'
+`RowTokenizer`, comparing also the tail of output ids each side decodes; and Omni's
+`regex_max_length` against ``get_max_seq_length``. Prints one line per disagreement and a
+summary; exits 1 if any row disagrees.
+
+SGLang without its GPU stack, in a scratch folder (the modules its imports reach)::
+
+    pip install --no-deps --target /tmp/sgl sglang==0.5.23 orjson psutil pybase64 triton \
+        IPython traitlets aiohttp multidict yarl propcache aiohappyeyeballs aiosignal \
+        frozenlist partial_json_parser dill
+    PYTHONPATH=$PWD:/tmp/sgl python -m tests.compute.sglang_oracle
 """
 
 from __future__ import annotations
