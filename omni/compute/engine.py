@@ -171,7 +171,8 @@ class TorchEngine(ChatMixin):
 
         Raises:
             ValueError: a prompt the model cannot serve, an invalid grammar or stop_regex,
-                n above `max_batch`.
+                n above `max_batch`, stop strings or regexes on an engine without a
+                tokenizer (as SGLang without one).
             ImportError: a grammar field is set and xgrammar is not installed.
         """
         request = await self._admit(prompt, params)
@@ -223,6 +224,9 @@ class TorchEngine(ChatMixin):
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "
                              f"decodes {self.max_batch} at most (max_batch)")
+        if (params.stop or params.stop_regex) and self.tokenizer is None:
+            raise ValueError("stop and stop_regex need a tokenizer to read the output's text; "
+                             "this engine has none (stop_token_ids work without one)")
         grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
         keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
@@ -235,7 +239,8 @@ class TorchEngine(ChatMixin):
             sample.sampling = RequestSamplingState(
                 sample.params, tokens.token_ids, context_length=self.config.max_position_embeddings,
                 eos_token_ids=self._eos_ids(), vocab_size=self.config.vocab_size,
-                constraint=constraint)
+                constraint=constraint,
+                encode=None if self.tokenizer is None else self.tokenizer.encode)
         request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             usable = request.keys[: (len(tokens) - 1) // self.page_size]
@@ -441,9 +446,11 @@ class TorchEngine(ChatMixin):
     def _finish_or_continue(self, r: _Request, token: int) -> None:
         r.output.append(token)
         text = None
-        if (r.params.stop or r.params.stop_regex) and self.tokenizer is not None:
-            # SGLang matches stop strings and regexes in the text with special tokens kept
-            text = self.tokenizer.decode(r.output, skip_special_tokens=False)
+        tail = r.sampling.stop_tail_ids()
+        if tail and self.tokenizer is not None:
+            # SGLang matches stop strings and regexes in the text of the output's last tokens
+            # only (its tail window), decoded with special tokens kept
+            text = self.tokenizer.decode(tail, skip_special_tokens=False)
         reason = r.sampling.check_stop(token, text, self._eos_ids())
         if reason is not None:
             r.finish_reason = reason

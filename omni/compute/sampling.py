@@ -9,11 +9,12 @@ logits rewritten by a `LogitProcessor` that receives the request's `custom_param
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from omni.compute._stop import stop_tail_len, stop_window
 from omni.compute._token_batch import TokenSampler, TokenSamplingState
 from omni.compute.sampling_params import GREEDY_TEMPERATURE, FinishReason, SamplingParams
 
@@ -93,7 +94,8 @@ class RequestSamplingState:
 
     Why: penalties need the tokens sampled so far; reproducible sampling needs a generator only
     this request draws from, so its tokens do not depend on the rest of the batch; stop checks
-    need the parameters, the EOS ids and the constraint. Batches come and go around it
+    need the parameters, the EOS ids, the constraint and the size of the tail window in which
+    stop strings and regexes are looked for. Batches come and go around it
     (`TokenSamplingState`).
 
     Args:
@@ -106,6 +108,8 @@ class RequestSamplingState:
         context_length: the model's context: the request ends with "length" once prompt and
             output fill it (SGLang's bound, which also gives `max_new_tokens=None` its end).
         vocab_size: the model's vocabulary, for SGLang's `verify(vocab_size)` checks.
+        encode: the tokenizer's text -> ids: a stop string's length in tokens sizes the tail
+            window (`stop_tail_ids`); None: its length in characters, as SGLang without one.
 
     Raises:
         ValueError: `params` fails `params.verify(vocab_size)` (a logit_bias token id outside
@@ -115,9 +119,13 @@ class RequestSamplingState:
     def __init__(self, params: SamplingParams, prompt_token_ids: Iterable[int] = (), *,
                  eos_token_ids: Iterable[int] = (), constraint: TokenConstraint | None = None,
                  logit_processor: LogitProcessor | None = None,
-                 context_length: int | None = None, vocab_size: int | None = None) -> None:
+                 context_length: int | None = None, vocab_size: int | None = None,
+                 encode: Callable[[str], Sequence[int]] | None = None) -> None:
         if vocab_size is not None:
             params.verify(vocab_size)
+        # the most output tokens a stop check decodes (0: the request has no stop text)
+        self.stop_window = stop_window(params.stop, params.stop_regex,  # type: ignore[arg-type]
+                                       encode)
         self.params = params
         self.prompt_token_ids: tuple[int, ...] = tuple(int(t) for t in prompt_token_ids)
         self.eos_token_ids: frozenset[int] = frozenset(int(t) for t in eos_token_ids)
@@ -160,18 +168,31 @@ class RequestSamplingState:
             self._uniforms = draws.tolist()[::-1]
         return self._uniforms.pop()
 
-    def check_stop(self, new_token: int, text_so_far: str | None = None,
+    def stop_tail_ids(self) -> list[int]:
+        """The output ids whose text a stop check searches (SGLang's `Req.tail_str`): the
+        last ``max(stop_str_max_len, stop_regex_max_len) + 1``, or all while the output is
+        shorter; none when the request has no stop strings or regexes. Decoding only these
+        keeps a step's cost independent of the output's length (unless a regex is unbounded,
+        which makes the window the whole output, as in SGLang)."""
+        if not self.stop_window:
+            return []
+        return self.output_token_ids[-stop_tail_len(self.stop_window,
+                                                    len(self.output_token_ids)):]
+
+    def check_stop(self, new_token: int, tail_text: str | None = None,
                    eos_token_ids: Collection[int] = ()) -> FinishReason | None:
         """Whether the request ends after `new_token` (already recorded by `TokenSampler.step`).
 
         In SGLang's order (`Req.update_finish_state`): "stop" for a stop string, then a stop
-        regex, found in `text_so_far` (each list in its order); "stop" for a stop token id or
-        an EOS id (the constructor's and `eos_token_ids`), both ignored with `ignore_eos`;
-        "length" once max_new_tokens tokens were generated or prompt and output fill
-        `context_length`; "stop" once the constraint is terminated; else None. Sets
-        `finish_reason` and `matched_stop` (the string, the regex or the token id).
+        regex (`re.search`), found in `tail_text`, the text of `stop_tail_ids()` with special
+        tokens kept (each list in its order; `min_new_tokens` does not hold them back);
+        "stop" for a stop token id or an EOS id (the constructor's and `eos_token_ids`), both
+        ignored with `ignore_eos`; "length" once max_new_tokens tokens were generated or
+        prompt and output fill `context_length`; "stop" once the constraint is terminated;
+        else None. Sets `finish_reason` and `matched_stop` (the string, the regex or the
+        token id). `tail_text` None: no text to search (no tokenizer).
         """
-        reason, matched = self._check_text(text_so_far)
+        reason, matched = self._check_text(tail_text)
         if reason is None:
             reason, matched = self._check_token(new_token, eos_token_ids)
         self.finish_reason, self.matched_stop = reason, matched
@@ -194,6 +215,8 @@ class RequestSamplingState:
         return None, None
 
     def _check_text(self, text: str | None) -> tuple[FinishReason | None, str | None]:
+        """SGLang's `Req._check_str_based_finish` for one new token: every stop string,
+        then every regex, in the tail's text."""
         if text is None:
             return None, None
         stop: tuple[str, ...] = self.params.stop  # type: ignore[assignment]

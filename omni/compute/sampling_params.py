@@ -199,7 +199,8 @@ class SamplingParams:
     `repetition_penalty` in (0, 2] divides positive and multiplies negative logits of tokens in
     the output; `frequency_penalty` / `presence_penalty` in [-2, 2] are subtracted per
     occurrence in the output / once; `logit_bias` {token id string: bias} is added to the
-    logits; `stop` / `stop_regex` (tuples, at most 32 each, regexes at most 256 bytes) and
+    logits; `stop` / `stop_regex` (tuples, at most 32 each, regexes at most 256 bytes; found
+    in SGLang's tail window of the output, `RequestSamplingState.stop_tail_ids`) and
     `stop_token_ids` (a frozenset) end the request, and `ignore_eos` ignores EOS and
     `stop_token_ids` alike (as SGLang); `n` samples per prompt; at most one of `json_schema`,
     `regex`, `ebnf`, `structural_tag` constrains the output; `skip_special_tokens`,

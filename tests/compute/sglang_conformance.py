@@ -6,7 +6,9 @@ them (``sglang``), Omni's decision where Omni is stricter (``omni``, listed in t
 `SamplingParams` docstring), and normalised values both must show (``values``; a top_k of -1
 is SGLang's TOP_K_ALL).
 
-`STOP_ROWS`: when a request ends (``reason``, ``matched``) after its last output token.
+`STOP_ROWS`: when a request ends (``reason``, ``matched``) after its last output token, the
+output being `RowTokenizer` ids (bytes, and merges that make a stop string fewer tokens than
+its bytes): stop strings and regexes are searched in SGLang's tail window only.
 
 `SAMPLING_ROWS`: logits (or probabilities, whose float32 logs are the logits), the request's
 params, prompt, output so far and EOS ids, and SGLang's result: ``scores``, the logits after
@@ -235,18 +237,56 @@ SAMPLING_ROWS: list[dict[str, Any]] = [
 ]
 
 
-FINISH = "sglang/srt/managers/schedule_batch.py:Req.update_finish_state"
+SB = "sglang/srt/managers/schedule_batch.py"
+FINISH = f"{SB}:Req.update_finish_state"
+TAIL = f"{SB}:Req.tail_str (Req._stop_match_tail_len: the last max_len + 1 tokens)"
+STOP_STR_LEN = f"{NORMALIZE} (stop_str_max_len: len(tokenizer.encode(stop)))"
+MAX_SEQ_LEN = f"{SP}:get_max_seq_length (unbounded: MAX_LEN = 2**30)"
+
+
+class RowTokenizer:
+    """The stop rows' tokenizer: ids 0-255 are bytes, ids 256 on the `MERGES`, each one token
+    for a longer text (as a BPE merge is).
+
+    Why: a stop string's length in tokens (by `encode`, which prefers the longest merge)
+    sizes SGLang's tail window, so rows need stop strings shorter in tokens than in the
+    output's bytes. `decode` replaces broken UTF-8, as a byte-level BPE tokenizer does.
+    """
+
+    MERGES = ("abc", "ca")
+    vocab_size = 256 + len(MERGES)
+    eos_token_id = None  # what SGLang's Req reads besides encode / decode
+    additional_stop_token_ids = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        data, ids, at = text.encode("utf-8"), [], 0
+        merges = sorted(enumerate(self.MERGES), key=lambda m: -len(m[1]))
+        while at < len(data):
+            merge = next((i for i, m in merges if data.startswith(m.encode(), at)), None)
+            ids.append(data[at] if merge is None else 256 + merge)
+            at += 1 if merge is None else len(self.MERGES[merge])
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False,
+               spaces_between_special_tokens: bool = True) -> str:
+        data = b"".join(bytes([i]) if i < 256 else self.MERGES[i - 256].encode() for i in ids)
+        return data.decode("utf-8", errors="replace")
+
+
+ABC, CA = 256, 257  # RowTokenizer's merges
 
 
 def _stop(output: bytes | list[int], reason: str | None, matched: int | str | None = None, *,
-          eos: tuple[int, ...] = (), terminated: bool = False, **params: Any) -> dict[str, Any]:
+          eos: tuple[int, ...] = (), terminated: bool = False, source: str = FINISH,
+          **params: Any) -> dict[str, Any]:
     return {"params": params, "output": list(output), "eos": list(eos),
-            "terminated": terminated, "reason": reason, "matched": matched, "source": FINISH}
+            "terminated": terminated, "reason": reason, "matched": matched, "source": source}
 
 
-# `output` is token ids that are bytes (the text is their UTF-8 decoding); one check after the
-# last token, as SGLang runs it after each decode step. In SGLang's order: stop strings (list
-# order), stop regexes, stop/EOS ids (ignore_eos ignores both), length, a terminated grammar.
+# `output` is RowTokenizer ids (bytes, and ABC / CA); one check after the last token, as SGLang
+# runs it after each decode step. In SGLang's order: stop strings (list order), stop regexes,
+# stop/EOS ids (ignore_eos ignores both), length, a terminated grammar. Strings and regexes are
+# searched in the text of the last max(stop_str_max_len, stop_regex_max_len) + 1 tokens only.
 STOP_ROWS: list[dict[str, Any]] = [
     _stop(b"ab\nEND", "stop", "END", stop=["END", "\n"]),
     _stop(b"ab12", "stop", "[0-9]{2}", stop_regex=["[0-9]{2}"]),
@@ -262,6 +302,31 @@ STOP_ROWS: list[dict[str, Any]] = [
     _stop(b"a", "stop", 97, terminated=True),
     _stop(b"a", "length", None, terminated=True, max_new_tokens=1),
     _stop(b"a\x02", "stop", 2, eos=(2,), terminated=True),
+    # min_new_tokens masks tokens when sampling; the finish check does not read it
+    _stop(b"xEND", "stop", "END", stop=["END"], min_new_tokens=8),
+    _stop(b"x12", "stop", "[0-9]{2}", stop_regex=["[0-9]{2}"], min_new_tokens=8),
+    _stop(b"x\x02", "stop", 2, eos=(2,), min_new_tokens=8),
+    # an anchor sees the window's start: ^foo bounds 3 characters, the window is 4 tokens
+    _stop(b"xfoo!", "stop", "^foo", stop_regex=["^foo"], source=TAIL),
+    _stop(b"xfoo!", "stop", r"\Afoo", stop_regex=[r"\Afoo"], source=TAIL),
+    _stop(b"axfoo", "stop", r"\bxfo", stop_regex=[r"\bxfo"], source=TAIL),
+    _stop(b"xfoo", None, None, stop_regex=["^foo"], source=TAIL),
+    # a match that needs text before the window is not found
+    _stop(b"abcd", None, None, stop_regex=["^ab"], source=TAIL),
+    _stop("\u00e9\u00e9".encode(), None, None, stop_regex=["\u00e9\u00e9"], source=TAIL),
+    # an unbounded regex makes the window the whole output, for the stop strings too
+    _stop(b"xyzab", "stop", "^x.*b", stop_regex=["^x.*b"], source=MAX_SEQ_LEN),
+    _stop(b"xfoo!", None, None, stop_regex=["^foo", "z+"], source=MAX_SEQ_LEN),
+    _stop(b"abcdef", "stop", "^a[^x]", stop_regex=["^a[^x]"], source=MAX_SEQ_LEN),
+    _stop(b"abcdef", None, None, stop_regex=["^a[b]"], source=MAX_SEQ_LEN),
+    _stop(b"ENDxyzw", None, None, stop=["END"], source=TAIL),
+    _stop(b"ENDxyzw", "stop", "END", stop=["END"], stop_regex=["q+"], source=MAX_SEQ_LEN),
+    # a stop string's tokens by encode size the window: "cat" is 2 (ca, t), "abc" is 1
+    _stop([*b"xy", CA, *b"t"], "stop", "cat", stop=["cat"], source=STOP_STR_LEN),
+    _stop(b"xabc", None, None, stop=["abc"], source=STOP_STR_LEN),
+    _stop([*b"x", ABC], "stop", "abc", stop=["abc"], source=STOP_STR_LEN),
+    _stop(b"xabc", "stop", "abc", stop=["abc"], stop_regex=["[0-9]{3}"], source=STOP_STR_LEN),
+    _stop(b"xabc1", "stop", "[0-9]", stop=["abc"], stop_regex=["[0-9]"], source=TAIL),
 ]
 
 

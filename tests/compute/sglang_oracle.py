@@ -8,8 +8,19 @@ sampling rows through SGLang's penalizers (penaltylib, accumulated as
 ``SamplingBatchInfo.update_penalties`` does), ``SamplingBatchInfo.apply_logits_bias``, the
 temperature division and softmax of ``Sampler.forward``, and
 ``top_k_top_p_min_p_sampling_from_probs_torch``, whose source is read from the installed
-``sglang/srt/layers/sampler.py`` (that module's import pulls in GPU kernels). Prints one line
-per disagreement and a summary; exits 1 if any row disagrees.
+``sglang/srt/layers/sampler.py`` (that module's import pulls in GPU kernels); stop rows
+through ``Req.update_finish_state`` and its helpers (``tail_str``, ``_stop_match_tail_len``),
+compiled from the installed ``sglang/srt/managers/schedule_batch.py``, with the rows'
+`RowTokenizer`, comparing also the tail of output ids each side decodes; and Omni's
+`regex_max_length` against ``get_max_seq_length``. Prints one line per disagreement and a
+summary; exits 1 if any row disagrees.
+
+SGLang without its GPU stack, in a scratch folder (the modules its imports reach)::
+
+    pip install --no-deps --target /tmp/sgl sglang==0.5.23 orjson psutil pybase64 triton \
+        IPython traitlets aiohttp multidict yarl propcache aiohappyeyeballs aiosignal \
+        frozenlist partial_json_parser dill
+    PYTHONPATH=$PWD:/tmp/sgl python -m tests.compute.sglang_oracle
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from tests.compute.sglang_conformance import (
     SAMPLING_ROWS,
     STOP_ROWS,
     VOCAB_SIZE,
+    RowTokenizer,
     expected_distribution,
     row_logits,
 )
@@ -258,11 +270,6 @@ def load_finish_check() -> type:
     return namespace["Req"]
 
 
-class _ByteTokenizer(_Tokenizer):
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8")
-
-
 class _Grammar:
     def __init__(self, terminated: bool):
         self.terminated = terminated
@@ -272,23 +279,55 @@ class _Grammar:
 
 
 def check_stop_row(row: dict[str, Any], req_class: type) -> list[str]:
-    """Disagreements between the row's finish and SGLang's `Req.update_finish_state`."""
+    """Disagreements between the row's finish and SGLang's `Req.update_finish_state` (which
+    searches the text of `Req.tail_str`), and between the tail window Omni decodes and
+    SGLang's `_stop_match_tail_len`."""
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    from omni.compute.sampling import RequestSamplingState
+    from omni.compute.sampling import SamplingParams as OmniParams
+
     sp = SamplingParams(**row["params"])
-    sp.normalize(_ByteTokenizer())
+    sp.normalize(RowTokenizer())
     req = req_class()
-    req.sampling_params, req.output_ids, req.eos_token_ids = sp, row["output"], set(row["eos"])
-    req.tokenizer, req.decoded_text, req.vocab_size = _ByteTokenizer(), "", 256
+    req.sampling_params, req.output_ids = sp, list(row["output"])
+    req.eos_token_ids, req.tokenizer = set(row["eos"]), RowTokenizer()
+    req.decoded_text, req.vocab_size = "", RowTokenizer.vocab_size
     req.finished_reason = req.finished_len = req.to_finish = None
     req.grammar = _Grammar(row["terminated"])
+    has_text = bool(sp.stop_strs or sp.stop_regex_strs)
+    sglang_tail = req.output_ids[-req._stop_match_tail_len(1):] if has_text else []
     req.update_finish_state(1)
     finish = req.finished_reason
     reason = None if finish is None else "length" if hasattr(finish, "length") else "stop"
     matched = getattr(finish, "matched", None)
-    if (reason, matched) == (row["reason"], row["matched"]):
-        return []
-    return [f"SGLang finishes with {reason!r} matching {matched!r}"]
+    problems = [] if (reason, matched) == (row["reason"], row["matched"]) else [
+        f"SGLang finishes with {reason!r} matching {matched!r}"]
+    omni = RequestSamplingState(OmniParams(**row["params"]), encode=RowTokenizer().encode)
+    omni.output_token_ids.extend(row["output"])
+    if omni.stop_tail_ids() != sglang_tail:
+        problems.append(f"SGLang decodes {sglang_tail}, Omni {omni.stop_tail_ids()}")
+    return problems
+
+
+# patterns whose bound differs by construct: anchors, repeats, branches, and what SGLang's
+# get_max_seq_length does not know (NOT_LITERAL, lookarounds, atomic groups, backreferences)
+REGEX_LENGTH_PATTERNS = ("^foo", r"\Afoo\Z", r"\bx\B", "a+", "a*?", ".*x", "a{2,5}", "a{3}",
+                         "(a|bc){3}", "a|bcd", "(?:ab)+", "[^a]", r"\d\w\s", "(?<=a)b",
+                         "(?!a)b", "(?>ab)", "a*+", r"(a)\1", "(?i)abc", "\u00e9\u00e9")
+
+
+def check_regex_lengths() -> list[str]:
+    """Omni's `regex_max_length` against SGLang's `get_max_seq_length`, for the stop rows'
+    regexes and `REGEX_LENGTH_PATTERNS`."""
+    from sglang.srt.sampling.sampling_params import get_max_seq_length
+
+    from omni.compute._stop import regex_max_length
+
+    patterns = {p for row in STOP_ROWS for p in row["params"].get("stop_regex", ())}
+    return [f"regex {p!r}: SGLang bounds it {get_max_seq_length(p)}, Omni "
+            f"{regex_max_length(p)}" for p in sorted(patterns | set(REGEX_LENGTH_PATTERNS))
+            if get_max_seq_length(p) != regex_max_length(p)]
 
 
 def random_param_dicts(count: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -333,11 +372,13 @@ def run(num_random: int = 300) -> tuple[int, list[str]]:
         failures += [f"random row {i} {row['params']}: {p}"
                      for p in check_random_row(row, sampler)]
     for row in STOP_ROWS:
-        label = f"stop {bytes(row['output'])!r} {row['params']}"
+        label = f"stop {RowTokenizer().decode(row['output'])!r} {row['params']}"
         failures += [f"{label}: {p}" for p in check_stop_row(row, req_class)]
+    failures += check_regex_lengths()
     for params in random_param_dicts(num_random):
         failures += [f"random params {params!r}: {p}" for p in check_random_params(params)]
-    return len(PARAM_ROWS) + len(SAMPLING_ROWS) + len(STOP_ROWS) + 2 * num_random, failures
+    checked = len(PARAM_ROWS) + len(SAMPLING_ROWS) + len(STOP_ROWS) + 2 * num_random
+    return checked, failures
 
 
 def main() -> int:

@@ -236,18 +236,25 @@ async def test_n_samples_with_a_store_put_each_sample_s_pages(engine, reference)
         assert again.token_ids == (await reference.generate(follow_up, GREEDY)).token_ids
 
 
-def first_match(token_ids, found) -> int:
-    """The fewest leading tokens whose text (special tokens kept) satisfies `found`."""
+def first_match(token_ids, found, window: int) -> int:
+    """The fewest leading tokens after which the text of the last `window` of them (special
+    tokens kept: SGLang's tail window) satisfies `found`."""
     tok = ByteTokenizer()
     return next(k for k in range(1, len(token_ids) + 1)
-                if found(tok.decode(token_ids[:k], skip_special_tokens=False)))
+                if found(tok.decode(token_ids[max(0, k - window):k], skip_special_tokens=False)))
+
+
+def ascii_pair(token_ids) -> int:
+    """The first index of two tokens in a row that are each one printable ASCII character."""
+    printable = [35 <= t < 130 for t in token_ids]  # ByteTokenizer: byte + 3
+    return next(i for i in range(len(token_ids) - 1) if printable[i] and printable[i + 1])
 
 
 async def test_stop_regex_ends_at_the_token_that_completes_the_match(reference):
     free = (await reference.generate("regex stops", GREEDY)).token_ids
     tok = ByteTokenizer()
-    pattern = "(?:" + re.escape(tok.decode(free[:8])[-2:]) + ")"
-    k = first_match(free, lambda text: re.search(pattern, text))
+    pattern = "(?:" + re.escape(tok.decode(free[:8])[-2:]) + ")"  # 2 characters: 3 tokens
+    k = first_match(free, lambda text: re.search(pattern, text), window=3)
     stopped = await reference.generate("regex stops", SamplingParams(
         max_new_tokens=12, temperature=0, ignore_eos=True, stop_regex=[r"\A\Z", pattern]))
     assert stopped.finish_reason == "stop" and stopped.token_ids == free[:k]
@@ -266,8 +273,10 @@ async def test_no_stop_trim_keeps_the_stop_token_and_the_stop_string(reference):
                                                                    no_stop_trim=True))
     assert trimmed.token_ids == kept.token_ids == free[:k]
     assert (trimmed.text, kept.text) == (tok.decode(free[:k - 1]), tok.decode(free[:k]))
-    stop = tok.decode(free[:7])[-2:]
-    k = first_match(free, lambda text: stop in text)
+    at = ascii_pair(free)
+    stop = tok.decode(free[at:at + 2])  # 2 tokens by encode: a window of 3
+    k = first_match(free, lambda text: stop in text, window=3)
+    assert k <= at + 2
     text = tok.decode(free[:k])
     at = text.find(stop)
     by_string = dict(max_new_tokens=12, temperature=0, stop=stop)

@@ -31,6 +31,15 @@ def test_output_text_trims_the_matched_stop_as_sglang(matched, no_stop_trim, tex
     assert output_text(Recorder(), [1, 2, 3, 4], params, matched) == text
 
 
+def test_a_stop_string_matched_in_the_tail_window_cuts_at_its_first_occurrence():
+    """The tail window may find a stop string whose earlier occurrence it missed (a stop
+    string spanning more tokens than the window, or one across a byte-level character):
+    SGLang's detokenizer cuts at the first occurrence in the whole text (`str.find`)."""
+    ids = [7, 1, 2, 8, 1, 2, 9]  # "7.1.2.8.1.2.9": the window saw the second "1.2"
+    assert output_text(Recorder(), ids, SamplingParams(), "1.2") == "7."
+    assert output_text(Recorder(), ids, SamplingParams(no_stop_trim=True), "1.2") == "7.1.2"
+
+
 def test_output_text_passes_the_decode_options():
     tokenizer = Recorder()
     params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)

@@ -15,6 +15,7 @@ from tests.compute.sglang_conformance import (
     SAMPLING_ROWS,
     STOP_ROWS,
     VOCAB_SIZE,
+    RowTokenizer,
     expected_distribution,
     row_logits,
 )
@@ -86,12 +87,31 @@ class _Terminated:
         return True
 
 
-@pytest.mark.parametrize("row", STOP_ROWS, ids=lambda r: f"{bytes(r['output'])!r}-{r['params']}")
+def _stop_row_id(row: dict) -> str:
+    return f"{RowTokenizer().decode(row['output'])!r}-{row['params']}"
+
+
+@pytest.mark.parametrize("row", STOP_ROWS, ids=_stop_row_id)
 def test_stop_row_ends_the_request_as_sglang_does(row):
+    """The finish, searching stop strings and regexes in the text of the tail window only."""
     constraint = _Terminated() if row["terminated"] else None
+    tokenizer = RowTokenizer()
     request = RequestSamplingState(SamplingParams(**row["params"]), eos_token_ids=row["eos"],
-                                   constraint=constraint)
+                                   constraint=constraint, encode=tokenizer.encode)
     request.output_token_ids.extend(row["output"])
-    text = bytes(row["output"]).decode("utf-8")
+    tail = request.stop_tail_ids()
+    text = tokenizer.decode(tail) if tail else None
     assert request.check_stop(row["output"][-1], text) == row["reason"]
     assert request.matched_stop == row["matched"]
+
+
+def test_the_stop_rows_cover_the_tail_window():
+    """Rows where the window's text and the whole output's text disagree, both ways."""
+    tokenizer, disagree = RowTokenizer(), {"stop": 0, None: 0}
+    for row in STOP_ROWS:
+        request = RequestSamplingState(SamplingParams(**row["params"]), eos_token_ids=row["eos"])
+        request.output_token_ids.extend(row["output"])
+        whole = request.check_stop(row["output"][-1], tokenizer.decode(row["output"]))
+        if whole != row["reason"]:
+            disagree[row["reason"]] += 1
+    assert disagree["stop"] >= 3 and disagree[None] >= 3, disagree

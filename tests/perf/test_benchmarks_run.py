@@ -162,3 +162,15 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
     assert claim["errors"] == 0 and claim["exit_codes"] == {"omni": 0, "constant": 0}
     assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
     assert abs(claim["ratio"] - claim["measured"]["median"] / claim["baseline"]["median"]) < 0.01
+
+
+def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):
+    """perf/stop_window.py --quick: per tokenizer, the stop check's cost with SGLang's tail
+    window and with the whole output, at every output length."""
+    report = run_quick("perf/stop_window.py", tmp_path)
+    assert [c["tokenizer"] for c in report["claims"]] == ["byte", "bpe"]
+    for claim in report["claims"]:
+        assert [case["length"] for case in claim["cases"]] == report["params"]["lengths"]
+        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
+        assert isinstance(claim["pass"], bool) and claim["target"] == 1.5
+    assert report["all_pass"] == all(c["pass"] for c in report["claims"])
