@@ -41,7 +41,7 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
-              "footprint", "transport", "cluster", "payloads", "soak", "serve")
+              "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -538,6 +538,16 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} requests/s)",
           lambda k: (f"the same app and server answering a constant: "
                      f"{fig(med(k.c['baseline']))} requests/s")),
+    Known("stop_window", "claims[*]",
+          lambda k: (f"a decode step's stop check ({k.c['tokenizer']} tokenizer): SGLang's "
+                     f"tail window, {k.c['cases'][0]['length']:,} vs "
+                     f"{k.c['cases'][-1]['length']:,} output tokens"),
+          lambda k: f"≤ {k.c['target']:g}× (flat in the output's length)",
+          lambda k: (f"{x(k.c['ratio'])} ({med(k.c['window_at_shortest']):.2g} → "
+                     f"{med(k.c['measured']):.2g} µs)"),
+          lambda k: (f"the whole output decoded and searched at "
+                     f"{k.c['cases'][-1]['length']:,} tokens: {fig(med(k.c['baseline']))} µs "
+                     f"({k.c['speedup_at_longest']:g}× the window)")),
 )
 
 PLOTS = {  # what each benchmark's --plot draws
@@ -557,6 +567,8 @@ PLOTS = {  # what each benchmark's --plot draws
     "payloads": "payload calls, TCP path, call and pipeline latency, throughput: Omni vs Ray "
                 "(and vs one copy, raw pyzmq); peak RSS with 1 GiB payloads",
     "serve": "requests/s through /v1/graphs on a no-op graph vs the bare server stack",
+    "stop_window": "µs per stop check at the longest output: SGLang's tail window vs the "
+                   "whole output",
 }
 
 

@@ -33,7 +33,15 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
 
 from omni.compute.sampling import RequestSamplingState, SamplingParams
 from omni.compute.tokenizer import ByteTokenizer, HFTokenizer
-from perf._common import alternate, claim, environment, params_from, time_call, write_json
+from perf._common import (
+    alternate,
+    claim,
+    environment,
+    params_from,
+    plot_bars,
+    time_call,
+    write_json,
+)
 
 __all__ = ["Params", "main", "measure"]
 
@@ -135,11 +143,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=None, help="samples per case")
     parser.add_argument("--out", help="also write the JSON here (folders are created)")
+    parser.add_argument("--plot", help="PNG: µs per check at the longest output, window vs "
+                                       "whole output, per tokenizer")
     args = parser.parse_args(argv)
     params = params_from(args, Params)
     with tempfile.TemporaryDirectory() as folder:
         tokenizers = {"byte": ByteTokenizer(), "bpe": bpe_tokenizer(Path(folder), params.seed)}
-        results = claims(measure(params, tokenizers))
+        measured = measure(params, tokenizers)
+        results = claims(measured)
+    if args.plot:
+        longest = params.lengths[-1]
+        plot_bars(args.plot, f"one stop check at {longest:,} output tokens", [
+            (f"{name} tokenizer", "µs per check",
+             {"tail window": cases[-1]["window"], "whole output": cases[-1]["whole"]})
+            for name, cases in measured.items()])
     report = {"benchmark": "stop_window", "environment": environment(),
               "params": {"lengths": list(params.lengths), "steps": params.steps,
                          "repeats": params.repeats},
