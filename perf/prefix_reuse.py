@@ -67,7 +67,7 @@ class Params:
     """The sizes of one run (`quick` shrinks them for a smoke run)."""
 
     seed: int = 0
-    repeats: int = 3
+    repeats: int = 7  # per turn, the median of 7 paired ratios: one pair varies by +-30% here
     turns: int = 8
     user_tokens: int = 200
     reply_tokens: int = 48
