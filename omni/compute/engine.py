@@ -352,7 +352,9 @@ class TorchEngine(ChatMixin):
         self._counts["prefills"] += 1
         self._counts["prefill_tokens"] += len(ids) - start
         logits = self.model.logits(hidden[:, -1])
-        samples = [sample for sample in r.samples if not sample.cancelled]
+        # the lead has its row whatever happens now; a fork cancelled before it got one
+        # needs none (a cancel arriving later is dropped at the next step's start)
+        samples = [r, *(fork for fork in r.forks if not fork.cancelled)]
         firsts = [(sample, self._first_token(sample, logits)) for sample in samples]
         # After the first tokens, which need none of it: the row's KV, the forks' copies of
         # it, the new pages in the store

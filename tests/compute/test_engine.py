@@ -1,11 +1,13 @@
 """TorchEngine: reused KV gives the recomputed tokens exactly; batching, streaming, bad input."""
 
 import re
+import threading
 
 import numpy as np
 import pytest
 import torch
 import trio
+import trio.testing
 
 from omni.compute.engine import TorchEngine
 from omni.compute.models import save_pretrained, tiny_model
@@ -150,6 +152,42 @@ async def test_cancelling_one_request_leaves_the_others_running(engine, referenc
             await long_one()
     assert done["short"].token_ids == (await reference.generate("short", GREEDY)).token_ids
     assert engine._running == []
+
+
+async def test_a_request_cancelled_while_its_step_prefills_it_leaves_the_engine_serving(
+        reference, monkeypatch):
+    """Two requests start in one step: the first drives it (its task waits for the worker
+    thread), the second is parked, so a cancel reaches the second while the step prefills it.
+    Its row must still get its first token (or the step's decode finds a row without one)."""
+    entered, release = threading.Event(), threading.Event()
+    forward, prefills = reference.model.forward, []
+
+    def gated(hidden, positions, past=None, mask=None):
+        if hidden.shape[1] > 1:
+            prefills.append(hidden.shape[1])
+            if len(prefills) == 2:  # the second request's prefill
+                entered.set()
+                release.wait(60)
+        return forward(hidden, positions, past, mask)
+
+    monkeypatch.setattr(reference.model, "forward", gated)
+    scopes = [trio.CancelScope(), trio.CancelScope()]
+
+    async def request(i: int) -> None:
+        with scopes[i]:
+            await reference.generate(f"request number {i}", GREEDY)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(request, i)
+        await trio.to_thread.run_sync(entered.wait, 60)
+        for scope in scopes:
+            scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()  # the parked request has taken its cancel
+        release.set()
+    assert len(prefills) == 2
+    after = await reference.generate("request number 0", GREEDY)  # its step drops theirs
+    assert len(after.token_ids) == GREEDY.max_new_tokens and reference._running == []
 
 
 async def test_sampling_is_reproducible_with_a_seed(reference):
