@@ -295,10 +295,14 @@ class KVStore:
     def _prefetch_in_memory(self, keys: list[bytes]) -> int | None:
         """`_prefetch_sync` without a worker thread when the leading run's pages are already
         where it would put them (the common case of a warm store: a thread hop then costs
-        more than the prefetch); None when some page needs a move or a disk read."""
-        manager, target = self._manager, self._prefetch_target()
-        with self._mutating():
+        more than the prefetch). None when some page needs a move or a disk read, or when
+        another thread holds the store: the caller's event loop never waits for the lock.
+        (Nothing here changes a placement, so there is nothing to tell the listeners.)"""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             self._check_open()
+            manager, target = self._manager, self._prefetch_target()
             run = []
             for key in keys:
                 ready = manager.in_memory(key, target)
@@ -309,7 +313,9 @@ class KVStore:
                 run.append(key)
             for key in run:
                 manager.promote(key, target)  # touches the policy and counts the hit
-        return len(run)
+            return len(run)
+        finally:
+            self._lock.release()
 
     def _prefetch_sync(self, keys: list[bytes]) -> int:
         target = self._prefetch_target()

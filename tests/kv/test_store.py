@@ -3,6 +3,7 @@
 import errno
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -203,6 +204,38 @@ async def test_prefetch_of_pages_in_memory_counts_hits_and_stops_at_the_first_mi
         store.put(*keys_and_pages(2, seed=1))  # the device tier (4 pages) evicts one
         assert store._manager.placement(keys[1]).tier == "host"
         assert store._manager.placement(keys[0]).tier == "device"
+
+
+async def test_prefetch_never_waits_on_the_event_loop_for_another_thread_s_store_work(
+        tmp_path):
+    keys, pages = keys_and_pages(3)
+    with make_store(tmp_path) as store:
+        store.put(keys, pages)
+        ticks = 0
+        holding, done = threading.Event(), threading.Event()
+
+        def busy_store() -> None:  # another thread inside the store (a long put, say)
+            with store._lock:
+                holding.set()
+                done.wait(30)
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                if ticks == 50:
+                    done.set()
+                await trio.sleep(0)
+
+        thread = threading.Thread(target=busy_store)
+        thread.start()
+        holding.wait(30)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ticker)
+            assert await store.prefetch(keys) == 3  # waited in a worker thread
+            nursery.cancel_scope.cancel()
+        thread.join()
+        assert ticks >= 50  # the event loop ran while the other thread held the store
 
 
 async def test_prefetch_brings_disk_pages_up_off_the_event_loop(tmp_path):
