@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.compute.models._attention import attend
+from omni.compute.models._linear import Linear
 from omni.compute.models.config import DecoderConfig
 
 __all__ = ["MLP", "Attention", "DecoderLM", "DecoderLayer", "KVList", "RMSNorm",
@@ -114,8 +115,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = int(config.head_dim or 0)
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size,
+        self.qkv_proj = Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
+        self.o_proj = Linear(config.num_heads * self.head_dim, config.hidden_size,
                                 bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -146,9 +147,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, E] -> [B, T, E]
@@ -187,7 +188,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
