@@ -50,7 +50,7 @@ $(BROWSER_STAMP):
 test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest -q
 
-BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve stop_window
+BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve stop_window cpu_linear
 
 # The benchmarks' own extra (Ray, perf/payloads.py's baseline), on top of the dev install.
 $(BENCH_STAMP): $(STAMP)

@@ -41,7 +41,8 @@ __all__ = ["BENCHMARKS", "KNOWN", "Result", "Row", "find_claims", "load", "main"
 ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
-              "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window")
+              "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window",
+              "cpu_linear")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -548,6 +549,17 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"the whole output decoded and searched at "
                      f"{k.c['cases'][-1]['length']:,} tokens: {fig(med(k.c['baseline']))} µs "
                      f"({k.c['speedup_at_longest']:g}× the window)")),
+    Known("cpu_linear", "model_cases[*]",
+          lambda k: f"float32 linears on the CPU through oneDNN: {k.c['case']}",
+          lambda k: f"≥ {k.c['target']:g}× MKL's speed",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: (f"MKL (`torch.backends.mkldnn.enabled = False`): "
+                     f"{fig(med(k.c['baseline']))} ms")),
+    Known("cpu_linear", "layer[*]",
+          lambda k: f"a layer's four linears through oneDNN, {k.c['rows']:,} rows",
+          lambda k: f"≥ {k.c['target']:g}× MKL's speed",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: f"MKL: {fig(med(k.c['baseline']))} ms", headline=False),
 )
 
 PLOTS = {  # what each benchmark's --plot draws
@@ -569,6 +581,8 @@ PLOTS = {  # what each benchmark's --plot draws
     "serve": "requests/s through /v1/graphs on a no-op graph vs the bare server stack",
     "stop_window": "µs per stop check at the longest output: SGLang's tail window vs the "
                    "whole output",
+    "cpu_linear": "ms per whole-model call (reusing prefill, full prefill, decode step): "
+                  "float32 linears through oneDNN vs MKL",
 }
 
 

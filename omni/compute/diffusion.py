@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
-import trio
 from torch import Tensor
 
 from omni.compute._diffusion_modules import (
@@ -35,6 +34,7 @@ from omni.compute._diffusion_modules import (
     classifier_free_guidance,
     to_png,
 )
+from omni.compute._openmp import run_in_worker
 from omni.compute.models import DecoderLM, KVList
 from omni.compute.prompt import PromptTokens
 from omni.kv import KVCapacityError, KVStore, MediaSpan
@@ -173,14 +173,14 @@ class ImageGenerator:
         if store is not None:  # disk reads happen here, off the event loop
             for p in prepared:
                 await store.prefetch(p.keys[: store.match(p.keys)])
-        prompt_kvs, passes = await trio.to_thread.run_sync(
-            self._prompt_passes, prepared, store, num_image)
+        prompt_kvs, passes = await run_in_worker(self._prompt_passes, prepared, store,
+                                                 num_image)
         state = self.sampler.start((self.head.latent_channels, height, width), steps, seed=seed,
                                    dtype=self.engine.dtype, device=self.device)
         elapsed = 0.0
         for _ in range(steps):  # one thread call per step: cancellation waits one step at most
-            elapsed += await trio.to_thread.run_sync(self._timed_step, state, passes, guidance)
-        image = await trio.to_thread.run_sync(self.decoder.decode, state.latents)
+            elapsed += await run_in_worker(self._timed_step, state, passes, guidance)
+        image = await run_in_worker(self.decoder.decode, state.latents)
         return self._result(image, state, prompt_kvs, elapsed)
 
     # -- on the event loop -------------------------------------------------------------------

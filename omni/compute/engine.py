@@ -26,6 +26,7 @@ from omni.compute._batch import BatchKV
 from omni.compute._default_store import StoreOption, choose_store, describe_store
 from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute._engine_types import EngineStats, GenerateResult, TokenStream, _Request
+from omni.compute._openmp import run_in_worker
 from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
@@ -298,7 +299,7 @@ class TorchEngine(ChatMixin):
                 admitted.append(r)
                 free -= len(r.samples)
             del self._waiting[: len(admitted)]
-            await trio.to_thread.run_sync(self._step, admitted)
+            await run_in_worker(self._step, admitted)
         finally:
             self._driving = False
             self._progress.unpark_all()

@@ -1,0 +1,199 @@
+"""Float32 linears on the CPU: Omni's oneDNN path (`omni.compute.models._linear`) vs MKL.
+
+The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). The
+baseline is the same code with ``torch.backends.mkldnn.enabled = False``, which sends every
+linear to `F.linear` (one MKL sgemm), in the same run, the two alternated round by round.
+
+- "layer": the four linears of one layer (q/k/v, o, gate/up, down) at 1, 4, 16, 208 and
+  1,936 rows (decode batches, a chat turn's new tokens, a whole 2k-token prompt);
+- "model": a whole forward and its last row of logits: a 208-token prefill over 1,728 cached
+  tokens (a chat's last turn), a 1,936-token prefill (the same turn recomputed), and one
+  decode step over 1,936 tokens.
+
+Claim: MKL's time / Omni's >= 1.0 in every case: the oneDNN path is never slower, at any
+row count. Outputs must equal MKL's to float32 rounding ("max_abs_diff").
+
+Usage: ``python perf/cpu_linear.py [--quick] [--seed N] [--repeats N] [--out PATH.json]
+[--plot PATH.png]``
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `perf` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from omni.compute.models import DecoderLM, tiny_model
+from omni.compute.models._linear import linear
+from perf._common import (
+    Samples,
+    alternate,
+    benchmark_parser,
+    claim,
+    environment,
+    params_from,
+    plot_bars,
+    write_json,
+)
+from perf.prefix_reuse import Params as PrefixReuseParams
+
+__all__ = ["Params", "main", "measure"]
+
+TARGET = 1.0  # MKL's time / Omni's, at least, in every case
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """The sizes of one run (`small` for a smoke run)."""
+
+    seed: int = 0
+    repeats: int = 15
+    layer_rows: tuple[int, ...] = (1, 4, 16, 208, 1936)
+    cached_tokens: int = 1728
+    new_tokens: int = 208
+    quick: bool = False
+
+    @classmethod
+    def small(cls, seed: int = 0) -> Params:
+        """Sizes for a smoke run (a few seconds)."""
+        return cls(seed=seed, repeats=2, layer_rows=(1, 208), cached_tokens=96, new_tokens=40,
+                   quick=True)
+
+
+def _mkl(on: bool) -> None:
+    torch.backends.mkldnn.enabled = not on
+
+
+def _timed(fn: Callable[[], Any], *, mkl: bool) -> Callable[[], float]:
+    """One call of `fn` with oneDNN switched off (MKL) or on (Omni's path), in seconds."""
+
+    def run() -> float:
+        _mkl(mkl)
+        try:
+            started = time.perf_counter()
+            fn()
+            return time.perf_counter() - started
+        finally:
+            _mkl(False)
+    return run
+
+
+def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int,
+          **figures: Any) -> dict[str, Any]:
+    """Omni's path vs MKL on `fn`, paired rounds; the claim's ratio is the median pair."""
+    _mkl(True)
+    reference = fn()
+    _mkl(False)
+    diff = (fn() - reference).abs().max().item()
+    times = alternate({"omni": _timed(fn, mkl=False), "mkl": _timed(fn, mkl=True)}, repeats)
+    ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
+    ratios = sorted(b / a for a, b in zip(ms["omni"].values, ms["mkl"].values, strict=True))
+    ratio = ratios[len(ratios) // 2]
+    return {"case": name, **figures, **claim(
+        unit="ms per call", target=TARGET, measured=ms["omni"], baseline=ms["mkl"],
+        ratio=ratio, passed=ratio >= TARGET, digits=3, max_abs_diff=diff,
+        note="ratio = median over rounds of MKL's time / Omni's (paired, alternated)")}
+
+
+def layer_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
+    """The four linears of layer 0 at each row count."""
+    layer = model.layers[0]
+    weights = [layer.attn.qkv_proj.weight, layer.attn.o_proj.weight,
+               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    cases = []
+    for rows in params.layer_rows:
+        inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+
+        def four(inputs: list[torch.Tensor] = inputs) -> torch.Tensor:
+            return torch.cat([linear(x, w).flatten() for x, w in zip(inputs, weights,
+                                                                      strict=True)])
+        cases.append(_case(f"layer, {rows} rows", four, params.repeats, rows=rows,
+                           shapes=[list(w.shape) for w in weights]))
+    return cases
+
+
+def model_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
+    """Whole forwards: a reusing prefill, the same prompt recomputed, a decode step."""
+    config = model.config
+    kv_heads, head_dim = config.num_kv_heads, int(config.head_dim or 0)
+    total = params.cached_tokens + params.new_tokens
+
+    def forward(new: int, cached: int) -> Callable[[], torch.Tensor]:
+        hidden = model.embed(torch.randint(3, config.vocab_size, (1, new)))
+        positions = torch.arange(cached, cached + new)[None]
+        past = [(torch.randn(1, kv_heads, cached, head_dim),
+                 torch.randn(1, kv_heads, cached, head_dim))
+                for _ in range(config.num_layers)] if cached else None
+        return lambda: model.logits(model(hidden, positions, past)[0][:, -1])
+
+    return [
+        _case(f"prefill {params.new_tokens} over {params.cached_tokens} cached",
+              forward(params.new_tokens, params.cached_tokens), params.repeats,
+              new_tokens=params.new_tokens, cached_tokens=params.cached_tokens),
+        _case(f"prefill {total}", forward(total, 0), max(3, params.repeats // 3),
+              new_tokens=total, cached_tokens=0),
+        _case(f"decode step over {total}", forward(1, total), params.repeats * 4,
+              new_tokens=1, cached_tokens=total),
+    ]
+
+
+@torch.inference_mode()
+def measure(params: Params) -> dict[str, Any]:
+    """Both sets of cases; the result dict."""
+    torch.manual_seed(params.seed)
+    overrides = PrefixReuseParams().model_overrides()
+    model, config = tiny_model(seed=params.seed, **overrides)
+    layers, whole = layer_cases(model, params), model_cases(model, params)
+    cases = layers + whole
+    return {
+        "benchmark": "cpu_linear",
+        "env": {**environment(), "torch": torch.__version__,
+                "torch_threads": torch.get_num_threads(), "cpu": _cpu_name()},
+        "params": asdict(params),
+        "model": {"architecture": config.architecture, **overrides,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "layer": layers,
+        "model_cases": whole,
+        "target": TARGET,
+        "pass": all(c["pass"] for c in cases),
+        "max_abs_diff": max(c["max_abs_diff"] for c in cases),
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    return next(names, "unknown")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse `argv`, run the benchmark, print (and optionally write) the result."""
+    parser = benchmark_parser(__doc__, repeats_help="paired rounds per case",
+                              plot_help="write a chart (PNG) of the whole-model cases here",
+                              profile_help="(no profile: torch.profiler shows the ops)")
+    args = parser.parse_args(argv)
+    result = measure(params_from(args, Params))
+    write_json(result, args.out)
+    if args.plot:
+        plot_bars(args.plot, f"float32 linears on {result['env']['cpu']}, "
+                             f"{result['env']['torch_threads']} threads", [
+            (case["case"], "ms per call (lower is better)",
+             {"Omni (oneDNN)": Samples(tuple(case["measured"]["runs"])),
+              "MKL": Samples(tuple(case["baseline"]["runs"]))})
+            for case in result["model_cases"]])
+    return result
+
+
+if __name__ == "__main__":
+    main()

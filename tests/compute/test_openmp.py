@@ -1,0 +1,77 @@
+"""`omni.compute._openmp`: an engine's step runs in a worker thread, and the event loop's
+thread gives its OpenMP worker threads back first (libgomp would otherwise throttle every
+pool's workers to sleep between parallel regions once they outnumber the CPUs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import trio
+
+from omni.compute import _openmp
+from omni.compute.engine import TorchEngine
+from omni.compute.models import tiny_model
+from omni.compute.sampling import SamplingParams
+from tests.perf._run import ROOT
+
+_POOL_PROBE = """
+import os, torch
+from omni.compute._openmp import release_openmp_pool
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+base = threads()
+torch.ones(1 << 22).mul_(2)  # a parallel region on this thread: its pool starts
+with_pool = threads()
+released = release_openmp_pool()
+print(base, with_pool, released, threads(), release_openmp_pool(), threads())
+"""
+
+
+def test_release_frees_the_calling_threads_openmp_workers_and_nothing_else() -> None:
+    """In a fresh process (2 torch threads): the main thread's parallel op starts one worker
+    thread; releasing frees it; releasing again, with no pool, changes nothing."""
+    proc = subprocess.run([sys.executable, "-c", _POOL_PROBE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    base, with_pool, released, after, again, after_again = proc.stdout.split()
+    assert int(with_pool) == int(base) + 1
+    assert (released, again) == ("True", "True")
+    assert int(after) == int(after_again) == int(base)
+
+
+def test_every_engine_step_releases_the_event_loops_pool_first(monkeypatch) -> None:
+    """The release runs on the event loop's thread, before each step's worker thread starts
+    (so no step runs while that pool is alive)."""
+    events: list[tuple[str, int]] = []
+    release = _openmp.release_openmp_pool
+
+    def spy() -> bool:
+        events.append(("release", threading.get_ident()))
+        return release()
+
+    monkeypatch.setattr(_openmp, "release_openmp_pool", spy)
+    model, config = tiny_model(seed=0)
+    engine = TorchEngine(model, config, store=None)
+    step = engine._step
+
+    def spied_step(admitted):  # type: ignore[no-untyped-def]
+        events.append(("step", threading.get_ident()))
+        return step(admitted)
+
+    monkeypatch.setattr(engine, "_step", spied_step)
+
+    async def main() -> int:
+        result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=3,
+                                                                 temperature=0))
+        assert len(result.token_ids) == 3
+        return threading.get_ident()
+
+    loop_thread = trio.run(main)
+    kinds = [kind for kind, _ in events]
+    assert kinds and kinds[0] == "release" and "step" in kinds
+    assert all(kinds[i - 1] == "release" for i, kind in enumerate(kinds) if kind == "step")
+    assert {ident for kind, ident in events if kind == "release"} == {loop_thread}
+    assert all(ident != loop_thread for kind, ident in events if kind == "step")
