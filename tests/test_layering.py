@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # From the bottom up; a module may import its own layer's package and any layer below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("omni.errors", "omni._shm", "omni._units"),
+    ("omni.errors", "omni._shm", "omni._units", "omni._openmp"),
     ("omni.kv",),
     ("omni.transport",),
     ("omni.compute",),

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from omni._openmp import run_in_worker
 from omni.compute._diffusion_modules import (
     DiffusionHead,
     FlowMatchEulerSampler,
@@ -34,7 +35,6 @@ from omni.compute._diffusion_modules import (
     classifier_free_guidance,
     to_png,
 )
-from omni.compute._openmp import run_in_worker
 from omni.compute.models import DecoderLM, KVList
 from omni.compute.prompt import PromptTokens
 from omni.kv import KVCapacityError, KVStore, MediaSpan

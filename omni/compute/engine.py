@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import trio
 
+from omni._openmp import run_in_worker
 from omni.compute._batch import BatchKV
 from omni.compute._default_store import StoreOption, choose_store, describe_store
 from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute._engine_types import EngineStats, GenerateResult, TokenStream, _Request
-from omni.compute._openmp import run_in_worker
 from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec

@@ -273,13 +273,13 @@ class KVStore:
         `recompute_page_s` seconds per page (None: unknown, so it fetches). Await it before
         `match` and `acquire`.
         """
-        import trio
+        from omni._openmp import run_in_worker  # imports trio: only where it is needed
 
         self._check_keys(keys)
         keys = list(keys)
         n = self._prefetch_in_memory(keys)
         if n is None:  # a page to read from disk or to move between tiers
-            n = await trio.to_thread.run_sync(self._prefetch_sync, keys)
+            n = await run_in_worker(self._prefetch_sync, keys, keep_pool=False)
         if self.peers is None or n >= len(keys):
             return n
         got = await self.peers.fetch(self, keys[n:], recompute_page_s=recompute_page_s)

@@ -1,4 +1,4 @@
-"""`omni.compute._openmp`: an engine's step runs in a worker thread, and the event loop's
+"""`omni._openmp`: an engine's step runs in a worker thread, and the event loop's
 thread gives its OpenMP worker threads back first (libgomp would otherwise throttle every
 pool's workers to sleep between parallel regions once they outnumber the CPUs)."""
 
@@ -10,7 +10,7 @@ import threading
 
 import trio
 
-from omni.compute import _openmp
+from omni import _openmp
 from omni.compute.engine import TorchEngine
 from omni.compute.models import tiny_model
 from omni.compute.sampling import SamplingParams
@@ -18,7 +18,7 @@ from tests.perf._run import ROOT
 
 _POOL_PROBE = """
 import os, torch
-from omni.compute._openmp import release_openmp_pool
+from omni._openmp import release_openmp_pool
 torch.set_num_threads(2)
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -41,6 +41,34 @@ def test_release_frees_the_calling_threads_openmp_workers_and_nothing_else() -> 
     assert (released, again) == ("True", "True")
     assert int(after) == int(after_again) == int(base)
 
+
+_WORKER_PROBE = """
+import os, torch, trio
+from omni._openmp import run_in_worker
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def work():
+    torch.ones(1 << 22).mul_(2)
+async def main():
+    base = threads()
+    await run_in_worker(work, keep_pool=False)
+    released = threads()
+    await run_in_worker(work)
+    print(base, released, threads())
+trio.run(main)
+"""
+
+
+def test_a_worker_gives_its_own_pool_back_only_when_asked() -> None:
+    """keep_pool=False (the KV store's prefetch): the idle worker thread keeps no OpenMP
+    workers; the default (an engine's steps): it keeps them for the next step."""
+    proc = subprocess.run([sys.executable, "-c", _WORKER_PROBE], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    base, released, kept = map(int, proc.stdout.split())
+    assert released == base + 1  # trio's cached worker thread, without a pool
+    assert kept == released + 1  # the same thread, with its pool's one worker
 
 def test_every_engine_step_releases_the_event_loops_pool_first(monkeypatch) -> None:
     """The release runs on the event loop's thread, before each step's worker thread starts

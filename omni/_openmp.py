@@ -1,6 +1,7 @@
 """Torch work off the event loop (`run_in_worker`) without libgomp's throttled workers.
 
-Why: the engines run torch in a worker thread, off the event loop. torch's CPU kernels run
+Why: the engines run torch in a worker thread, off the event loop (as the KV store does its
+moves and disk reads). torch's CPU kernels run
 on OpenMP, and libgomp gives every thread that starts a parallel region its own pool of
 worker threads, kept for the thread's life. The event loop's thread has one as soon as it
 ran any parallel op, e.g. while the model was built or loaded. When the pools' threads
@@ -62,10 +63,20 @@ def release_openmp_pool() -> bool:
     return pause is not None and pause(_OMP_PAUSE_SOFT) == 0
 
 
-async def run_in_worker(fn: Callable[..., T], *args: object) -> T:
+async def run_in_worker(fn: Callable[..., T], *args: object, keep_pool: bool = True) -> T:
     """`trio.to_thread.run_sync(fn, *args)`, the calling thread's OpenMP pool released first.
 
-    Like `trio.to_thread.run_sync`, a cancel waits for `fn` to return.
+    `keep_pool=False` also releases the worker's own pool when `fn` returns: for occasional
+    work (a prefetch), so that an idle cached worker thread holds no pool while another
+    runs the steps. Like `trio.to_thread.run_sync`, a cancel waits for `fn` to return.
     """
     release_openmp_pool()
-    return await trio.to_thread.run_sync(fn, *args)
+    if keep_pool:
+        return await trio.to_thread.run_sync(fn, *args)
+
+    def run_then_release() -> T:
+        try:
+            return fn(*args)
+        finally:
+            release_openmp_pool()
+    return await trio.to_thread.run_sync(run_then_release)
