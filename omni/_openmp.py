@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
 import trio
 
 __all__ = ["release_openmp_pool", "run_in_worker"]
@@ -64,19 +65,26 @@ def release_openmp_pool() -> bool:
 
 
 async def run_in_worker(fn: Callable[..., T], *args: object, keep_pool: bool = True) -> T:
-    """`trio.to_thread.run_sync(fn, *args)`, the calling thread's OpenMP pool released first.
+    """`trio.to_thread.run_sync(fn, *args)`, the calling thread's OpenMP pool released first,
+    and `fn` run with the calling thread's torch thread count.
+
+    Why the thread count: torch applies `torch.set_num_threads` to the calling thread and to
+    threads that have not run a parallel op yet; a cached worker thread kept the count it
+    started with. Here the count set on the event loop's thread always holds for its work.
 
     `keep_pool=False` also releases the worker's own pool when `fn` returns: for occasional
     work (a prefetch), so that an idle cached worker thread holds no pool while another
     runs the steps. Like `trio.to_thread.run_sync`, a cancel waits for `fn` to return.
     """
+    threads = torch.get_num_threads()
     release_openmp_pool()
-    if keep_pool:
-        return await trio.to_thread.run_sync(fn, *args)
 
-    def run_then_release() -> T:
+    def run() -> T:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         try:
             return fn(*args)
         finally:
-            release_openmp_pool()
-    return await trio.to_thread.run_sync(run_then_release)
+            if not keep_pool:
+                release_openmp_pool()
+    return await trio.to_thread.run_sync(run)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import torch
 import trio
 
 from omni import _openmp
@@ -69,6 +70,24 @@ def test_a_worker_gives_its_own_pool_back_only_when_asked() -> None:
     base, released, kept = map(int, proc.stdout.split())
     assert released == base + 1  # trio's cached worker thread, without a pool
     assert kept == released + 1  # the same thread, with its pool's one worker
+
+def test_the_worker_runs_with_the_calling_threads_torch_thread_count() -> None:
+    """torch.set_num_threads on the event loop's thread holds for the work it hands off,
+    also on a cached worker thread that started with another count."""
+    before = torch.get_num_threads()
+
+    async def main() -> list[int]:
+        seen = []
+        for count in (2, 1, 2):
+            torch.set_num_threads(count)
+            seen.append(await _openmp.run_in_worker(torch.get_num_threads))
+        return seen
+
+    try:
+        assert trio.run(main) == [2, 1, 2]
+    finally:
+        torch.set_num_threads(before)
+
 
 def test_every_engine_step_releases_the_event_loops_pool_first(monkeypatch) -> None:
     """The release runs on the event loop's thread, before each step's worker thread starts
