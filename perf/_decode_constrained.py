@@ -10,7 +10,7 @@ Decode rate = (tokens - batch) / (T(N) - T(1)) per round, the four calls of a ro
 alternating order, with T(1) (prefill and setup) the median over rounds. The ratio is the
 median over rounds of each round's constrained / unconstrained rate (the two measured a
 fraction of a second apart, so a drift in the machine's speed moves both), over as many rounds
-as fit in about ten seconds (at least the other cases' count, at most 60): the effect
+as fit in about 30 seconds (at least the other cases' count, at most 100): the effect
 measured is a few percent, and one call's CPU time varies by a third on a shared machine.
 T is the CPU time of the process (`time.process_time`, all its threads; torch runs one thread
 here, so that no thread spins while another waits for a core): on a shared machine,
@@ -34,13 +34,13 @@ from omni.compute.engine import TorchEngine
 from omni.compute.models import tiny_model
 from omni.compute.sampling import SamplingParams
 from omni.compute.tokenizer import ByteTokenizer
-from perf._common import Samples, claim
+from perf._common import Samples, claim, gc_frozen
 
 __all__ = ["SCHEMA", "TARGET", "measure_constrained"]
 
 TARGET = 0.9  # constrained decode tokens/s / unconstrained, at least
-ROUND_SECONDS = 10.0  # each case runs rounds for about this long (at least `repeats` rounds,
-MAX_ROUNDS = 60  # at most this many): a call's CPU time varies by +-30% on a shared machine
+MAX_ROUNDS = 100  # per case at most (at least `repeats`; as many as fit in `seconds`): a
+# call's CPU time varies by +-30% on a shared machine, so a median of 5 rounds moves by +-0.1
 SCHEMA = {  # an object with free text, numbers, an enum and a list: a typical extraction
     "type": "object", "additionalProperties": False,
     "required": ["id", "title", "score", "kind", "tags"],
@@ -71,7 +71,7 @@ async def _timed(call: Callable[[], Awaitable[int]]) -> tuple[float, float]:
 
 
 async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
-                repeats: int) -> dict[str, Any]:
+                repeats: int, seconds: float) -> dict[str, Any]:
     schema = json.dumps(SCHEMA)
     sides = {"free": {}, "json": {"json_schema": schema}}
     calls: dict[str, Callable[[], Awaitable[int]]] = {}
@@ -80,13 +80,14 @@ async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
             params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **extra)
             calls[f"{side}_{n}"] = lambda p=params: _run(engine, prompts, p)
     tokens = {key: await call() for key, call in calls.items()}  # warm-up (and compile)
-    warm = {key: await _timed(call) for key, call in calls.items()}
-    rounds = min(MAX_ROUNDS, max(repeats, round(ROUND_SECONDS / sum(
-        wall for wall, _ in warm.values()))))
     times: dict[str, list[tuple[float, float]]] = {key: [] for key in calls}
-    for r in range(rounds):
-        for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            times[key].append(await _timed(calls[key]))
+    with gc_frozen():
+        warm = {key: await _timed(call) for key, call in calls.items()}
+        rounds = min(MAX_ROUNDS, max(repeats, round(seconds / sum(
+            wall for wall, _ in warm.values()))))
+        for r in range(rounds):
+            for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+                times[key].append(await _timed(calls[key]))
 
     def rate(side: str, clock: int) -> Samples:
         made = tokens[f"{side}_{new_tokens}"] - tokens[f"{side}_1"]
@@ -119,7 +120,7 @@ async def _case(engine: TorchEngine, prompts: list[str], new_tokens: int,
 
 async def measure_constrained(seed: int, models: dict[str, dict[str, int]],
                               batch_sizes: tuple[int, ...], new_tokens: int,
-                              repeats: int) -> dict[str, Any]:
+                              repeats: int, seconds: float = 30.0) -> dict[str, Any]:
     """The constrained-decoding claim for each model (`tiny_model` overrides) and batch size."""
     generator = torch.Generator().manual_seed(seed)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "zeta"]
@@ -135,7 +136,7 @@ async def measure_constrained(seed: int, models: dict[str, dict[str, int]],
                 prompts = [" ".join(words[int(i)] for i in torch.randint(
                     0, len(words), (12,), generator=generator)) + "\nAs JSON:"
                     for _ in range(batch)]
-                case = await _case(engine, prompts, new_tokens, repeats)
+                case = await _case(engine, prompts, new_tokens, repeats, seconds)
                 cases.append({"model": name, **case})
     finally:
         torch.set_num_threads(threads)

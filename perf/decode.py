@@ -53,6 +53,7 @@ from perf._common import (
     Samples,
     benchmark_parser,
     environment,
+    gc_frozen,
     params_from,
     plot_bars,
     profile_report,
@@ -83,12 +84,16 @@ class Params:
     new_tokens: int = 128
     batch_sizes: tuple[int, ...] = (1, 4)
     models: tuple[str, ...] = field(default_factory=lambda: tuple(MODELS))
+    constrained_seconds: float = 30.0  # rounds of each constrained case fill about this long
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (a few seconds)."""
-        return cls(seed=seed, repeats=1, new_tokens=16, models=("tiny",), quick=True)
+        # 64 tokens, 3 rounds: decode then outlasts T(1)'s noise (at 16 tokens, 1 round, one
+        # loaded-machine hiccup in the prefill left nothing to divide by)
+        return cls(seed=seed, repeats=3, new_tokens=64, models=("tiny",),
+                   constrained_seconds=3.0, quick=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,9 +181,10 @@ async def measure_case(engine: TorchEngine, hf: Any, prompts: list[list[int]],
         "hf_1": lambda: hf_generate(hf, prompts, 1),
     }
     times: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(params.repeats):
-        for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            times[key].append(await _timed(calls[key]))
+    with gc_frozen():
+        for r in range(params.repeats):
+            for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+                times[key].append(await _timed(calls[key]))
     return _case_summary(times, batch, n, ours_tokens, hf_tokens)
 
 
@@ -234,7 +240,7 @@ async def measure(params: Params) -> dict[str, Any]:
         models = [await measure_model(name, params, Path(tmp)) for name in params.models]
     constrained = await measure_constrained(
         params.seed, {name: MODELS[name] for name in params.models}, params.batch_sizes,
-        params.new_tokens, params.repeats)
+        params.new_tokens, params.repeats, params.constrained_seconds)
     import transformers
 
     cases = [c for m in models for c in m["cases"]]

@@ -556,7 +556,7 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"MKL (`torch.backends.mkldnn.enabled = False`): "
                      f"{fig(med(k.c['baseline']))} ms")),
     Known("cpu_linear", "layer[*]",
-          lambda k: f"a layer's four linears through oneDNN, {k.c['rows']:,} rows",
+          lambda k: f"↳ a layer's four linears, {k.c['rows']:,} rows",
           lambda k: f"≥ {k.c['target']:g}× MKL's speed",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
           lambda k: f"MKL: {fig(med(k.c['baseline']))} ms", headline=False),
