@@ -68,30 +68,31 @@ class Params:
                    quick=True)
 
 
-def _mkl(on: bool) -> None:
-    torch.backends.mkldnn.enabled = not on
+def _use_mkl(mkl: bool) -> None:
+    """Every float32 linear on MKL (oneDNN off) or through Omni's oneDNN path."""
+    torch.backends.mkldnn.enabled = not mkl
 
 
 def _timed(fn: Callable[[], Any], *, mkl: bool) -> Callable[[], float]:
     """One call of `fn` with oneDNN switched off (MKL) or on (Omni's path), in seconds."""
 
     def run() -> float:
-        _mkl(mkl)
+        _use_mkl(mkl)
         try:
             started = time.perf_counter()
             fn()
             return time.perf_counter() - started
         finally:
-            _mkl(False)
+            _use_mkl(False)
     return run
 
 
 def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int,
           **figures: Any) -> dict[str, Any]:
     """Omni's path vs MKL on `fn`, paired rounds; the claim's ratio is the median pair."""
-    _mkl(True)
+    _use_mkl(True)
     reference = fn()
-    _mkl(False)
+    _use_mkl(False)
     diff = (fn() - reference).abs().max().item()
     times = alternate({"omni": _timed(fn, mkl=False), "mkl": _timed(fn, mkl=True)}, repeats)
     ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
