@@ -20,7 +20,6 @@ Usage: ``python perf/cpu_linear.py [--quick] [--seed N] [--repeats N] [--out PAT
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from perf._common import (
     environment,
     params_from,
     plot_bars,
+    time_call,
     write_json,
 )
 from perf.prefix_reuse import Params as PrefixReuseParams
@@ -79,9 +79,7 @@ def _timed(fn: Callable[[], Any], *, mkl: bool) -> Callable[[], float]:
     def run() -> float:
         _use_mkl(mkl)
         try:
-            started = time.perf_counter()
-            fn()
-            return time.perf_counter() - started
+            return time_call(fn)
         finally:
             _use_mkl(False)
     return run
@@ -96,8 +94,8 @@ def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int,
     diff = (fn() - reference).abs().max().item()
     times = alternate({"omni": _timed(fn, mkl=False), "mkl": _timed(fn, mkl=True)}, repeats)
     ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
-    ratios = sorted(b / a for a, b in zip(ms["omni"].values, ms["mkl"].values, strict=True))
-    ratio = ratios[len(ratios) // 2]
+    ratio = Samples(tuple(b / a for a, b in zip(ms["omni"].values, ms["mkl"].values,
+                                                strict=True))).median
     return {"case": name, **figures, **claim(
         unit="ms per call", target=TARGET, measured=ms["omni"], baseline=ms["mkl"],
         ratio=ratio, passed=ratio >= TARGET, digits=3, max_abs_diff=diff,
