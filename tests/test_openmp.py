@@ -17,17 +17,29 @@ from omni.compute.models import tiny_model
 from omni.compute.sampling import SamplingParams
 from tests.perf._run import ROOT
 
-_POOL_PROBE = """
-import os, torch
+# A joined thread can stay listed in /proc/self/task for a moment after pthread_join returns
+# (the kernel reaps it just after waking the joiner), so counts are read once they settle.
+_THREADS = """
+import os, time
+def threads(expected=None):
+    deadline = time.monotonic() + 30
+    while True:
+        count = len(os.listdir("/proc/self/task"))
+        if count == expected or expected is None or time.monotonic() > deadline:
+            return count
+        time.sleep(0.01)
+"""
+
+_POOL_PROBE = _THREADS + """
+import torch
 from omni._openmp import release_openmp_pool
 torch.set_num_threads(2)
-def threads():
-    return len(os.listdir("/proc/self/task"))
 base = threads()
 torch.ones(1 << 22).mul_(2)  # a parallel region on this thread: its pool starts
 with_pool = threads()
 released = release_openmp_pool()
-print(base, with_pool, released, threads(), release_openmp_pool(), threads())
+after = threads(expected=base)
+print(base, with_pool, released, after, release_openmp_pool(), threads(expected=base))
 """
 
 
@@ -43,18 +55,16 @@ def test_release_frees_the_calling_threads_openmp_workers_and_nothing_else() -> 
     assert int(after) == int(after_again) == int(base)
 
 
-_WORKER_PROBE = """
-import os, torch, trio
+_WORKER_PROBE = _THREADS + """
+import torch, trio
 from omni._openmp import run_in_worker
 torch.set_num_threads(2)
-def threads():
-    return len(os.listdir("/proc/self/task"))
 def work():
     torch.ones(1 << 22).mul_(2)
 async def main():
     base = threads()
     await run_in_worker(work, keep_pool=False)
-    released = threads()
+    released = threads(expected=base + 1)
     await run_in_worker(work)
     print(base, released, threads())
 trio.run(main)
@@ -70,6 +80,7 @@ def test_a_worker_gives_its_own_pool_back_only_when_asked() -> None:
     base, released, kept = map(int, proc.stdout.split())
     assert released == base + 1  # trio's cached worker thread, without a pool
     assert kept == released + 1  # the same thread, with its pool's one worker
+
 
 def test_the_worker_runs_with_the_calling_threads_torch_thread_count() -> None:
     """torch.set_num_threads on the event loop's thread holds for the work it hands off,
