@@ -13,6 +13,7 @@ from omni.compute._logits import (
     PenaltyTables,
     apply_bitmask_,
     bias_table,
+    bound_bitmask_kernel,
     filter_probs_,
     inverse_cdf,
 )
@@ -100,6 +101,7 @@ class TokenSamplingState:
         self._constrained: list[tuple[int, TokenConstraint]] = []
         self._next_rows: list[int] | None = None  # filled by `record` for the next step
         self._mask_first = 0  # steps `constrained_argmax` masks before trying the argmax
+        self._masker: Any = False  # `bound_bitmask_kernel` on scratch()[0] (False: not yet)
         self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._stop_id_cache: dict[int, torch.Tensor] = {}
 
@@ -222,10 +224,14 @@ class TokenSamplingState:
             return logits.argmax(dim=-1)
         scores = self.scratch()[0]
         scores.copy_(logits)
-        apply_bitmask_(scores, bitmask.to(scores.device), masked)
-        tokens = scores.argmax(dim=-1)
-        # a row still on a forbidden token was allowed nothing (all -inf): it takes its EOS
-        if self._forbidding(masked, tokens.tolist()):
+        if self._masker is False:
+            self._masker = bound_bitmask_kernel(scores, bitmask)
+        if self._masker is not None:
+            self._masker(masked)
+        else:
+            apply_bitmask_(scores, bitmask.to(scores.device), masked)
+        values, tokens = scores.max(dim=-1)
+        if -math.inf in values.tolist():  # a row allowed nothing: it takes its EOS
             self._rescue_dead_rows(scores)
             tokens = scores.argmax(dim=-1)
         return tokens

@@ -114,8 +114,12 @@ class GrammarConstraint:
         self.num_accepted = 0
         self.rejected_token: int | None = None  # set when a token broke the grammar
         # the matcher's state changes only in `accept`: read it there once, not on every
-        # question the sampler and the stop check ask per step
+        # question the sampler and the stop check ask per step; and only a stop token can
+        # end it (a matcher made without terminate_without_stop_token terminates by
+        # accepting one), so only then is it asked
         self._terminated = matcher.is_terminated()
+        self._stop_ids = frozenset(matcher.stop_token_ids)
+        self._accept_token = matcher.accept_token
 
     def __repr__(self) -> str:
         return (f"<GrammarConstraint {self.kind} accepted={self.num_accepted} "
@@ -133,9 +137,10 @@ class GrammarConstraint:
         """Advance past the sampled `token_id` (nothing once terminated)."""
         if self._terminated:
             return
-        if self._matcher.accept_token(token_id):
+        if self._accept_token(token_id):
             self.num_accepted += 1
-            self._terminated = self._matcher.is_terminated()
+            if token_id in self._stop_ids:
+                self._terminated = self._matcher.is_terminated()
             return
         log.warning("token %d is outside the request's %s; the request ends", token_id,
                     self.kind)

@@ -261,3 +261,55 @@ def test_the_cpu_bitmask_paths_equal_xgrammars_kernel_on_every_row_and_on_some(p
         expected[rows[0], 2] = logits[rows[0], 2]
         apply_bitmask_(logits, bitmask, rows, lambda row: torch.tensor([2]))
         assert torch.equal(logits, expected)
+
+
+def test_the_bound_kernel_masks_as_xgrammars_own_and_refuses_other_buffers():
+    """`bound_bitmask_kernel` (one call into xgrammar's C++ kernel, set up once per batch
+    composition) masks the rows it is given as `xgrammar.apply_token_bitmask_inplace` does;
+    buffers it cannot address as they are get None (the caller then uses `apply_bitmask_`)."""
+    import xgrammar
+
+    from omni.compute import _logits
+
+    assert _logits._xgrammar_core_kernel() is not None  # this xgrammar has the fast path
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.empty(3, 100)
+    bitmask = torch.empty(3, 4, dtype=torch.int32)
+    apply = _logits.bound_bitmask_kernel(scores, bitmask)
+    assert apply is not None
+    for rows in ([0, 1, 2], [1], [2, 0]):
+        scores.copy_(torch.randn(3, 100, generator=gen))
+        bitmask.copy_(torch.randint(-2**31, 2**31 - 1, (3, 4), generator=gen,
+                                    dtype=torch.int32))
+        expected = scores.clone()
+        xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+        apply(rows)
+        assert torch.equal(scores, expected)
+    bound = _logits.bound_bitmask_kernel
+    assert bound(torch.empty(3, 200)[:, ::2], bitmask) is None  # not contiguous
+    assert bound(scores.double(), bitmask) is None
+    assert bound(scores, bitmask.long()) is None
+    assert bound(scores, torch.empty(3, 5, dtype=torch.int32)) is None  # not ceil(V / 32)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_constraint_knows_when_its_matcher_terminated(seed):
+    """`GrammarConstraint` asks its matcher whether it terminated only after a stop token;
+    along random walks through a JSON schema, with two EOS ids, it always agrees with the
+    matcher, up to and including the stop."""
+    backend = GrammarBackend(ByteTokenizer(), 512, [2, 3])
+    constraint = backend.constraint(backend.compile("json_schema", json.dumps(SCHEMA)),
+                                    "json_schema")
+    bitmask = torch.empty(1, 16, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        constraint.fill_bitmask(bitmask, 0)
+        allowed = [t for t in range(512) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+        # a stop token half the times one is allowed, so that the walk ends
+        stops = [t for t in allowed if t in (2, 3)]
+        pool = stops if stops and torch.rand(1, generator=gen).item() < 0.5 else allowed
+        constraint.accept(pool[int(torch.randint(len(pool), (1,), generator=gen))])
+        assert constraint.is_terminated() == constraint._matcher.is_terminated()
+        if constraint.is_terminated():
+            break
+    assert constraint.is_terminated() and constraint.rejected_token is None
