@@ -217,7 +217,7 @@ def _xgrammar_core_kernel() -> Callable[..., None] | None:
         public(expected, bitmask, 40, [0])  # type: ignore[misc]
         kernel(scores.data_ptr(), (2, 40), (40, 1), bitmask.data_ptr(), (2, 2), (2, 1), 40,
                [0], "float32")
-    except Exception:  # noqa: BLE001 - any mismatch: the public wrapper it is
+    except Exception:  # any mismatch: the public wrapper it is
         return None
     return kernel if torch.equal(scores, expected) else None
 
