@@ -1,8 +1,11 @@
-"""Float32 linears on the CPU: Omni's oneDNN path (`omni.compute.models._linear`) vs MKL.
+"""Float32 linears on the CPU: oneDNN (`omni.compute.models._linear`) vs MKL, and whether
+the backend Omni picks for this CPU is the faster.
 
-The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). The
-baseline is the same code with ``torch.backends.mkldnn.enabled = False``, which sends every
-linear to `F.linear` (one MKL sgemm), in the same run, the two alternated round by round.
+The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). Both
+backends run the same code in the same run, alternated round by round: oneDNN with
+`prefer_onednn(True)`, MKL with ``torch.backends.mkldnn.enabled = False`` (every linear one
+`F.linear`, one MKL sgemm). Omni's choice is oneDNN on AMD CPUs and MKL elsewhere
+(`onednn_by_default`).
 
 - "layer": the four linears of one layer (q/k/v, o, gate/up, down) at 1, 4, 16, 208 and
   1,936 rows (decode batches, a chat turn's new tokens, a whole 2k-token prompt);
@@ -10,8 +13,9 @@ linear to `F.linear` (one MKL sgemm), in the same run, the two alternated round 
   tokens (a chat's last turn), a 1,936-token prefill (the same turn recomputed), and one
   decode step over 1,936 tokens.
 
-Claim: MKL's time / Omni's >= 1.0 in every case: the oneDNN path is never slower, at any
-row count. Outputs must equal MKL's to float32 rounding ("max_abs_diff").
+Claim: the other backend's time / the chosen one's >= 1.0 in every case: Omni's choice is
+never the slower. Outputs must equal MKL's to float32 rounding ("max_abs_diff"); each case
+also records oneDNN's speed relative to MKL's ("onednn_vs_mkl").
 
 Usage: ``python perf/cpu_linear.py [--quick] [--seed N] [--repeats N] [--out PATH.json]
 [--plot PATH.png]``
@@ -31,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omni.compute.models import DecoderLM, tiny_model
-from omni.compute.models._linear import linear
+from omni.compute.models._linear import linear, onednn_by_default, prefer_onednn
 from perf._common import (
     Samples,
     alternate,
@@ -47,7 +51,8 @@ from perf.prefix_reuse import Params as PrefixReuseParams
 
 __all__ = ["Params", "main", "measure"]
 
-TARGET = 1.0  # MKL's time / Omni's, at least, in every case
+TARGET = 1.0  # the other backend's time / the chosen one's, at least, in every case
+BACKENDS = ("onednn", "mkl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,38 +73,49 @@ class Params:
                    quick=True)
 
 
-def _use_mkl(mkl: bool) -> None:
-    """Every float32 linear on MKL (oneDNN off) or through Omni's oneDNN path."""
-    torch.backends.mkldnn.enabled = not mkl
+def _use(backend: str) -> None:
+    """Every float32 linear through oneDNN (Omni's path, forced on) or on MKL (oneDNN off)."""
+    prefer_onednn(backend == "onednn")
+    torch.backends.mkldnn.enabled = backend == "onednn"
 
 
-def _timed(fn: Callable[[], Any], *, mkl: bool) -> Callable[[], float]:
-    """One call of `fn` with oneDNN switched off (MKL) or on (Omni's path), in seconds."""
+def _timed(fn: Callable[[], Any], backend: str) -> Callable[[], float]:
+    """One call of `fn` with `backend`, in seconds (this CPU's default restored after)."""
 
     def run() -> float:
-        _use_mkl(mkl)
+        _use(backend)
         try:
             return time_call(fn)
         finally:
-            _use_mkl(False)
+            torch.backends.mkldnn.enabled = True
+            prefer_onednn(None)
     return run
 
 
 def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int,
           **figures: Any) -> dict[str, Any]:
-    """Omni's path vs MKL on `fn`, paired rounds; the claim's ratio is the median pair."""
-    _use_mkl(True)
+    """oneDNN vs MKL on `fn`, paired rounds; the claim's ratio is the median pair of the
+    other backend's time over the chosen one's."""
+    _use("mkl")
     reference = fn()
-    _use_mkl(False)
+    _use("onednn")
     diff = (fn() - reference).abs().max().item()
-    times = alternate({"omni": _timed(fn, mkl=False), "mkl": _timed(fn, mkl=True)}, repeats)
+    times = alternate({backend: _timed(fn, backend) for backend in BACKENDS}, repeats)
     ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
-    ratio = Samples(tuple(b / a for a, b in zip(ms["omni"].values, ms["mkl"].values,
-                                                strict=True))).median
-    return {"case": name, **figures, **claim(
-        unit="ms per call", target=TARGET, measured=ms["omni"], baseline=ms["mkl"],
+    chosen = "onednn" if onednn_by_default() else "mkl"
+    other = "mkl" if chosen == "onednn" else "onednn"
+
+    def paired(num: str, den: str) -> float:
+        return Samples(tuple(b / a for a, b in zip(ms[den].values, ms[num].values,
+                                                   strict=True))).median
+    ratio = paired(other, chosen)
+    return {"case": name, **figures, "backend": chosen, **claim(
+        unit="ms per call", target=TARGET, measured=ms[chosen], baseline=ms[other],
         ratio=ratio, passed=ratio >= TARGET, digits=3, max_abs_diff=diff,
-        note="ratio = median over rounds of MKL's time / Omni's (paired, alternated)")}
+        onednn_vs_mkl=round(paired("mkl", "onednn"), 3),
+        note=(f"measured: {chosen} (Omni's choice on this CPU), baseline: {other}; ratio = "
+              "median over rounds of the baseline's time / the measured one's (paired, "
+              "alternated); onednn_vs_mkl: MKL's time / oneDNN's, the same way"))}
 
 
 def layer_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
@@ -156,6 +172,7 @@ def measure(params: Params) -> dict[str, Any]:
         "benchmark": "cpu_linear",
         "env": {**environment(), "torch": torch.__version__,
                 "torch_threads": torch.get_num_threads(), "cpu": _cpu_name()},
+        "backend": "onednn" if onednn_by_default() else "mkl",
         "params": asdict(params),
         "model": {"architecture": config.architecture, **overrides,
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -185,11 +202,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = measure(params_from(args, Params))
     write_json(result, args.out)
     if args.plot:
+        names = {"onednn": "oneDNN", "mkl": "MKL"}
+        chosen = result["backend"]
+        other = "mkl" if chosen == "onednn" else "onednn"
         plot_bars(args.plot, f"float32 linears on {result['env']['cpu']}, "
                              f"{result['env']['torch_threads']} threads", [
             (case["case"], "ms per call (lower is better)",
-             {"Omni (oneDNN)": Samples(tuple(case["measured"]["runs"])),
-              "MKL": Samples(tuple(case["baseline"]["runs"]))})
+             {f"{names[chosen]} (Omni's choice)": Samples(tuple(case["measured"]["runs"])),
+              names[other]: Samples(tuple(case["baseline"]["runs"]))})
             for case in result["model_cases"]])
     return result
 

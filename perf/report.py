@@ -550,17 +550,27 @@ KNOWN: tuple[Known, ...] = (
                      f"{k.c['cases'][-1]['length']:,} tokens: {fig(med(k.c['baseline']))} µs "
                      f"({k.c['speedup_at_longest']:g}× the window)")),
     Known("cpu_linear", "model_cases[*]",
-          lambda k: f"float32 linears on the CPU through oneDNN: {k.c['case']}",
-          lambda k: f"≥ {k.c['target']:g}× MKL's speed",
+          lambda k: (f"float32 linears on the CPU, the backend Omni picks for this CPU "
+                     f"({_BACKENDS[k.c['backend']]}): {k.c['case']}"),
+          lambda k: f"≥ {k.c['target']:g}× the other backend's speed",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
-          lambda k: (f"MKL (`torch.backends.mkldnn.enabled = False`): "
-                     f"{fig(med(k.c['baseline']))} ms")),
+          lambda k: f"{_other_backend(k.c['backend'])}: {fig(med(k.c['baseline']))} ms"),
     Known("cpu_linear", "layer[*]",
           lambda k: f"↳ a layer's four linears, {k.c['rows']:,} rows",
-          lambda k: f"≥ {k.c['target']:g}× MKL's speed",
+          lambda k: f"≥ {k.c['target']:g}× the other backend's speed",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
-          lambda k: f"MKL: {fig(med(k.c['baseline']))} ms", headline=False),
+          lambda k: f"{_other_backend(k.c['backend'])}: {fig(med(k.c['baseline']))} ms",
+          headline=False),
 )
+
+_BACKENDS = {"onednn": "oneDNN", "mkl": "MKL"}
+
+
+def _other_backend(chosen: str) -> str:
+    """The cpu_linear baseline's name: the backend Omni did not pick."""
+    return "MKL (`torch.backends.mkldnn.enabled = False`)" if chosen == "onednn" else (
+        "oneDNN (`prefer_onednn(True)`)")
+
 
 PLOTS = {  # what each benchmark's --plot draws
     "scheduler": "time per node and throughput, Omni vs plain trio (scheduler overhead)",
@@ -582,7 +592,7 @@ PLOTS = {  # what each benchmark's --plot draws
     "stop_window": "µs per stop check at the longest output: SGLang's tail window vs the "
                    "whole output",
     "cpu_linear": "ms per whole-model call (reusing prefill, full prefill, decode step): "
-                  "float32 linears through oneDNN vs MKL",
+                  "float32 linears through the backend Omni picks for the CPU vs the other",
 }
 
 

@@ -1,5 +1,6 @@
 """`omni.compute.models._linear`: float32 CPU linears through oneDNN at a bounded set of row
-counts, equal to `F.linear` to float32 rounding; everything else on `F.linear` itself."""
+counts, equal to `F.linear` to float32 rounding; everything else on `F.linear` itself. The
+oneDNN path is the default on AMD CPUs only; these tests turn it on wherever they run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from omni.compute.models._linear import CHUNK_ROWS, MIN_WEIGHT_ELEMENTS, Linear,
 needs_onednn = pytest.mark.skipif(not _linear._ONEDNN, reason="this torch has no oneDNN")
 
 IN, OUT = 512, 768  # >= MIN_WEIGHT_ELEMENTS: the oneDNN path
+
+
+@pytest.fixture(autouse=True)
+def onednn_preferred():
+    """The oneDNN path on, whatever this CPU's default; the default back afterwards."""
+    _linear.prefer_onednn(True)
+    yield
+    _linear.prefer_onednn(None)
 
 
 @pytest.fixture
@@ -100,3 +109,31 @@ def test_linear_keeps_nn_linears_parameters_and_state_dict() -> None:
     layer = Linear(IN, OUT, bias=False)
     assert isinstance(layer, nn.Linear)
     assert list(layer.state_dict()) == list(nn.Linear(IN, OUT, bias=False).state_dict())
+
+
+@pytest.mark.parametrize(("vendor", "expected"), [("AuthenticAMD", True),
+                                                  ("GenuineIntel", False), (None, False)])
+def test_onednn_is_the_default_on_amd_cpus_only(tmp_path, vendor, expected) -> None:
+    """MKL's sgemm is the faster on Intel's CPUs, oneDNN on AMD's (perf/cpu_linear.py); no
+    vendor line (another architecture) or no /proc/cpuinfo: MKL, torch's own choice."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\n" + (f"vendor_id\t: {vendor}\n" if vendor else "")
+                       + "model name\t: a CPU\n")
+    assert _linear.onednn_by_default(cpuinfo) is expected
+    assert _linear.onednn_by_default(tmp_path / "missing") is False
+
+
+@needs_onednn
+def test_prefer_onednn_switches_the_path_and_none_restores_the_default(
+        onednn_calls: list[int]) -> None:
+    weight, x = torch.randn(OUT, IN), torch.randn(3, IN)
+    with torch.inference_mode():
+        _linear.prefer_onednn(False)
+        linear(x, weight)
+        assert onednn_calls == []
+        _linear.prefer_onednn(True)
+        linear(x, weight)
+        assert onednn_calls == [3]
+        _linear.prefer_onednn(None)
+        linear(x, weight)
+    assert len(onednn_calls) == (2 if _linear.onednn_by_default() else 1)

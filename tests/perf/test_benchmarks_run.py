@@ -176,14 +176,18 @@ def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):
     assert report["all_pass"] == all(c["pass"] for c in report["claims"])
 
 
-def test_cpu_linear_benchmark_quick_mode_reports_every_case_against_mkl(tmp_path):
-    """perf/cpu_linear.py --quick: each row count and whole-model call, Omni's oneDNN path
-    against MKL in the same run, their outputs equal to float32 rounding."""
+def test_cpu_linear_benchmark_quick_mode_reports_every_case_for_both_backends(tmp_path):
+    """perf/cpu_linear.py --quick: each row count and whole-model call, the backend Omni picks
+    for this CPU against the other in the same run, their outputs equal to float32 rounding."""
+    from omni.compute.models._linear import onednn_by_default
+
     report = run_quick("perf/cpu_linear.py", tmp_path, plot=True)
     assert [c["rows"] for c in report["layer"]] == report["params"]["layer_rows"]
     assert len(report["model_cases"]) == 3
+    assert report["backend"] == ("onednn" if onednn_by_default() else "mkl")
     for case in report["layer"] + report["model_cases"]:
+        assert case["backend"] == report["backend"]
         assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
         assert isinstance(case["pass"], bool) and case["target"] == 1.0
-        assert case["max_abs_diff"] < 1e-3
+        assert case["max_abs_diff"] < 1e-3 and case["onednn_vs_mkl"] > 0
     assert report["pass"] == all(c["pass"] for c in report["layer"] + report["model_cases"])
