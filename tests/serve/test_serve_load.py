@@ -19,6 +19,9 @@ from tests.serve._server import ROOT, running
 
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 LONG = 4000  # tokens: a reply still being written when its client goes away
+# Greedy: a sampled reply of the tiny random model could end at EOS after a token or two
+# (fresh-clone CI once saw a stream of one chunk); greedy replies are the same every run.
+GREEDY = {"temperature": 0}
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -38,7 +41,7 @@ def test_a_client_dropping_its_stream_cancels_the_reply(tmp_path: Path) -> None:
         client = chat_client(server.url)
         before = metric(server.url, "omni_replica_calls_total", node="Chat", outcome="failed")
         stream = client.chat.completions.create(
-            model="chat", max_tokens=LONG, stream=True,
+            model="chat", max_tokens=LONG, stream=True, **GREEDY,
             messages=[{"role": "user", "content": "Tell me a long story."}])
         chunks = 0
         for _ in stream:
@@ -54,7 +57,7 @@ def test_a_client_dropping_its_stream_cancels_the_reply(tmp_path: Path) -> None:
         assert metric(server.url, "omni_kv_pinned_pages") == 0
         assert metric(server.url, "omni_replica_calls_total", node="Chat", outcome="ok") == 0
         reply = client.chat.completions.create(  # the server goes on
-            model="chat", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+            model="chat", max_tokens=4, **GREEDY, messages=[{"role": "user", "content": "Hi"}])
         assert reply.choices[0].finish_reason == "length"
 
 
@@ -63,7 +66,7 @@ def test_sigterm_under_load_drains_then_leaves_no_shared_memory(tmp_path: Path) 
     shm.mkdir()
     with running(DIALOGUE, env={"OMNI_SHM_DIR": str(shm)}) as server:
         client = chat_client(server.url)
-        client.chat.completions.create(model="chat", max_tokens=4,
+        client.chat.completions.create(model="chat", max_tokens=4, **GREEDY,
                                        messages=[{"role": "user", "content": "warm up"}])
         assert any(shm.iterdir()), "the runtime's KV store lives in OMNI_SHM_DIR"
         results: list[object] = []
@@ -71,7 +74,7 @@ def test_sigterm_under_load_drains_then_leaves_no_shared_memory(tmp_path: Path) 
         def one(i: int) -> None:
             try:
                 reply = client.chat.completions.create(
-                    model="chat", max_tokens=256,
+                    model="chat", max_tokens=256, **GREEDY,
                     messages=[{"role": "user", "content": f"Question {i}"}])
                 results.append(reply.choices[0].finish_reason)
             except Exception as exc:  # what a client would see: asserted below
