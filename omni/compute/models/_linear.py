@@ -91,8 +91,8 @@ def padded_rows(rows: int) -> int:
 
 
 def _uses_onednn(x: Tensor, weight: Tensor) -> bool:
-    return (_ONEDNN and _prefer and weight.numel() >= MIN_WEIGHT_ELEMENTS and x.device.type == "cpu"
-            and x.dtype == torch.float32
+    return (_ONEDNN and _prefer and weight.numel() >= MIN_WEIGHT_ELEMENTS
+            and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and weight.is_contiguous()
             and x.numel() > 0 and torch._C._get_mkldnn_enabled()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
