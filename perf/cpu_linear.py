@@ -35,7 +35,12 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from omni.compute.models import DecoderLM, tiny_model
-from omni.compute.models._linear import linear, onednn_by_default, prefer_onednn
+from omni.compute.models._linear import (
+    cpuinfo_field,
+    linear,
+    onednn_by_default,
+    prefer_onednn,
+)
 from perf._common import (
     Samples,
     alternate,
@@ -171,7 +176,8 @@ def measure(params: Params) -> dict[str, Any]:
     return {
         "benchmark": "cpu_linear",
         "env": {**environment(), "torch": torch.__version__,
-                "torch_threads": torch.get_num_threads(), "cpu": _cpu_name()},
+                "torch_threads": torch.get_num_threads(),
+                "cpu": cpuinfo_field("model name") or "unknown"},
         "backend": "onednn" if onednn_by_default() else "mkl",
         "params": asdict(params),
         "model": {"architecture": config.architecture, **overrides,
@@ -182,15 +188,6 @@ def measure(params: Params) -> dict[str, Any]:
         "pass": all(c["pass"] for c in cases),
         "max_abs_diff": max(c["max_abs_diff"] for c in cases),
     }
-
-
-def _cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    names = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    return next(names, "unknown")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

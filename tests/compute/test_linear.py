@@ -121,6 +121,8 @@ def test_onednn_is_the_default_on_amd_cpus_only(tmp_path, vendor, expected) -> N
                        + "model name\t: a CPU\n")
     assert _linear.onednn_by_default(cpuinfo) is expected
     assert _linear.onednn_by_default(tmp_path / "missing") is False
+    assert _linear.cpuinfo_field("model name", cpuinfo) == "a CPU"
+    assert _linear.cpuinfo_field("flags", cpuinfo) is None
 
 
 @needs_onednn

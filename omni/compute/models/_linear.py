@@ -50,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["CHUNK_ROWS", "MIN_WEIGHT_ELEMENTS", "Linear", "linear", "onednn_by_default",
-           "padded_rows", "prefer_onednn"]
+__all__ = ["CHUNK_ROWS", "MIN_WEIGHT_ELEMENTS", "Linear", "cpuinfo_field", "linear",
+           "onednn_by_default", "padded_rows", "prefer_onednn"]
 
 CHUNK_ROWS = 256  # rows per oneDNN call at most; as fast per row as 2k rows
 MIN_WEIGHT_ELEMENTS = 1 << 18  # smaller weights stay on MKL: oneDNN's ~14 us per call
@@ -60,26 +60,35 @@ _onednn_linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _ONEDNN = _onednn_linear is not None and torch.backends.mkldnn.is_available()
 
 
-def onednn_by_default(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU's float32 linears go through oneDNN unless told otherwise: on an AMD
-    CPU (where MKL's sgemm is the slower); elsewhere, or where `cpuinfo` cannot be read, no."""
+def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The value of the first ``name : value`` line of `cpuinfo` (Linux's /proc/cpuinfo), or
+    None where there is no such line or no file."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
-        return False
-    vendors = (line.split(":", 1)[1].strip() for line in text.splitlines()
-               if line.startswith("vendor_id") and ":" in line)
-    return next(vendors, "") == "AuthenticAMD"
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == name:
+            return value.strip()
+    return None
 
 
-_prefer = onednn_by_default()
+def onednn_by_default(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU's float32 linears go through oneDNN unless told otherwise: on an AMD
+    CPU (where MKL's sgemm is the slower); elsewhere, or where `cpuinfo` cannot be read, no."""
+    return cpuinfo_field("vendor_id", cpuinfo) == "AuthenticAMD"
+
+
+_DEFAULT = onednn_by_default()  # read once: the CPU does not change
+_prefer = _DEFAULT
 
 
 def prefer_onednn(enabled: bool | None) -> None:
     """Send float32 CPU linears through oneDNN (True) or MKL (False) from now on, in this
     process; None: back to this CPU's default (`onednn_by_default`)."""
     global _prefer
-    _prefer = onednn_by_default() if enabled is None else bool(enabled)
+    _prefer = _DEFAULT if enabled is None else bool(enabled)
 
 
 def padded_rows(rows: int) -> int:
