@@ -1,11 +1,12 @@
-"""Float32 linears on the CPU: oneDNN (`omni.compute.models._linear`) vs MKL, and whether
-the backend Omni picks for this CPU is the faster.
+"""Float32 linears on the CPU: MKL with packed weights, oneDNN and plain MKL sgemm
+(`omni.compute.models._linear`), and whether the backend Omni picks for this CPU is the
+fastest.
 
-The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). Both
-backends run the same code in the same run, alternated round by round: oneDNN with
-`prefer_onednn(True)`, MKL with ``torch.backends.mkldnn.enabled = False`` (every linear one
-`F.linear`, one MKL sgemm). Omni's choice is oneDNN on AMD CPUs and MKL elsewhere
-(`onednn_by_default`).
+The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). The
+three backends run the same code in the same run, alternated round by round, each set with
+`set_cpu_linear_backend`: "mkl_packed" (each weight packed once into MKL's layout), "onednn"
+and "mkl" (plain `F.linear`, one sgemm per call, torch's own path). Omni's choice is oneDNN on
+AMD CPUs and MKL with packed weights elsewhere (`default_cpu_linear_backend`).
 
 - "layer": the four linears of one layer (q/k/v, o, gate/up, down) at 1, 4, 16, 208 and
   1,936 rows (decode batches, a chat turn's new tokens, a whole 2k-token prompt);
@@ -13,9 +14,12 @@ backends run the same code in the same run, alternated round by round: oneDNN wi
   tokens (a chat's last turn), a 1,936-token prefill (the same turn recomputed), and one
   decode step over 1,936 tokens.
 
-Claim: the other backend's time / the chosen one's >= 1.0 in every case: Omni's choice is
-never the slower. Outputs must equal MKL's to float32 rounding ("max_abs_diff"); each case
-also records oneDNN's speed relative to MKL's ("onednn_vs_mkl").
+Claim: in every case, the time of the fastest other backend whose kernels differ here / the
+chosen one's >= 1.0: Omni's choice is never the slower. "mkl_packed" runs plain sgemm at 1
+row and above `PACKED_MAX_ROWS` rows, the same kernels as "mkl": where a case has no call in
+between, the two are the same path and only the third is compared ("same_kernels_as").
+Outputs must equal plain MKL's to float32 rounding ("max_abs_diff"); each case also records
+every backend's speed relative to plain MKL's ("vs_mkl").
 
 Usage: ``python perf/cpu_linear.py [--quick] [--seed N] [--repeats N] [--out PATH.json]
 [--plot PATH.png]``
@@ -34,13 +38,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from omni.compute.models import DecoderLM, tiny_model
-from omni.compute.models._linear import (
-    cpuinfo_field,
-    linear,
-    onednn_by_default,
-    prefer_onednn,
+from omni.compute.models import (
+    DecoderLM,
+    default_cpu_linear_backend,
+    set_cpu_linear_backend,
+    tiny_model,
 )
+from omni.compute.models._linear import PACKED_MAX_ROWS, cpuinfo_field
 from perf._common import (
     Samples,
     alternate,
@@ -56,8 +60,9 @@ from perf.prefix_reuse import Params as PrefixReuseParams
 
 __all__ = ["Params", "main", "measure"]
 
-TARGET = 1.0  # the other backend's time / the chosen one's, at least, in every case
-BACKENDS = ("onednn", "mkl")
+TARGET = 1.0  # the fastest other distinct backend's time / the chosen one's, at least
+BACKENDS = ("mkl_packed", "onednn", "mkl")
+NAMES = {"mkl_packed": "MKL, packed weights", "onednn": "oneDNN", "mkl": "MKL"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,65 +83,75 @@ class Params:
                    quick=True)
 
 
-def _use(backend: str) -> None:
-    """Every float32 linear through oneDNN (Omni's path, forced on) or on MKL (oneDNN off)."""
-    prefer_onednn(backend == "onednn")
-    torch.backends.mkldnn.enabled = backend == "onednn"
-
-
 def _timed(fn: Callable[[], Any], backend: str) -> Callable[[], float]:
     """One call of `fn` with `backend`, in seconds (this CPU's default restored after)."""
 
     def run() -> float:
-        _use(backend)
+        set_cpu_linear_backend(backend)
         try:
             return time_call(fn)
         finally:
-            torch.backends.mkldnn.enabled = True
-            prefer_onednn(None)
+            set_cpu_linear_backend(None)
     return run
 
 
-def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int,
+def _output(fn: Callable[[], torch.Tensor], backend: str) -> torch.Tensor:
+    set_cpu_linear_backend(backend)
+    try:
+        return fn()
+    finally:
+        set_cpu_linear_backend(None)
+
+
+def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int, rows: int,
           **figures: Any) -> dict[str, Any]:
-    """oneDNN vs MKL on `fn`, paired rounds; the claim's ratio is the median pair of the
-    other backend's time over the chosen one's."""
-    _use("mkl")
-    reference = fn()
-    _use("onednn")
-    diff = (fn() - reference).abs().max().item()
+    """Every backend on `fn` (whose linears see `rows` rows, the logits' one aside), paired
+    rounds; the claim's ratio is the median pair of the fastest other distinct backend's
+    time over the chosen one's."""
+    reference = _output(fn, "mkl")
+    diff = max((_output(fn, backend) - reference).abs().max().item()
+               for backend in BACKENDS)
     times = alternate({backend: _timed(fn, backend) for backend in BACKENDS}, repeats)
     ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
-    chosen = "onednn" if onednn_by_default() else "mkl"
-    other = "mkl" if chosen == "onednn" else "onednn"
+    chosen = default_cpu_linear_backend()
+    packed_here = 2 <= rows <= PACKED_MAX_ROWS
+    same = {"mkl_packed": "mkl", "mkl": "mkl_packed"}
+    same_kernels = [] if packed_here or chosen not in same else [same[chosen]]
+    others = [b for b in BACKENDS if b != chosen and b not in same_kernels]
 
     def paired(num: str, den: str) -> float:
         return Samples(tuple(b / a for a, b in zip(ms[den].values, ms[num].values,
                                                    strict=True))).median
-    ratio = paired(other, chosen)
-    return {"case": name, **figures, "backend": chosen, **claim(
-        unit="ms per call", target=TARGET, measured=ms[chosen], baseline=ms[other],
+    ratios = {other: paired(other, chosen) for other in others}
+    baseline = min(ratios, key=ratios.__getitem__)
+    ratio = ratios[baseline]
+    return {"case": name, "rows": rows, **figures, "backend": chosen,
+            "baseline_backend": baseline,
+            "same_kernels_as": same_kernels, **claim(
+        unit="ms per call", target=TARGET, measured=ms[chosen], baseline=ms[baseline],
         ratio=ratio, passed=ratio >= TARGET, digits=3, max_abs_diff=diff,
-        onednn_vs_mkl=round(paired("mkl", "onednn"), 3),
-        note=(f"measured: {chosen} (Omni's choice on this CPU), baseline: {other}; ratio = "
-              "median over rounds of the baseline's time / the measured one's (paired, "
-              "alternated); onednn_vs_mkl: MKL's time / oneDNN's, the same way"))}
+        vs_mkl={b: round(paired("mkl", b), 3) for b in BACKENDS},
+        times_ms={b: ms[b].to_json(3) for b in BACKENDS},
+        note=(f"measured: {chosen} (Omni's choice on this CPU), baseline: {baseline} (the "
+              "fastest other backend with other kernels here); ratio = median over rounds "
+              "of the baseline's time / the measured one's (paired, alternated); vs_mkl: "
+              "plain MKL's time / each backend's, the same way"))}
 
 
 def layer_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
     """The four linears of layer 0 at each row count."""
     layer = model.layers[0]
-    weights = [layer.attn.qkv_proj.weight, layer.attn.o_proj.weight,
-               layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    linears = [layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj]
     cases = []
     for rows in params.layer_rows:
-        inputs = [torch.randn(rows, w.shape[1]) for w in weights]
+        inputs = [torch.randn(rows, module.in_features) for module in linears]
 
         def four(inputs: list[torch.Tensor] = inputs) -> torch.Tensor:
-            return torch.cat([linear(x, w).flatten() for x, w in zip(inputs, weights,
-                                                                      strict=True)])
+            return torch.cat([module(x).flatten() for x, module in zip(inputs, linears,
+                                                                        strict=True)])
         cases.append(_case(f"layer, {rows} rows", four, params.repeats, rows=rows,
-                           shapes=[list(w.shape) for w in weights]))
+                           shapes=[list(module.weight.shape) for module in linears]))
     return cases
 
 
@@ -157,10 +172,11 @@ def model_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
     return [
         _case(f"prefill {params.new_tokens} over {params.cached_tokens} cached",
               forward(params.new_tokens, params.cached_tokens), params.repeats,
-              new_tokens=params.new_tokens, cached_tokens=params.cached_tokens),
-        _case(f"prefill {total}", forward(total, 0), max(3, params.repeats // 3),
+              params.new_tokens, new_tokens=params.new_tokens,
+              cached_tokens=params.cached_tokens),
+        _case(f"prefill {total}", forward(total, 0), max(3, params.repeats // 3), total,
               new_tokens=total, cached_tokens=0),
-        _case(f"decode step over {total}", forward(1, total), params.repeats * 4,
+        _case(f"decode step over {total}", forward(1, total), params.repeats * 4, 1,
               new_tokens=1, cached_tokens=total),
     ]
 
@@ -178,7 +194,7 @@ def measure(params: Params) -> dict[str, Any]:
         "env": {**environment(), "torch": torch.__version__,
                 "torch_threads": torch.get_num_threads(),
                 "cpu": cpuinfo_field("model name") or "unknown"},
-        "backend": "onednn" if onednn_by_default() else "mkl",
+        "backend": default_cpu_linear_backend(),
         "params": asdict(params),
         "model": {"architecture": config.architecture, **overrides,
                   "parameters": sum(p.numel() for p in model.parameters())},
@@ -199,14 +215,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = measure(params_from(args, Params))
     write_json(result, args.out)
     if args.plot:
-        names = {"onednn": "oneDNN", "mkl": "MKL"}
         chosen = result["backend"]
-        other = "mkl" if chosen == "onednn" else "onednn"
         plot_bars(args.plot, f"float32 linears on {result['env']['cpu']}, "
                              f"{result['env']['torch_threads']} threads", [
             (case["case"], "ms per call (lower is better)",
-             {f"{names[chosen]} (Omni's choice)": Samples(tuple(case["measured"]["runs"])),
-              names[other]: Samples(tuple(case["baseline"]["runs"]))})
+             {NAMES[b] + (" (Omni's choice)" if b == chosen else ""):
+              Samples(tuple(case["times_ms"][b]["runs"])) for b in BACKENDS})
             for case in result["model_cases"]])
     return result
 

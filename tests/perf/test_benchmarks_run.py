@@ -176,18 +176,27 @@ def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):
     assert report["all_pass"] == all(c["pass"] for c in report["claims"])
 
 
-def test_cpu_linear_benchmark_quick_mode_reports_every_case_for_both_backends(tmp_path):
+def test_cpu_linear_benchmark_quick_mode_reports_every_case_for_every_backend(tmp_path):
     """perf/cpu_linear.py --quick: each row count and whole-model call, the backend Omni picks
-    for this CPU against the other in the same run, their outputs equal to float32 rounding."""
-    from omni.compute.models._linear import onednn_by_default
+    for this CPU against the others in the same run, their outputs equal to float32 rounding;
+    the baseline is the fastest other backend whose kernels differ in that case."""
+    from omni.compute.models import default_cpu_linear_backend
 
     report = run_quick("perf/cpu_linear.py", tmp_path, plot=True)
     assert [c["rows"] for c in report["layer"]] == report["params"]["layer_rows"]
     assert len(report["model_cases"]) == 3
-    assert report["backend"] == ("onednn" if onednn_by_default() else "mkl")
+    assert report["backend"] == default_cpu_linear_backend()
+    backends = {"mkl_packed", "onednn", "mkl"}
     for case in report["layer"] + report["model_cases"]:
         assert case["backend"] == report["backend"]
+        assert case["baseline_backend"] in backends - {case["backend"]}
+        assert case["baseline_backend"] not in case["same_kernels_as"]
+        assert set(case["times_ms"]) == set(case["vs_mkl"]) == backends
         assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
         assert isinstance(case["pass"], bool) and case["target"] == 1.0
-        assert case["max_abs_diff"] < 1e-3 and case["onednn_vs_mkl"] > 0
+        assert case["max_abs_diff"] < 1e-3 and case["vs_mkl"]["mkl"] == 1.0
+    one_row = report["layer"][0]
+    assert one_row["rows"] == 1 and report["model_cases"][2]["new_tokens"] == 1
+    if report["backend"] == "mkl_packed":  # plain sgemm at 1 row: the same kernels as "mkl"
+        assert one_row["same_kernels_as"] == ["mkl"]
     assert report["pass"] == all(c["pass"] for c in report["layer"] + report["model_cases"])

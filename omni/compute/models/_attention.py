@@ -72,8 +72,7 @@ def causal_attention_with_past(q: Tensor, k: Tensor, v: Tensor,
                                               enable_gqa=groups != 1)
     grouped = q.reshape(batch, num_kv_heads, groups * num_new, head_dim)
     out_past, lse_past = _flash_cpu(grouped, past[0], past[1])  # [B, Hkv, G*T, (D)]
-    if groups != 1:  # the new block is small: repeat its KV per query head
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # the kernel maps query head h to KV head h // G itself (grouped-query attention)
     out_new, lse_new = _flash_cpu(q, k, v, is_causal=True)  # [B, H, T, (D)]
     return merge_attention(out_past.reshape(batch, num_heads, num_new, head_dim),
                            lse_past.reshape(batch, num_heads, num_new), out_new, lse_new)
