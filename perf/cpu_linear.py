@@ -206,6 +206,17 @@ def measure(params: Params) -> dict[str, Any]:
     }
 
 
+def _plot(result: dict[str, Any], path: str) -> None:
+    """One panel per whole-model case: every backend's ms per call."""
+    chosen = result["backend"]
+    plot_bars(path, f"float32 linears on {result['env']['cpu']}, "
+                    f"{result['env']['torch_threads']} threads", [
+        (case["case"], "ms per call (lower is better)",
+         {NAMES[b] + ("\n(Omni's choice)" if b == chosen else ""):
+          Samples(tuple(case["times_ms"][b]["runs"])) for b in BACKENDS})
+        for case in result["model_cases"]])
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse `argv`, run the benchmark, print (and optionally write) the result."""
     parser = benchmark_parser(__doc__, repeats_help="paired rounds per case",
@@ -215,13 +226,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = measure(params_from(args, Params))
     write_json(result, args.out)
     if args.plot:
-        chosen = result["backend"]
-        plot_bars(args.plot, f"float32 linears on {result['env']['cpu']}, "
-                             f"{result['env']['torch_threads']} threads", [
-            (case["case"], "ms per call (lower is better)",
-             {NAMES[b] + (" (Omni's choice)" if b == chosen else ""):
-              Samples(tuple(case["times_ms"][b]["runs"])) for b in BACKENDS})
-            for case in result["model_cases"]])
+        _plot(result, args.plot)
     return result
 
 

@@ -13,9 +13,9 @@ speedup (median over repeats of the paired ratio recompute / reuse), the plain t
 (prompt tokens / computed tokens) and the ideal FLOP ratio (FLOPs to prefill the whole prompt
 / FLOPs to prefill only the new tokens against the cached prefix; see `prefill_flops`).
 
-Claim: speedup >= 0.8 x the ideal FLOP ratio, aggregated as the geometric mean of
-speedup / ideal over turns 2..8 (turn 1 has nothing cached and an ideal ratio of 1); per-turn
-pass/fail and the last turn's ratio are reported too. The model is a random Llama of hidden
+Claim: speedup >= 0.8 x the ideal FLOP ratio on every turn 2..8, each turn's speedup the
+median of its paired runs (turn 1 has nothing cached and an ideal ratio of 1); the geometric
+mean of speedup / ideal over those turns, the lowest turn and the last one are reported too. The model is a random Llama of hidden
 512, 8 layers, 8 heads (4 KV heads), MLP 1536, vocab 512: ~25 M parameters, enough that the
 matmuls, not Python, dominate prefill on a 2-core CPU. Torch threads: the default.
 
@@ -67,7 +67,7 @@ class Params:
     """The sizes of one run (`quick` shrinks them for a smoke run)."""
 
     seed: int = 0
-    repeats: int = 7  # per turn, the median of 7 paired ratios: one pair varies by +-30% here
+    repeats: int = 15  # per turn, the median of 15 paired ratios: one pair varies by +-30% here
     turns: int = 8
     user_tokens: int = 200
     reply_tokens: int = 48
@@ -262,16 +262,21 @@ def _claim(turns: list[dict[str, Any]]) -> dict[str, Any]:
     geo_speedup = math.exp(sum(math.log(t["speedup"]) for t in later) / len(later))
     geo_ideal = math.exp(sum(math.log(t["ideal_flop_ratio"]) for t in later) / len(later))
     last = turns[-1]
+    worst = min(later, key=lambda t: t["efficiency"])
+    passed = all(t["pass"] for t in later)
     return {
         "target": EFFICIENCY_TARGET,
-        "aggregate": f"geometric mean over turns 2..{last['turn']} of speedup / ideal FLOP ratio",
+        "aggregate": (f"every turn 2..{last['turn']} (speedup / ideal FLOP ratio, each the "
+                      "median over repeats); their geometric mean is reported too"),
         "efficiency": round(geo_eff, 3),
+        "lowest_efficiency": worst["efficiency"],
+        "lowest_turn": worst["turn"],
         "geomean_speedup": round(geo_speedup, 3),
         "geomean_ideal_flop_ratio": round(geo_ideal, 3),
         "last_turn_efficiency": last["efficiency"],
         "turns_passed": f"{sum(t['pass'] for t in later)}/{len(later)}",
-        "pass": geo_eff >= EFFICIENCY_TARGET,
-        **({} if geo_eff >= EFFICIENCY_TARGET else {"why": _why(turns)}),
+        "pass": passed,
+        **({} if passed else {"why": _why(turns[0], worst)}),
         "note": ("speedup per turn = median over repeats of TTFT recompute / TTFT reuse, the "
                  "two engines interleaved on the same prompt; TTFT is GenerateResult."
                  "time_to_first_token (from admission, after tokenising and hashing the "
@@ -285,12 +290,11 @@ def _claim(turns: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _why(turns: list[dict[str, Any]]) -> str:
+def _why(first: dict[str, Any], worst: dict[str, Any]) -> str:
     """Where the efficiency goes, from the FLOP rates: a short prefill runs slower per FLOP."""
-    first, last = turns[0], turns[-1]
-    return (f"the reuse prefill of the last turn ({last['new_tokens']} new tokens on "
-            f"{last['cached_tokens']} cached) runs at {last['gflops_reuse']} GFLOP/s, the "
-            f"recompute of its {last['prompt_tokens']} tokens at {last['gflops_recompute']}; "
+    return (f"the reuse prefill of turn {worst['turn']} ({worst['new_tokens']} new tokens on "
+            f"{worst['cached_tokens']} cached) runs at {worst['gflops_reuse']} GFLOP/s, the "
+            f"recompute of its {worst['prompt_tokens']} tokens at {worst['gflops_recompute']}; "
             f"turn 1, {first['prompt_tokens']} tokens and nothing cached, ran at "
             f"{first['gflops_recompute']} GFLOP/s: on this CPU a prefill of a few hundred "
             "tokens computes its matmuls at a lower rate than one of 2k, which the ideal "

@@ -39,10 +39,10 @@ def onednn_preferred():
 
 @pytest.fixture
 def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The MKL packed path on (its first-pack check already passed); the row count of every
-    packed call made while the test runs."""
+    """The MKL packed path on, no weight shape checked yet; the row count of every packed call
+    made while the test runs (the first-pack checks aside)."""
     set_cpu_linear_backend("mkl_packed")
-    monkeypatch.setattr(_linear, "_packs_checked", True)
+    monkeypatch.setattr(_linear, "_packs_checked", {})
     calls: list[int] = []
     real = _linear._mkl_packed_linear
 
@@ -202,15 +202,23 @@ def test_one_packed_copy_serves_every_row_count_it_is_used_at(packed_calls: list
 
 
 @needs_mkl_packed
-def test_the_first_pack_is_checked_against_f_linear_at_other_row_counts(
+def test_the_first_pack_of_each_shape_is_checked_against_f_linear_at_other_row_counts(
         packed_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_linear, "_packs_checked", None)
-    layers, x = [Linear(IN, OUT), Linear(IN, OUT)], torch.randn(4, IN)
+    checked: list[tuple[int, ...]] = []
+    real = _linear._pack_works
+
+    def spy(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+        checked.append(tuple(weight.shape))
+        return real(weight, packed)
+
+    monkeypatch.setattr(_linear, "_pack_works", spy)
+    layers = [Linear(IN, OUT), Linear(IN, OUT), Linear(OUT, IN)]
     with torch.inference_mode():
-        for layer in layers:  # checked once per process, not per weight
-            layer(x)
-    assert _linear._packs_checked is True
-    assert packed_calls == [*_linear._CHECK_ROWS, 4, 4]
+        for layer in layers:  # once per weight shape, not per weight
+            layer(torch.randn(4, layer.in_features))
+    assert checked == [(OUT, IN), (IN, OUT)]
+    assert _linear._packs_checked == {(OUT, IN): True, (IN, OUT): True}
+    assert packed_calls == [4, 4, 4]
 
 
 @needs_mkl_packed
@@ -267,7 +275,6 @@ def test_a_model_with_packed_weights_copies_and_pickles(packed_calls: list[int])
 def test_a_failed_first_check_falls_back_to_plain_sgemm_with_a_warning(
         packed_calls: list[int], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(_linear, "_packs_checked", None)
     monkeypatch.setattr(_linear, "_pack_works", lambda weight, packed: False)
     layer, x = Linear(IN, OUT), torch.randn(6, IN)
     with torch.inference_mode():

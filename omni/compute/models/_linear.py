@@ -15,9 +15,10 @@ internal layout on every call. For a weight of `MIN_WEIGHT_ELEMENTS` (512 x 512)
     kept next to the weight (which the state dict, autograd and other devices still use).
   - A packed weight serves calls of any row count. torch's op only uses a pack for the row
     count it names, so each call names its own; that MKL's layout of a packed weight does
-    not depend on the other operand's row count is checked once, at the first pack, against
-    `F.linear` at a few row counts (on a mismatch, a warning and plain sgemm from then on),
-    and by the tests at every row count up to `PACKED_MAX_ROWS`.
+    not depend on the other operand's row count is checked at the first pack of each weight
+    shape, against `F.linear` at a few row counts (on a mismatch, a warning and plain sgemm
+    for that shape from then on),
+    and by the tests at every row count to 256 and at every 17th up to `PACKED_MAX_ROWS`.
   - A weight is packed again when it changes: another tensor, or an in-place change (its
     version counter). Not seen: a change through ``weight.data``, which bypasses the counter,
     and an in-place change of a weight made in inference mode, which has none.
@@ -72,7 +73,7 @@ _mkl_pack = getattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None)
 _mkl_packed_linear = getattr(torch.ops.mkl, "_mkl_linear", None)
 _MKL_PACKED = (_mkl_pack is not None and _mkl_packed_linear is not None
                and torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available())
-_packs_checked: bool | None = None  # None: no pack made yet; False: a check failed
+_packs_checked: dict[tuple[int, int], bool] = {}  # per weight shape: its first pack's check
 
 
 def cpuinfo_field(name: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
@@ -133,14 +134,16 @@ def _fast_path(x: Tensor, weight: Tensor) -> bool:
 
 class PackedWeight:
     """The MKL-packed copy of one weight, made at first use and again when the weight changes
-    (another tensor, or its version counter moved). Copies and pickles of it start empty."""
+    (another tensor, or its version counter moved). Copies and pickles of it start empty.
 
-    __slots__ = ("_packed", "_version", "_weight")
+    Threads may share it (engines on one model): the weight, its version and the copy are one
+    tuple, replaced whole; two threads packing at once each use their own copy.
+    """
+
+    __slots__ = ("_entry",)
 
     def __init__(self) -> None:
-        self._weight: weakref.ref[Tensor] | None = None
-        self._version = -1
-        self._packed: Tensor | None = None
+        self._entry: tuple[weakref.ref[Tensor], int, Tensor] | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> PackedWeight:
         return PackedWeight()
@@ -150,14 +153,13 @@ class PackedWeight:
 
     def get(self, weight: Tensor) -> Tensor | None:
         """The packed copy of `weight`, or None where packing is not usable here."""
-        version = _version(weight)
-        if (self._packed is not None and self._weight is not None
-                and self._weight() is weight and self._version == version):
-            return self._packed
-        self._packed = None  # the old copy goes before a new one is made
+        version, entry = _version(weight), self._entry
+        if entry is not None and entry[0]() is weight and entry[1] == version:
+            return entry[2]
+        self._entry = None  # the old copy goes before a new one is made
         packed = _pack(weight)
         if packed is not None:
-            self._weight, self._version, self._packed = weakref.ref(weight), version, packed
+            self._entry = (weakref.ref(weight), version, packed)
         return packed
 
 
@@ -167,17 +169,18 @@ def _version(weight: Tensor) -> int:
 
 
 def _pack(weight: Tensor) -> Tensor | None:
-    """`weight` in MKL's packed layout (None where the first pack's check failed)."""
-    global _packs_checked
-    if _packs_checked is False:
+    """`weight` in MKL's packed layout; None where the first pack of its shape gave other
+    results than `F.linear` (`_pack_works`)."""
+    shape = (weight.shape[0], weight.shape[1])
+    if _packs_checked.get(shape) is False:
         return None
     with torch.inference_mode(False), torch.no_grad():  # a plain tensor, kept across modes
         packed = _mkl_pack(weight, _PACK_ROWS)
-        if _packs_checked is None:
-            _packs_checked = _pack_works(weight, packed)
-            if not _packs_checked:
-                log.warning("MKL's packed weights gave other results than F.linear here: "
-                            "float32 CPU linears use plain sgemm instead")
+        if shape not in _packs_checked:
+            _packs_checked[shape] = _pack_works(weight, packed)
+            if not _packs_checked[shape]:
+                log.warning("MKL's packed %d x %d weights gave other results than F.linear "
+                            "here: their float32 CPU linears use plain sgemm instead", *shape)
                 return None
     return packed
 
@@ -188,7 +191,7 @@ def _pack_works(weight: Tensor, packed: Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     for rows in _CHECK_ROWS:
         x = torch.randn(rows, weight.shape[1], generator=generator)
-        got = _mkl_packed_linear(x, packed, weight, None, rows)
+        got = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
         if not torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-5):
             return False
     return True
