@@ -16,7 +16,7 @@ AMD CPUs and MKL with packed weights elsewhere (`default_cpu_linear_backend`).
 
 Claim: in every case, the time of the fastest other backend whose kernels differ here / the
 chosen one's >= 1.0: Omni's choice is never the slower. "mkl_packed" runs plain sgemm at 1
-row and above `PACKED_MAX_ROWS` rows, the same kernels as "mkl": where a case has no call in
+row and above 1,024 rows (`packed_rows`), the same kernels as "mkl": where a case has no call in
 between, the two are the same path and only the third is compared ("same_kernels_as").
 Outputs must equal plain MKL's to float32 rounding ("max_abs_diff"); each case also records
 every backend's speed relative to plain MKL's ("vs_mkl").
@@ -28,7 +28,8 @@ Usage: ``python perf/cpu_linear.py [--quick] [--seed N] [--repeats N] [--out PAT
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,11 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
 
 from omni.compute.models import (
     DecoderLM,
-    default_cpu_linear_backend,
+    cpu_linear_backend,
     set_cpu_linear_backend,
     tiny_model,
 )
-from omni.compute.models._linear import PACKED_MAX_ROWS, cpuinfo_field
+from omni.compute.models._linear import cpuinfo_field, packed_rows
 from perf._common import (
     Samples,
     alternate,
@@ -83,24 +84,28 @@ class Params:
                    quick=True)
 
 
+@contextmanager
+def _backend(name: str) -> Iterator[None]:
+    """`name`'s path for the block, this CPU's default restored after."""
+    set_cpu_linear_backend(name)
+    try:
+        yield
+    finally:
+        set_cpu_linear_backend(None)
+
+
 def _timed(fn: Callable[[], Any], backend: str) -> Callable[[], float]:
-    """One call of `fn` with `backend`, in seconds (this CPU's default restored after)."""
+    """One call of `fn` with `backend`, in seconds."""
 
     def run() -> float:
-        set_cpu_linear_backend(backend)
-        try:
+        with _backend(backend):
             return time_call(fn)
-        finally:
-            set_cpu_linear_backend(None)
     return run
 
 
 def _output(fn: Callable[[], torch.Tensor], backend: str) -> torch.Tensor:
-    set_cpu_linear_backend(backend)
-    try:
+    with _backend(backend):
         return fn()
-    finally:
-        set_cpu_linear_backend(None)
 
 
 def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int, rows: int,
@@ -113,10 +118,9 @@ def _case(name: str, fn: Callable[[], torch.Tensor], repeats: int, rows: int,
                for backend in BACKENDS)
     times = alternate({backend: _timed(fn, backend) for backend in BACKENDS}, repeats)
     ms = {side: samples.map(lambda s: s * 1e3) for side, samples in times.items()}
-    chosen = default_cpu_linear_backend()
-    packed_here = 2 <= rows <= PACKED_MAX_ROWS
+    chosen = cpu_linear_backend()  # the default, restored after each call above
     same = {"mkl_packed": "mkl", "mkl": "mkl_packed"}
-    same_kernels = [] if packed_here or chosen not in same else [same[chosen]]
+    same_kernels = [] if packed_rows(rows) or chosen not in same else [same[chosen]]
     others = [b for b in BACKENDS if b != chosen and b not in same_kernels]
 
     def paired(num: str, den: str) -> float:
@@ -194,7 +198,7 @@ def measure(params: Params) -> dict[str, Any]:
         "env": {**environment(), "torch": torch.__version__,
                 "torch_threads": torch.get_num_threads(),
                 "cpu": cpuinfo_field("model name") or "unknown"},
-        "backend": default_cpu_linear_backend(),
+        "backend": cpu_linear_backend(),
         "params": asdict(params),
         "model": {"architecture": config.architecture, **overrides,
                   "parameters": sum(p.numel() for p in model.parameters())},

@@ -15,9 +15,10 @@ speedup (median over repeats of the paired ratio recompute / reuse), the plain t
 
 Claim: speedup >= 0.8 x the ideal FLOP ratio on every turn 2..8, each turn's speedup the
 median of its paired runs (turn 1 has nothing cached and an ideal ratio of 1); the geometric
-mean of speedup / ideal over those turns, the lowest turn and the last one are reported too. The model is a random Llama of hidden
-512, 8 layers, 8 heads (4 KV heads), MLP 1536, vocab 512: ~25 M parameters, enough that the
-matmuls, not Python, dominate prefill on a 2-core CPU. Torch threads: the default.
+mean of speedup / ideal over those turns, the lowest turn and the last one are reported too.
+The model is a random Llama of hidden 512, 8 layers, 8 heads (4 KV heads), MLP 1536, vocab
+512: ~25 M parameters, enough that the matmuls, not Python, dominate prefill on a 2-core CPU.
+Torch threads: the default.
 
 The reuse engine's tokens must equal the recompute engine's every turn ("tokens_equal").
 

@@ -10,15 +10,16 @@ internal layout on every call. For a weight of `MIN_WEIGHT_ELEMENTS` (512 x 512)
   ``perf/prefix_reuse.py``'s model against plain sgemm: 0.97x at 1 row (sgemv), 1.03-1.07x
   at 2, 1.5x at 4-8, 1.4-2.6x at 16-64, 1.2-1.3x at 128-256, 1.1x at 512, 1.03-1.06x at
   768-1,024, 0.98x at 1,936; a whole 208-token prefill over 1,728 cached tokens 1.10-1.12x.
-  So it is used from 2 rows to `PACKED_MAX_ROWS`, plain sgemm at 1 row and above.
+  So it is used from 2 rows to `PACKED_MAX_ROWS` (`packed_rows`), plain sgemm at 1 row and
+  above.
   - Cost: the packed copy, about the weight's size again (6.5 MB for a 3,072 x 512 weight),
     kept next to the weight (which the state dict, autograd and other devices still use).
   - A packed weight serves calls of any row count. torch's op only uses a pack for the row
     count it names, so each call names its own; that MKL's layout of a packed weight does
     not depend on the other operand's row count is checked at the first pack of each weight
     shape, against `F.linear` at a few row counts (on a mismatch, a warning and plain sgemm
-    for that shape from then on),
-    and by the tests at every row count to 256 and at every 17th up to `PACKED_MAX_ROWS`.
+    for that shape from then on), and by the tests at every row count to 256 and at every
+    17th up to `PACKED_MAX_ROWS`.
   - A weight is packed again when it changes: another tensor, or an in-place change (its
     version counter). Not seen: a change through ``weight.data``, which bypasses the counter,
     and an in-place change of a weight made in inference mode, which has none.
@@ -56,7 +57,7 @@ from torch import Tensor, nn
 
 __all__ = ["BACKENDS", "CHUNK_ROWS", "MIN_WEIGHT_ELEMENTS", "PACKED_MAX_ROWS", "Linear",
            "PackedWeight", "cpu_linear_backend", "cpuinfo_field", "default_cpu_linear_backend",
-           "linear", "padded_rows", "set_cpu_linear_backend"]
+           "linear", "packed_rows", "padded_rows", "set_cpu_linear_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,12 @@ def padded_rows(rows: int) -> int:
         return rows
     step = 8 if rows <= 64 else 16
     return -(-rows // step) * step
+
+
+def packed_rows(rows: int) -> bool:
+    """Whether a call of `rows` rows runs on the packed weight on the "mkl_packed" path (else
+    plain sgemm, the faster there)."""
+    return 2 <= rows <= PACKED_MAX_ROWS
 
 
 def _fast_path(x: Tensor, weight: Tensor) -> bool:
@@ -230,7 +237,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
             return _onednn(x, weight, bias)
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if packed is not None and _MKL_PACKED and 2 <= rows <= PACKED_MAX_ROWS and (
+    if packed is not None and _MKL_PACKED and packed_rows(rows) and (
             bias is None or bias.dtype == torch.float32):
         packed_weight = packed.get(weight)
         if packed_weight is not None:
