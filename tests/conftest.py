@@ -6,6 +6,9 @@ owner process is gone are removed: KV stores by the owner record in their lease 
 segments by the pid in their name, sockets because nobody listens on them. Only what belongs to
 dead processes goes, so that another run of the suite beside this one keeps its files.
 
+Tests marked `gpu` need a CUDA device: where torch sees none they are skipped here, in one
+place (`perf/gpu_check.py` runs them on a GPU machine).
+
 Property tests draw the same examples on every run (`derandomize`), so a run of the suite is
 repeatable; `HYPOTHESIS_PROFILE=explore` draws new ones (the way to look for new failures).
 """
@@ -16,6 +19,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import settings
 
 from omni.kv.leases import reclaim_dead_stores
@@ -26,6 +30,15 @@ from omni.transport.payloads import reclaim_dead_segments
 settings.register_profile("repeatable", derandomize=True, database=None)
 settings.register_profile("explore")
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(no_cuda)
 
 
 @pytest.fixture(scope="session", autouse=True)

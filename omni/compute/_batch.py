@@ -132,10 +132,12 @@ class BatchKV:
         row has the same length (plain causal attention is then right)."""
         if len(set(self.lengths)) <= 1:
             return None
-        lengths = torch.tensor(self.lengths)
-        t = int(lengths.max())
-        past = torch.arange(t)[None, :] < lengths[:, None]  # [B, T_max]
-        mask = torch.cat([past, torch.ones(len(self.lengths), 1, dtype=torch.bool)], dim=1)
+        device = self.k[0].device
+        t = max(self.lengths)
+        lengths = torch.tensor(self.lengths, device=device)
+        past = torch.arange(t, device=device)[None, :] < lengths[:, None]  # [B, T_max]
+        mask = torch.cat([past, torch.ones(len(self.lengths), 1, dtype=torch.bool,
+                                           device=device)], dim=1)
         return mask[:, None, None, :]
 
     def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -148,8 +150,8 @@ class BatchKV:
                 self.k[layer][:b, :, t] = k[:, :, 0]
                 self.v[layer][:b, :, t] = v[:, :, 0]
         else:
-            rows = torch.arange(b)
-            cols = torch.tensor(self.lengths)
+            rows = torch.arange(b, device=self.k[0].device)
+            cols = torch.tensor(self.lengths, device=self.k[0].device)
             for layer, (k, v) in enumerate(new_kv):
                 self.k[layer][rows, :, cols] = k[:, :, 0]
                 self.v[layer][rows, :, cols] = v[:, :, 0]

@@ -83,15 +83,17 @@ class TorchEngine(ChatMixin):
         self.model_id = model_id
         self.max_batch = max_batch
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.kv_layout = config.kv_layout(page_size, self.dtype)
-        self.store: KVStore | None = choose_store(store, self.kv_layout,
-                                                  next(model.parameters()).device)
-        self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1).to(self.dtype)
-        self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2).to(self.dtype)
+        self.store: KVStore | None = choose_store(store, self.kv_layout, self.device)
+        # the built-in encoders are one small projection each: they run on the CPU in float32
+        # and their embeddings move to the model's device and dtype (`embed_prompt`)
+        self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1)
+        self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2)
         self._sampler = TokenSampler()
         self._batch_sampling: TokenSamplingState | None = None  # rebuilt when rows change
         self._batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
-                              max_batch, self.dtype)
+                              max_batch, self.dtype, self.device)
         self._running: list[_Request] = []  # by batch row
         self._waiting: list[_Request] = []
         self._driving = False
@@ -116,20 +118,22 @@ class TorchEngine(ChatMixin):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, store: StoreOption = "auto",
                         page_size: int = 16, dtype: torch.dtype = torch.float32,
-                        **kwargs: Any) -> TorchEngine:
+                        device: str | torch.device = "cpu", **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
 
         With it come the tokenizer (tokenizer.json, its special tokens and chat template, for
         `chat`), and generation_config.json: its sampling settings become the default of
         requests without params (see `omni.compute.generation_config`) and its EOS ids end
-        generation (else config.json's, else the tokenizer's `eos_token`).
+        generation (else config.json's, else the tokenizer's `eos_token`). The weights are
+        read straight onto `device` ("cuda": the model, its batch KV and its default store
+        live on the GPU).
 
         Raises:
             ValueError: no such directory, no config.json or weights, an unsupported
                 architecture, weights that do not fit the config, an unreadable
                 tokenizer_config.json / generation_config.json, an invalid chat template.
         """
-        model, config = load_pretrained(path, dtype=dtype)
+        model, config = load_pretrained(path, dtype=dtype, device=device)
         tokenizer, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids))
         engine = cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
                      model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
@@ -346,7 +350,7 @@ class TorchEngine(ChatMixin):
         self._load_cached_prefix(r)
         start = r.cached_tokens
         past = self._batch.row_kv(r.row, 0, start) if start else None
-        positions = torch.arange(start, len(ids))[None]
+        positions = torch.arange(start, len(ids), device=self.device)[None]
         began = time.perf_counter()
         hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
         self._note_prefill(time.perf_counter() - began, len(ids) - start)
@@ -407,21 +411,21 @@ class TorchEngine(ChatMixin):
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
         with each image's and audio clip's embeddings at its placeholder positions."""
-        ids = torch.tensor(tokens.token_ids[start:])[None]
+        ids = torch.tensor(tokens.token_ids[start:], device=self.device)[None]
         hidden = self.model.embed(ids)  # [1, T - start, hidden]
         for item in tokens.media:
             lo, hi = max(item.start, start), min(item.start + item.length, len(tokens))
             if lo >= hi:
                 continue
             encoder = self.image_encoder if item.kind == "image" else self.audio_encoder
-            embeds = encoder.encode(item.segment).to(hidden.dtype)  # [length, hidden]
+            embeds = encoder.encode(item.segment).to(hidden.device, hidden.dtype)  # [n, E]
             hidden[0, lo - start: hi - start] = embeds[lo - item.start: hi - item.start]
         return hidden
 
     def _decode(self) -> None:
         running = self._running
-        tokens = torch.tensor([[r.output[-1]] for r in running])
-        positions = torch.tensor([[r.length] for r in running])
+        tokens = torch.tensor([[r.output[-1]] for r in running], device=self.device)
+        positions = torch.tensor([[r.length] for r in running], device=self.device)
         hidden, new_kv = self.model.forward(self.model.embed(tokens), positions,
                                             self._batch.past(), self._batch.mask())
         self._counts["decode_steps"] += 1

@@ -96,7 +96,7 @@ async def test_a_worker_stopped_by_sigterm_leaves_no_payload_segment(cluster: Cl
         assert kept.sum() == 1 << 20  # what arrived stays valid after its producer left
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 async def test_cuda_tensors_cross_to_a_worker_of_this_host_by_ipc_handle(cluster: Cluster) -> None:
     cluster.head()
     cluster.worker("w1")

@@ -23,8 +23,6 @@ from omni.kv.errors import KVTierError
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 FIRST = [(7 * i) % 250 + 3 for i in range(44)]  # with its reply's KV: three full pages
 SECOND = [(11 * i) % 250 + 3 for i in range(20)]
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 async def two_turns(engine: TorchEngine) -> list:
     """A chat of two turns: the second prompt is the first, its reply and a new message."""
@@ -116,7 +114,6 @@ def test_a_store_that_cannot_be_made_leaves_the_engine_recomputing(monkeypatch, 
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_a_cuda_model_gets_a_device_tier_of_a_fraction_of_free_gpu_memory():
     layout = TorchEngine.tiny(seed=0, store=None).kv_layout
     free, _ = torch.cuda.mem_get_info()

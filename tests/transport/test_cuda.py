@@ -20,8 +20,6 @@ from omni.transport._cuda import CudaHandle
 from omni.transport.errors import WireError
 from omni.transport.values import pack_value, unpack_value
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _tensor_header_for(device: str, tensor: torch.Tensor) -> bytes:
     """The body a GPU process sends for `tensor` on `device` through host memory."""
@@ -51,7 +49,7 @@ def test_a_cuda_ipc_handle_that_cannot_open_here_is_a_wire_error_naming_why():
         unpack_value(msgspec.msgpack.encode(msgspec.msgpack.Ext(values._CUDA, b"\x93\x01")))
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_a_cuda_tensor_by_ipc_handle_maps_the_senders_memory_in_another_process():
     """The receiver's tensor is the sender's memory: what it writes, the sender reads."""
     sent = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024).t()
@@ -73,7 +71,7 @@ def test_a_cuda_tensor_by_ipc_handle_maps_the_senders_memory_in_another_process(
     assert float(sent[0, 0]) == -7.0
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_without_ipc_a_cuda_tensor_round_trips_through_host_memory():
     sent = torch.randn(64, 64, device="cuda")
     packed = pack_value(sent, cuda_ipc=False)

@@ -16,8 +16,6 @@ from omni.kv import arena as arena_module
 from omni.kv.arena import Arena, register_pinned, shm_directory
 from omni.kv.errors import KVLeaseError
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
 
 def _run_child(code: str) -> str:
     """Run `code` in a fresh interpreter (nothing inherited, as a spawned process) and return
@@ -163,7 +161,6 @@ def test_register_pinned_without_cuda_is_a_no_op(store_id: str) -> None:
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_register_pinned_makes_views_page_locked(store_id: str) -> None:
     with Arena.create(f"omni-{store_id}-host", 1 << 20) as arena:
         assert register_pinned(arena)

@@ -16,7 +16,6 @@ from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.host import HostTier
 from omni.kv.tiers.memory import RESERVE_STEP, MemoryTier, slots_for
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 KEY = bytes(16)
 
 
@@ -205,7 +204,6 @@ def test_a_tier_that_cannot_reserve_its_first_step_is_not_made(
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cuda_device_tier_round_trips_through_the_pinned_host_tier(layout: KVLayout,
                                                                    store_id: str) -> None:
     device = DeviceTier.create(layout, 4, store_id)

@@ -1,0 +1,200 @@
+"""`perf/gpu_check.py`'s engine figures: `TorchEngine` on CUDA against transformers on the same
+GPU, for a random checkpoint of Qwen3-0.6B's shape (28 layers, hidden 1,024, 16 query and 8 KV
+heads of 128, vocabulary 151,936, tied embeddings: ~0.6 B parameters), saved in bfloat16 by
+transformers' `save_pretrained` and loaded by both sides.
+
+- `decode`: bfloat16, greedy, prompts of 64 random tokens, 128 new; decode tokens/s =
+  batch x (N - 1) / (T(N) - T(1)) per round, median over rounds, rounds in alternating order
+  (as perf/decode.py). Ours: concurrent `generate` calls, no store; theirs: one left-padded
+  `generate` batch.
+- `exact`: greedy tokens of ours and transformers' in float32 on the GPU (where both round
+  alike), and of a second turn that reuses the first's KV from a CUDA store against a
+  recompute; the same in bfloat16, reported (kernels of another shape round otherwise there).
+- `prefix_reuse`: bfloat16 time to first token of a prompt whose first L - 64 tokens are in
+  the store (a fresh 64-token suffix each round) against the same prompt recomputed.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni.compute.engine import TorchEngine
+from omni.compute.models import load_pretrained
+from omni.compute.sampling import SamplingParams
+from omni.kv import KVStore, TierConfig
+from perf._common import Samples
+from perf.decode import left_padded, ours_generate
+
+__all__ = ["QWEN3_0_6B", "engine_figures"]
+
+QWEN3_0_6B: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+    rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+PAD_ID = 0
+SUFFIX = 64  # new tokens after the cached prefix in the prefix-reuse figure
+
+
+def save_checkpoint(path: Path, seed: int) -> int:
+    """A random Qwen3-0.6B-shaped checkpoint (bfloat16) at `path`; its parameter count."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_0_6B)).to(torch.bfloat16)
+    model.save_pretrained(path)
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    return count
+
+
+def load_hf(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+
+
+def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    ids, mask = left_padded(prompts)
+    with torch.inference_mode():
+        out = hf.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
+                          max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD_ID)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def _prompts(generator: torch.Generator, lengths: list[int]) -> list[list[int]]:
+    vocab = QWEN3_0_6B["vocab_size"]
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+async def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    await fn()
+    return time.perf_counter() - start
+
+
+async def decode(engine: TorchEngine, hf: Any, batch: int, new_tokens: int, repeats: int,
+                 generator: torch.Generator) -> dict[str, Any]:
+    prompts = _prompts(generator, [64 - 4 * i for i in range(batch)])
+
+    async def theirs(n: int) -> list[list[int]]:
+        return hf_generate(hf, prompts, n)
+
+    calls = {"ours_n": lambda: ours_generate(engine, prompts, new_tokens),
+             "ours_1": lambda: ours_generate(engine, prompts, 1),
+             "hf_n": lambda: theirs(new_tokens), "hf_1": lambda: theirs(1)}
+    ours_tokens, hf_tokens = await calls["ours_n"](), await calls["hf_n"]()  # warm-ups
+    await calls["ours_1"]()
+    await calls["hf_1"]()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for r in range(repeats):
+        for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            times[key].append(await _seconds(calls[key]))
+
+    def rate(side: str) -> Samples:
+        return Samples(tuple(batch * (new_tokens - 1) / (tn - t1) for tn, t1 in zip(
+            times[f"{side}_n"], times[f"{side}_1"], strict=True)))
+
+    ours, theirs_rate = rate("ours"), rate("hf")
+    return {"batch": batch, "new_tokens": new_tokens,
+            "decode_tokens_per_s": {"ours": ours.to_json(1),
+                                    "transformers": theirs_rate.to_json(1)},
+            "ratio": round(ours.median / theirs_rate.median, 3),
+            "bf16_tokens_equal": ours_tokens == hf_tokens,
+            "bf16_first_difference": _first_difference(ours_tokens, hf_tokens)}
+
+
+def _first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
+    """The first token index where any row differs (None: all equal)."""
+    for row_a, row_b in zip(a, b, strict=True):
+        for i, (x, y) in enumerate(zip(row_a, row_b, strict=False)):
+            if x != y:
+                return i
+    return None
+
+
+async def exact(path: Path, dtype: torch.dtype, generator: torch.Generator,
+                hf: Any | None = None) -> dict[str, Any]:
+    """Greedy tokens vs transformers, and a reusing second turn vs a recompute, in `dtype`."""
+    model, config = load_pretrained(path, dtype=dtype, device="cuda")
+    layout = config.kv_layout(16, dtype)
+    greedy = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    with KVStore(layout, [TierConfig("device", 1 << 30)], device="cuda") as store:
+        cached = TorchEngine(model, config, store=store, model_id="qwen3-shape")
+        fresh = TorchEngine(model, config, store=None, model_id="qwen3-shape")
+        prompt = _prompts(generator, [64])[0]
+        ours = await fresh.generate(prompt, greedy)
+        hf = hf if hf is not None else load_hf(path, dtype)
+        theirs = hf_generate(hf, [prompt], greedy.max_new_tokens)[0]
+        first_turn = _prompts(generator, [512])[0]
+        first = await cached.generate(first_turn, greedy)
+        second_turn = first_turn + first.token_ids + _prompts(generator, [37])[0]
+        second = await cached.generate(second_turn, greedy)
+        recomputed = await fresh.generate(second_turn, greedy)
+    return {"dtype": str(dtype).removeprefix("torch."),
+            "tokens_equal_transformers": ours.token_ids == theirs,
+            "first_difference_transformers": _first_difference([ours.token_ids], [theirs]),
+            "second_turn_cached_tokens": second.cached_tokens,
+            "cached_equals_recomputed": second.token_ids == recomputed.token_ids,
+            "first_difference_recomputed": _first_difference([second.token_ids],
+                                                             [recomputed.token_ids])}
+
+
+async def prefix_reuse(model: Any, config: Any, length: int, repeats: int,
+                       generator: torch.Generator) -> dict[str, Any]:
+    one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    layout = config.kv_layout(16, torch.bfloat16)
+    with KVStore(layout, [TierConfig("device", 4 << 30)], device="cuda") as store:
+        # one request at a time: 4 rows (not 16) of a batch KV of `length` positions
+        cached = TorchEngine(model, config, store=store, model_id="qwen3-shape", max_batch=4)
+        fresh = TorchEngine(model, config, store=None, model_id="qwen3-shape", max_batch=4)
+        base = _prompts(generator, [length - SUFFIX])[0]
+        await cached.generate(base, one)  # the prefix's pages go into the store
+        times: dict[str, list[float]] = {"cached": [], "recomputed": []}
+        hits = []
+        for r in range(repeats + 1):
+            prompt = base + _prompts(generator, [SUFFIX])[0]
+            order = ("cached", "recomputed") if r % 2 == 0 else ("recomputed", "cached")
+            for side in order:
+                engine = cached if side == "cached" else fresh
+                start = time.perf_counter()
+                result = await engine.generate(prompt, one)
+                if r:  # the first round warms up
+                    times[side].append(time.perf_counter() - start)
+                if side == "cached":
+                    hits.append(result.cached_tokens)
+    ms = {side: Samples(tuple(t)).map(lambda s: s * 1e3) for side, t in times.items()}
+    return {"prompt_tokens": length, "cached_tokens": min(hits),
+            "ttft_ms": {side: s.to_json(2) for side, s in ms.items()},
+            "speedup": round(ms["recomputed"].median / ms["cached"].median, 2),
+            "ideal": round(length / (length - min(hits)), 1)}
+
+
+async def engine_figures(seed: int, repeats: int, lengths: tuple[int, ...],
+                         new_tokens: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="omni-gpu-qwen3-") as tmp:
+        path = Path(tmp)
+        parameters = save_checkpoint(path, seed)
+        model, config = load_pretrained(path, dtype=torch.bfloat16, device="cuda")
+        hf = load_hf(path, torch.bfloat16)
+        engine = TorchEngine(model, config, store=None, model_id="qwen3-shape")
+        cases = [await decode(engine, hf, batch, new_tokens, repeats, generator)
+                 for batch in (1, 4)]
+        exact_bf16 = await exact(path, torch.bfloat16, generator, hf)
+        del hf
+        reuse = [await prefix_reuse(model, config, n, repeats, generator) for n in lengths]
+        del model, engine
+        torch.cuda.empty_cache()
+        exact_fp32 = await exact(path, torch.float32, generator)
+    return {"model": {"shape": "Qwen3-0.6B", "parameters": parameters, **QWEN3_0_6B},
+            "decode": cases, "exact": {"float32": exact_fp32, "bfloat16": exact_bf16},
+            "prefix_reuse": reuse}

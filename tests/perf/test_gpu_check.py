@@ -1,0 +1,46 @@
+"""perf/gpu_check.py without a GPU: it says there is nothing to check and exits 0; its list of
+GPU test files is whole; a section that failed fails its claims instead of passing them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from perf import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_test_file_with_a_gpu_test_is_run_by_the_gpu_check() -> None:
+    marked = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+                    if re.search(r"pytest\.mark\.gpu\b", path.read_text()))
+    assert sorted(gpu_check.GPU_TEST_FILES) == marked
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert gpu_check.main([]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no CUDA device" in captured.err
+
+
+def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met() -> None:
+    measured = {
+        "tests": {"exit": 0, "passed": ["t"], "failed": {}},
+        "tier_copies": {"tier_vs_torch": {"h2d": 0.95, "d2h": 0.91}},
+        "ipc_handoff": {"speedup": 25.0},
+        "engine": {"decode": [{"ratio": 1.2}, {"ratio": 1.05}],
+                   "exact": {"float32": {"tokens_equal_transformers": True,
+                                         "cached_equals_recomputed": True}}},
+    }
+    assert gpu_check.claims(measured)["all_pass"]
+    measured["tier_copies"] = {"error": "RuntimeError: boom"}
+    measured["engine"]["decode"][1]["ratio"] = 0.99
+    verdict = gpu_check.claims(measured)
+    assert not verdict["all_pass"]
+    assert not verdict["pass"]["tier_copies_vs_torch"]
+    assert not verdict["pass"]["decode_vs_transformers"]
+    assert verdict["pass"]["ipc_handoff_speedup"] and verdict["pass"]["tests_pass"]
