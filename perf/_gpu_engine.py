@@ -104,12 +104,33 @@ async def decode(engine: TorchEngine, hf: Any, batch: int, new_tokens: int, repe
             times[f"{side}_n"], times[f"{side}_1"], strict=True)))
 
     ours, theirs_rate = rate("ours"), rate("hf")
-    return {"batch": batch, "new_tokens": new_tokens,
+    kernels = {"ours": await _kernels_per_token(lambda n: ours_generate(engine, prompts, n)),
+               "transformers": await _kernels_per_token(theirs)}
+    return {"batch": batch, "new_tokens": new_tokens, "gpu_ops_per_token": kernels,
             "decode_tokens_per_s": {"ours": ours.to_json(1),
                                     "transformers": theirs_rate.to_json(1)},
             "ratio": round(ours.median / theirs_rate.median, 3),
             "bf16_tokens_equal": ours_tokens == hf_tokens,
             "bf16_first_difference": _first_difference(ours_tokens, hf_tokens)}
+
+
+async def _kernels_per_token(generate: Any) -> float | str:
+    """GPU operations (kernels, copies) per decoded token, from torch's profiler: those of
+    9 new tokens less those of 1, over 8. Small models decode at the speed their CPU launches
+    these; the count says where one side does more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = []
+    try:
+        for n in (1, 9):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                await generate(n)
+                torch.cuda.synchronize()
+            counts.append(sum(e.count for e in prof.key_averages()
+                              if str(e.device_type).endswith("CUDA")))
+    except Exception as exc:  # a diagnostic: its failure is reported, not fatal
+        return f"not counted: {type(exc).__name__}: {exc}"[:300]
+    return round((counts[1] - counts[0]) / 8, 1)
 
 
 def _first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:

@@ -10,7 +10,9 @@ size, page-locked here too. On stdin, messages ``kind (1 byte) | length (8 bytes
 - ``c``: the pages are in the arena: copy them onto this process's GPU, read the last byte;
 - ``q``: quit.
 
-Each answer is 8 bytes on stdout: the value read, as a little-endian double. One byte ``r`` is
+Each answer is 16 bytes on stdout: the value read and the seconds this process took from
+having the message to having the value, little-endian doubles. A received tensor is released
+after the answer (the handoff is done once the receiver can read it). One byte ``r`` is
 written first, once CUDA and the arena are ready.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 from typing import BinaryIO
 
 import torch
@@ -26,7 +29,7 @@ from omni.kv.arena import Arena, register_pinned
 from omni.transport.values import unpack_value
 
 HEADER = struct.Struct("<cQ")
-ANSWER = struct.Struct("<d")
+ANSWER = struct.Struct("<dd")
 
 
 def read_exact(stream: BinaryIO, n: int) -> bytes:
@@ -47,18 +50,21 @@ def serve(arena_name: str, stdin: BinaryIO, stdout: BinaryIO) -> None:
         kind, length = HEADER.unpack(read_exact(stdin, HEADER.size))
         if kind == b"q":
             break
+        body = read_exact(stdin, length)
+        start = time.perf_counter()
+        pages = None
         if kind == b"i":
-            pages = unpack_value(read_exact(stdin, length))
+            pages = unpack_value(body)
             value = float(pages.reshape(-1)[-1])  # a read on the GPU: the mapping works
-            del pages  # lets the sender's memory go once the sender drops it too
         elif kind == b"c":
             device.copy_(host, non_blocking=True)
             torch.cuda.synchronize()
             value = float(device[-1])
         else:
             raise ValueError(f"unknown message kind {kind!r}")
-        stdout.write(ANSWER.pack(value))
+        stdout.write(ANSWER.pack(value, time.perf_counter() - start))
         stdout.flush()
+        del pages  # lets the sender's memory go once the sender drops it too
     arena.close()
 
 

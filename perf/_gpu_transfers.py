@@ -4,10 +4,11 @@ measured beside its baseline in the same run (`alternate`: rounds in alternating
 warm-up round first).
 
 - `tier_copies`: 256 MiB of pages host -> device and device -> host, page by page through
-  `DeviceTier.write` and `DeviceTier.read_into` (the copies a promotion and a demotion make),
-  and through `KVStore.acquire` of pages on the host tier (each promoted, another demoted to
-  make room), against torch copying the same bytes as one tensor between the same pinned
-  memory and the GPU.
+  `DeviceTier.write` and `DeviceTier.read_into` (the copies a promotion and a demotion make)
+  in one `batched_copies` block, as the store makes them (and, to compare, waited for page by
+  page), and through `KVStore.acquire` of pages on the host tier (each promoted, another
+  demoted to make room), against torch copying the same bytes as one tensor between the same
+  pinned memory and the GPU. The claim is the lowest of the three ratios.
 - `ipc_handoff`: 256 MiB of leased pages of a CUDA device tier to a second process, by CUDA
   IPC handle (`pack_value(..., cuda_ipc=True)`: the receiver maps the sender's memory) against
   a copy through pinned shared memory (device -> host here, host -> device there).
@@ -31,6 +32,7 @@ from omni.kv import KVLayout, KVStore, TierConfig
 from omni.kv.arena import Arena, register_pinned
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.host import HostTier
+from omni.kv.tiers.memory import batched_copies
 from omni.transport.values import pack_value
 from perf._common import Samples, alternate
 from perf._gpu_receiver import ANSWER, HEADER
@@ -69,33 +71,25 @@ def tier_copies(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
         device.pool.copy_(torch.randn(device.pool.shape, device="cuda").to(layout.dtype))
         h2d_pool, d2h_pool = device.pool, host.pool
 
-        def tier_h2d() -> None:
-            for slot in range(n):
-                device.write(slot, host.view(slot), KEY)
-
-        def tier_d2h() -> None:
-            for slot in range(n):
-                device.read_into(slot, host.view(slot), KEY)
-
-        # The tier's cost apart: torch's per-page copies, each waited for (as `copy_page`) or
-        # one wait for all (what batching the waits could reach)
-        def per_page_h2d(wait_each: bool) -> Callable[[], None]:
-            stream = torch.cuda.current_stream()
-
+        def tier(h2d: bool, batched: bool) -> Callable[[], None]:
+            """Every page through the device tier, as the store copies them (`batched`: in
+            one `batched_copies` block, else waited for one by one)."""
             def copy() -> None:
-                for slot in range(n):
-                    h2d_pool[slot].copy_(d2h_pool[slot], non_blocking=True)
-                    if wait_each:
-                        stream.synchronize()
+                with batched_copies() if batched else contextlib.nullcontext():
+                    for slot in range(n):
+                        if h2d:
+                            device.write(slot, host.view(slot), KEY)
+                        else:
+                            device.read_into(slot, host.view(slot), KEY)
             return copy
 
         seconds = alternate({
             "torch_h2d": _timed(lambda: h2d_pool.copy_(d2h_pool, non_blocking=True)),
             "torch_d2h": _timed(lambda: d2h_pool.copy_(h2d_pool, non_blocking=True)),
-            "tier_h2d": _timed(tier_h2d),
-            "tier_d2h": _timed(tier_d2h),
-            "per_page_h2d": _timed(per_page_h2d(True)),
-            "per_page_one_wait_h2d": _timed(per_page_h2d(False)),
+            "tier_h2d": _timed(tier(h2d=True, batched=True)),
+            "tier_d2h": _timed(tier(h2d=False, batched=True)),
+            "tier_h2d_waiting_each": _timed(tier(h2d=True, batched=False)),
+            "tier_d2h_waiting_each": _timed(tier(h2d=False, batched=False)),
         }, repeats)
         assert torch.equal(device.view(n - 1).cpu(), host.view(n - 1))
     finally:
@@ -103,17 +97,19 @@ def tier_copies(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
         host.close()
     rates = {name: _gib_per_s(moved, s) for name, s in seconds.items()}
     store = _store_moves(layout, n, repeats)
-    torch_both = Samples(tuple(a + b for a, b in zip(seconds["torch_h2d"].values,
-                                                      seconds["torch_d2h"].values, strict=True)))
+    # the store moves the bytes both ways: against torch's two copies, one after the other
+    torch_both = _gib_per_s(2 * moved, Samples(tuple(a + b for a, b in zip(
+        seconds["torch_h2d"].values, seconds["torch_d2h"].values, strict=True))))
     return {
         "bytes": moved, "pages": n, "page_bytes": layout.page_bytes,
         "gib_per_s": {name: r.to_json(2) for name, r in rates.items()},
-        "tier_vs_torch": {
+        "store": store,
+        "vs_torch": {
             "h2d": round(rates["tier_h2d"].median / rates["torch_h2d"].median, 3),
-            "d2h": round(rates["tier_d2h"].median / rates["torch_d2h"].median, 3)},
-        # the store moves the bytes both ways: against torch's two copies, one after the other
-        "store": {**store, "vs_torch": round(
-            store["gib_per_s"]["median"] / _gib_per_s(2 * moved, torch_both).median, 3)},
+            "d2h": round(rates["tier_d2h"].median / rates["torch_d2h"].median, 3),
+            "store_acquire": round(store["gib_per_s"]["median"] / torch_both.median, 3),
+            "h2d_waiting_each": round(
+                rates["tier_h2d_waiting_each"].median / rates["torch_h2d"].median, 3)},
     }
 
 
@@ -167,7 +163,8 @@ def _receiver(arena: Arena) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def _send(proc: subprocess.Popen[bytes], kind: bytes, body: bytes, *,
-          answer: bool = True) -> float | None:
+          answer: bool = True) -> tuple[float, float] | None:
+    """Send one message; the receiver's answer (value read, its own seconds) if `answer`."""
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(HEADER.pack(kind, len(body)) + body)
     proc.stdin.flush()
@@ -176,7 +173,7 @@ def _send(proc: subprocess.Popen[bytes], kind: bytes, body: bytes, *,
     data = proc.stdout.read(ANSWER.size)
     if len(data) != ANSWER.size:
         raise RuntimeError(f"the receiver died (exit {proc.wait(30)})")
-    return ANSWER.unpack(data)[0]
+    return ANSWER.unpack(data)
 
 
 def ipc_handoff(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
@@ -194,15 +191,19 @@ def ipc_handoff(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
                 pages = lease.pages()  # [n, *page_shape]: a view of the device tier
                 last_value = float(pages.reshape(-1)[-1])
                 last_byte = float(pages.reshape(-1).view(torch.uint8)[-1])
-                handles = []
+                handles: list[int] = []
+                parts: dict[str, list[float]] = {"pack": [], "open_and_read": []}
 
                 def by_handle() -> float:
                     start = time.perf_counter()
                     packed = pack_value(pages, cuda_ipc=True)
-                    got = _send(proc, b"i", packed.body)
+                    packed_at = time.perf_counter()
+                    got, theirs = _send(proc, b"i", packed.body)
                     seconds = time.perf_counter() - start
                     assert not packed.buffers and got == last_value, (got, last_value)
                     handles.append(len(packed.body))
+                    parts["pack"].append(packed_at - start)
+                    parts["open_and_read"].append(theirs)
                     return seconds
 
                 def by_copy() -> float:
@@ -210,7 +211,7 @@ def ipc_handoff(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
                     start = time.perf_counter()
                     shared.copy_(pages.reshape(-1).view(torch.uint8), non_blocking=True)
                     torch.cuda.synchronize()
-                    got = _send(proc, b"c", b"")
+                    got, _ = _send(proc, b"c", b"")
                     seconds = time.perf_counter() - start
                     assert got == last_byte, (got, last_byte)
                     return seconds
@@ -223,6 +224,10 @@ def ipc_handoff(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
     return {"bytes": moved, "pages": n, "handle_bytes": max(handles),
             "ms": {name: s.to_json(3) for name, s in ms.items()},
             "first_handle_ms": round(first * 1e3, 3),
+            # where a handoff's time goes: packing here, opening and reading there (the rest
+            # is the pipe between the two processes)
+            "ipc_parts_ms": {name: Samples(tuple(v[1:])).map(lambda x: x * 1e3).to_json(3)
+                             for name, v in parts.items()},
             "copy_gib_per_s": _gib_per_s(moved, seconds["copy"]).to_json(2),
             "speedup": round(ms["copy"].median / ms["ipc"].median, 1)}
 

@@ -36,7 +36,7 @@ from omni.kv.probe import tier_error
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.disk import DiskTier
 from omni.kv.tiers.host import HostTier
-from omni.kv.tiers.memory import slots_for
+from omni.kv.tiers.memory import batched_copies, slots_for
 from omni.kv.transfers import Blocked, Transfer
 
 __all__ = ["KVConfig", "KVStore", "TierConfig"]
@@ -213,7 +213,7 @@ class KVStore:
         if pages.dtype != self.layout.dtype:
             raise ValueError(f"pages must have dtype {self.layout.dtype}, got {pages.dtype}")
         put = self._manager.put
-        with self._emitting():
+        with self._emitting(), batched_copies():
             return sum(self._run(functools.partial(put, key, pages[i]))
                        for i, key in enumerate(keys))
 
@@ -235,7 +235,7 @@ class KVStore:
         """
         self._check_keys(keys)
         manager = self._manager
-        with self._emitting():
+        with self._emitting(), batched_copies():
             with self._lock:
                 self._check_open()
                 self._sweep()
@@ -319,7 +319,7 @@ class KVStore:
 
     def _prefetch_sync(self, keys: list[bytes]) -> int:
         target = self._prefetch_target()
-        with self._emitting():
+        with self._emitting(), batched_copies():
             for n, key in enumerate(keys):
                 if self._run(functools.partial(self._manager.promote, key, target)) is None:
                     return n

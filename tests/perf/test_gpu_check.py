@@ -30,7 +30,8 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
 def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met() -> None:
     measured = {
         "tests": {"exit": 0, "passed": ["t"], "failed": {}},
-        "tier_copies": {"tier_vs_torch": {"h2d": 0.95, "d2h": 0.91}},
+        "tier_copies": {"vs_torch": {"h2d": 0.95, "d2h": 0.91, "store_acquire": 0.93,
+                                     "h2d_waiting_each": 0.6}},
         "ipc_handoff": {"speedup": 25.0},
         "engine": {"decode": [{"ratio": 1.2}, {"ratio": 1.05}],
                    "exact": {"float32": {"tokens_equal_transformers": True,

@@ -10,7 +10,8 @@ the past KV and themselves, in the three shapes a decoder needs.
   over all the keys, to float rounding (~1e-6 in float32). Why: it never concatenates the
   past with the new KV (a copy of the whole past per layer) nor builds, converts and reads a
   [G*T, S] mask. With 1.7k cached tokens and 208 new ones (one thread, head_dim 64) it takes
-  ~10% less time than the one masked call, a few % of the whole prefill;
+  ~10% less time than the one masked call, a few % of the whole prefill. On CUDA it is one
+  SDPA call with torch's lower-right causal bias (`causal_attention_with_past`);
 - anything else (decode, explicit masks): one SDPA call over the concatenated KV, the G
   query heads of each KV head folded into the query axis (the KV is read once, never
   repeated).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["attend", "causal_attention_with_past", "merge_attention"]
 
@@ -58,7 +60,10 @@ def causal_attention_with_past(q: Tensor, k: Tensor, v: Tensor,
     past key and the new keys 0..t. Returns [B, H, T, D].
 
     On the CPU: the past block and the new block separately, merged by their log-sum-exps;
-    elsewhere one SDPA call with the shifted causal mask.
+    elsewhere (CUDA) one SDPA call with torch's lower-right causal bias, which runs in the
+    fused (flash / memory-efficient) kernels rather than the unfused math path that a
+    boolean mask with grouped heads may fall back to; those kernels take as many KV heads as
+    query heads, so the KV is repeated.
     """
     batch, num_heads, num_new, head_dim = q.shape
     num_kv_heads, num_past = k.shape[1], past[0].shape[2]
@@ -66,10 +71,11 @@ def causal_attention_with_past(q: Tensor, k: Tensor, v: Tensor,
     if _flash_cpu is None or q.device.type != "cpu":
         keys = torch.cat((past[0], k), dim=2)
         values = torch.cat((past[1], v), dim=2)
-        mask = torch.ones(num_new, num_past + num_new, dtype=torch.bool,
-                          device=q.device).tril(diagonal=num_past)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              enable_gqa=groups != 1)
+        if groups != 1:
+            keys = keys.repeat_interleave(groups, dim=1)  # [B, H, S, D]
+            values = values.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=causal_lower_right(num_new, num_past + num_new))
     grouped = q.reshape(batch, num_kv_heads, groups * num_new, head_dim)
     out_past, lse_past = _flash_cpu(grouped, past[0], past[1])  # [B, Hkv, G*T, (D)]
     # the kernel maps query head h to KV head h // G itself (grouped-query attention)

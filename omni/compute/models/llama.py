@@ -23,9 +23,20 @@ from omni.compute.models._linear import Linear
 from omni.compute.models.config import DecoderConfig
 
 __all__ = ["MLP", "Attention", "DecoderLM", "DecoderLayer", "KVList", "RMSNorm",
-           "RotaryEmbedding", "apply_rotary", "rope_inv_freq"]
+           "RotaryEmbedding", "apply_rotary", "rms_normalize", "rope_inv_freq"]
 
 KVList = list[tuple[Tensor, Tensor]]  # per layer (k, v), each [B, Hkv, T, D]
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """x / rms(x) over the last axis, the statistics in float32, rounded to x's dtype: what
+    transformers' RMSNorm computes before its weight. F.rms_norm computes
+    x * rsqrt(mean(x^2) + eps) as one op (one kernel where torch has a fused one) where the
+    spelled-out form takes five: on a GPU a small model's decode step costs what its kernel
+    launches cost."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -38,11 +49,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., E] -> [..., E]
-        if x.dtype == torch.float32:  # one fused op, the same arithmetic as below
+        if x.dtype == torch.float32:  # the weight fused in too: the same arithmetic as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
 
 
 def rope_inv_freq(config: DecoderConfig, device: torch.device | str | None = None) -> Tensor:
@@ -133,8 +142,11 @@ class Attention(nn.Module):
         num_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, :num_qk]  # [B, H + Hkv, T, D]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads:])), dim=1)
+            # every q and k head normalised at once, then each group times its own weight
+            # (a new tensor: scaling it in place changes nothing else)
+            qk = rms_normalize(qk, self.q_norm.eps)
+            qk[:, :self.num_heads] *= self.q_norm.weight
+            qk[:, self.num_heads:] *= self.k_norm.weight
         qk = apply_rotary(qk, cos, sin)
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, num_qk:]
         out = attend(q, k, v, past, mask).transpose(1, 2)  # [B, T, H, D]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import threading
+from collections.abc import Iterator
 
 import torch
 
 from omni.kv.arena import Arena
 from omni.kv.layout import KVLayout
 
-__all__ = ["RESERVE_STEP", "MemoryTier", "check_page", "copy_page", "create_arena", "slots_for"]
+__all__ = ["RESERVE_STEP", "MemoryTier", "batched_copies", "check_page", "copy_page",
+           "create_arena", "slots_for", "wait_for_host_copies"]
 
 log = logging.getLogger("omni.kv")
 
@@ -56,15 +60,58 @@ def check_page(tier_name: str, layout: KVLayout, page: torch.Tensor, what: str =
                          f"{layout.dtype}, got {tuple(page.shape)} {page.dtype}")
 
 
+# GPU <-> page-locked host copies that `batched_copies` left for later: the streams they were
+# enqueued on. Any thread's CPU-side copy of a page waits for them first (`copy_page`).
+_pending_streams: set[torch.cuda.Stream] = set()
+_pending_lock = threading.Lock()
+_batching = threading.local()  # .depth: `batched_copies` blocks open in this thread
+
+
+@contextlib.contextmanager
+def batched_copies() -> Iterator[None]:
+    """Inside the block, this thread's copies between a GPU and page-locked host memory are
+    enqueued without a wait each (`copy_page`); they are complete when the outermost block
+    ends, after one wait per stream.
+
+    Why: a wait after each page costs ~10 us of a 1.8 MiB page's ~36 us on the bus, so a
+    promotion of many pages moved them at 0.6x of one large copy. What makes the later wait
+    safe: a GPU copy only races with the CPU touching the same host memory, and every CPU-side
+    copy of a page (`copy_page`), in any thread, first waits for the pending ones; the store
+    makes its copies under its lock and ends the block before it hands pages to a caller.
+    Copies from or to memory that is not page-locked are waited for at once, as outside.
+    """
+    depth = getattr(_batching, "depth", 0)
+    _batching.depth = depth + 1
+    try:
+        yield
+    finally:
+        _batching.depth = depth
+        if depth == 0:
+            wait_for_host_copies()
+
+
+def wait_for_host_copies() -> None:
+    """Wait until every GPU <-> host copy `batched_copies` left pending is complete."""
+    if not _pending_streams:  # the common case: nothing to take the lock for
+        return
+    with _pending_lock:  # held while waiting: no thread reads the set as empty too early
+        for stream in _pending_streams:
+            stream.synchronize()
+        _pending_streams.clear()
+
+
 def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src` into `dst`, asynchronously on the GPU but complete when this returns.
+    """Copy `src` into `dst`, asynchronously on the GPU but complete when this returns, or,
+    between a GPU and page-locked memory inside `batched_copies`, when that block ends.
 
     A copy between a GPU and host memory is enqueued with ``non_blocking=True`` (pinned memory
     then moves by DMA without a staging buffer) and the stream is synchronized before returning:
     the tier manager may overwrite the host slot, or hand its bytes to the disk, right after.
-    Copies within one GPU stay stream-ordered and are not waited for.
+    Copies within one GPU stay stream-ordered and are not waited for. A copy between two CPU
+    tensors first waits for pending GPU copies (one of them may read or write its memory).
     """
     if not (dst.is_cuda or src.is_cuda):
+        wait_for_host_copies()
         if (dst.is_contiguous() and src.is_contiguous() and dst.dtype == src.dtype
                 and dst.shape == src.shape):
             # One memmove, GIL released: torch's copy_ splits a page across intra-op threads,
@@ -74,8 +121,15 @@ def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     dst.copy_(src, non_blocking=True)
-    if not (dst.is_cuda and src.is_cuda):
-        torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).synchronize()
+    if dst.is_cuda and src.is_cuda:
+        return
+    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
+    host = src if dst.is_cuda else dst
+    if getattr(_batching, "depth", 0) and host.is_pinned():
+        with _pending_lock:
+            _pending_streams.add(stream)
+    else:
+        stream.synchronize()
 
 
 class MemoryTier:
