@@ -51,6 +51,7 @@ GPU_TEST_FILES = (
     "tests/cluster/test_values_cluster.py",
 )
 MIB = 1 << 20
+SECTIONS = ("tests", "tier_copies", "ipc_handoff", "stage_value", "engine")
 TARGETS = {"tier_copies": 0.9, "ipc_handoff": 20.0, "decode": 1.0}
 
 
@@ -175,7 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--out", help="also write the JSON here (folders are created)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which to run, comma-separated (default: all of {SECTIONS})")
     args = parser.parse_args(argv)
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}: choose from {SECTIONS}")
     import torch
 
     if not torch.cuda.is_available():
@@ -194,16 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = Path(args.out).with_suffix(".pytest.txt") if args.out else ROOT / "gpu_check.pytest.txt"
     result: dict[str, Any] = {"benchmark": "gpu_check", "env": environment(),
                               "device": device_info(), "params": asdict(p)}
-    _section(result, "tests", lambda: run_tests(p, log), args.out)
-    _section(result, "tier_copies",
-             lambda: _gpu_transfers.tier_copies(layout, p.nbytes, p.repeats), args.out)
-    _section(result, "ipc_handoff",
-             lambda: _gpu_transfers.ipc_handoff(layout, p.nbytes, p.repeats), args.out)
-    _section(result, "stage_value",
-             lambda: trio.run(_gpu_transfers.stage_value, p.nbytes, p.repeats), args.out)
-    _section(result, "engine", lambda: trio.run(
-        _gpu_engine.engine_figures, p.seed, p.engine_repeats, p.prompt_lengths, p.new_tokens),
-        args.out)
+    runs: dict[str, Callable[[], Any]] = {
+        "tests": lambda: run_tests(p, log),
+        "tier_copies": lambda: _gpu_transfers.tier_copies(layout, p.nbytes, p.repeats),
+        "ipc_handoff": lambda: _gpu_transfers.ipc_handoff(layout, p.nbytes, p.repeats),
+        "stage_value": lambda: trio.run(_gpu_transfers.stage_value, p.nbytes, p.repeats),
+        "engine": lambda: trio.run(_gpu_engine.engine_figures, p.seed, p.engine_repeats,
+                                   p.prompt_lengths, p.new_tokens),
+    }
+    for name in SECTIONS:
+        if name in sections:
+            _section(result, name, runs[name], args.out)
     result["qwen3_omni"] = {"status": "not run: Qwen3-Omni does not run on Omni yet"}
     result["claims"] = claims(result)
     _write(result, args.out)
