@@ -79,7 +79,10 @@ def med(entry: Any) -> float:
 
 
 def mib(n_bytes: int) -> str:
-    return f"{n_bytes / (1 << 30):g} GiB" if n_bytes >= 1 << 30 else f"{n_bytes >> 20} MiB"
+    """Bytes in GiB or MiB, to three significant figures: 1 GiB, 255 MiB, 1.75 MiB."""
+    if n_bytes >= 1 << 30:
+        return f"{n_bytes / (1 << 30):.3g} GiB"
+    return f"{n_bytes / (1 << 20):.3g} MiB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,6 +571,79 @@ KNOWN: tuple[Known, ...] = (
 _BACKENDS = {"mkl_packed": "MKL, packed weights", "onednn": "oneDNN", "mkl": "MKL"}
 
 
+def _gib(k: Ctx, name: str) -> str:
+    return fig(med(k.d["tier_copies"]["gib_per_s"][name]))
+
+
+def _decode_case(k: Ctx) -> dict[str, Any]:
+    return next(c for c in k.d["engine"]["decode"] if c["batch"] == k.c["batch"])
+
+
+def _equal(k: Ctx) -> str:
+    return "equal" if k.c["pass"] else "differ"
+
+
+GPU_KNOWN: tuple[Known, ...] = (
+    Known("gpu_check", "claims.gpu_tests",
+          lambda k: f"the CUDA tests (`pytest -m gpu`) on {k.d['device']['name']}",
+          "all pass",
+          lambda k: (f"{k.c['passed']} passed, {len(k.c['failed'])} failed"
+                     + (": " + ", ".join(k.c["failed"]) if k.c["failed"] else "")),
+          "—"),
+    Known("gpu_check", "claims.tier_copies",
+          lambda k: (f"KV pages between the CUDA device tier and the page-locked host tier "
+                     f"({mib(k.d['tier_copies']['bytes'])} of "
+                     f"{mib(k.d['tier_copies']['page_bytes'])} pages): page by page each way, "
+                     "and a store `acquire` that promotes them (demoting others)"),
+          lambda k: f"≥ {k.c['target']:g}× torch's copy of the same bytes, each",
+          lambda k: (f"host→device {x(k.c['each']['h2d'])} ({_gib(k, 'tier_h2d')} GiB/s), "
+                     f"device→host {x(k.c['each']['d2h'])} ({_gib(k, 'tier_d2h')} GiB/s), "
+                     f"store {x(k.c['each']['store_acquire'])} "
+                     f"({fig(med(k.d['tier_copies']['store']['gib_per_s']))} GiB/s)"),
+          lambda k: (f"one torch `copy_` of the whole: {_gib(k, 'torch_h2d')} / "
+                     f"{_gib(k, 'torch_d2h')} GiB/s; a wait per page (before `batched_copies`): "
+                     f"{x(k.c['each']['h2d_waiting_each'])}")),
+    Known("gpu_check", "claims.ipc_handoff",
+          lambda k: (f"handing {mib(k.d['ipc_handoff']['bytes'])} of leased CUDA KV pages to "
+                     "another process by CUDA IPC handle"),
+          lambda k: f"≥ {k.c['target']:g}× faster than a copy",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: (f"device → pinned shared memory → the other GPU context: "
+                     f"{fig(med(k.c['baseline']))} ms")),
+    Known("gpu_check", "claims.stage_value",
+          lambda k: (f"a {mib(k.d['stage_value']['bytes'])} CUDA tensor as a stage's argument "
+                     "to a worker on the same host (CUDA IPC handle)"),
+          lambda k: f"≥ {k.c['target']:g}× faster than through host memory",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: f"`OMNI_CUDA_IPC=0` (through host memory): {fig(med(k.c['baseline']))} ms"),
+    Known("gpu_check", "claims.decode[*]",
+          lambda k: (f"`TorchEngine` decode on CUDA, bfloat16, a random "
+                     f"{k.d['engine']['model']['shape']}-shaped checkpoint, batch "
+                     f"{k.c['batch']}"),
+          lambda k: f"≥ {k.c['target']:g}× transformers' `generate` on the same GPU",
+          lambda k: (f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} tokens/s; "
+                     f"{fig(_decode_case(k)['gpu_ops_per_token']['ours'])} GPU ops per token)"),
+          lambda k: (f"transformers: {fig(med(k.c['baseline']))} tokens/s "
+                     f"({fig(_decode_case(k)['gpu_ops_per_token']['transformers'])} GPU ops "
+                     "per token)")),
+    Known("gpu_check", "claims.greedy_tokens_equal_transformers",
+          lambda k: (f"greedy tokens on CUDA equal transformers' on CUDA ({k.c['dtype']}, "
+                     f"{k.d['engine']['model']['shape']} shape)"),
+          "equal", _equal, "transformers' `generate`"),
+    Known("gpu_check", "claims.cached_equals_recomputed",
+          lambda k: (f"a second turn reusing {k.c['cached_tokens']} tokens of KV from a CUDA "
+                     f"store gives the recomputed tokens ({k.c['dtype']})"),
+          "equal", _equal, "the same prompt recomputed"),
+    Known("gpu_check", "claims.prefix_reuse[*]",
+          lambda k: (f"time to first token on CUDA (bfloat16) of a {k.c['prompt_tokens']:,}-"
+                     f"token prompt with {k.c['cached_tokens']:,} tokens of KV cached"),
+          lambda k: f"≥ {k.c['target']:g}× a recompute's speed",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: f"the whole prompt recomputed: {fig(med(k.c['baseline']))} ms"),
+)
+KNOWN = KNOWN + GPU_KNOWN
+
+
 def _other_backends(case: dict[str, Any]) -> str:
     """A cpu_linear case's baselines: every backend Omni did not pick, with its time, the one
     compared first; one running the chosen backend's kernels in this case is marked so."""
@@ -777,11 +853,22 @@ def _platform(results: Sequence[Result]) -> str:
     return " / ".join(sorted(out)) or "an unrecorded platform"
 
 
+def _on_gpu(r: Result) -> bool:
+    """Whether `r` was measured on a GPU machine (it records its ``device``)."""
+    return r.doc is not None and isinstance(r.doc.get("device"), dict)
+
+
 def _machine(results: Sequence[Result]) -> str:
-    read = [r for r in results if r.doc is not None]
+    read = [r for r in results if r.doc is not None and not _on_gpu(r)]
     cpus = _versions(read, "cpu_count")
-    return (f"a {cpus}-CPU {_platform(read)} machine (Python {_versions(read, 'python')}, "
+    text = (f"a {cpus}-CPU {_platform(read)} machine (Python {_versions(read, 'python')}, "
             f"torch {_versions(read, 'torch')})")
+    for r in results:
+        if _on_gpu(r):
+            device = _dict(_dict(r.doc).get("device"))
+            text += (f"; `{r.name}` on an {device.get('name')} (driver {device.get('driver')}, "
+                     f"CUDA {device.get('cuda')}, torch {device.get('torch')})")
+    return text
 
 
 def _repeats(results: Sequence[Result]) -> str:

@@ -28,20 +28,31 @@ def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str])
 
 
 def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met() -> None:
+    samples = {"median": 1.0}
     measured = {
         "tests": {"exit": 0, "passed": ["t"], "failed": {}},
         "tier_copies": {"vs_torch": {"h2d": 0.95, "d2h": 0.91, "store_acquire": 0.93,
                                      "h2d_waiting_each": 0.6}},
-        "ipc_handoff": {"speedup": 25.0},
-        "engine": {"decode": [{"ratio": 1.2}, {"ratio": 1.05}],
+        "ipc_handoff": {"speedup": 25.0, "ms": {"ipc": samples, "copy": samples}},
+        "stage_value": {"speedup": 140.0, "ms": {"ipc": samples, "host": samples}},
+        "engine": {"decode": [{"batch": b, "ratio": r, "decode_tokens_per_s": {
+                       "ours": samples, "transformers": samples}} for b, r in ((1, 1.2),
+                                                                              (4, 1.05))],
                    "exact": {"float32": {"tokens_equal_transformers": True,
-                                         "cached_equals_recomputed": True}}},
+                                         "cached_equals_recomputed": True}},
+                   "prefix_reuse": [{"prompt_tokens": 2048, "cached_tokens": 1984,
+                                     "speedup": 3.0, "ttft_ms": {"cached": samples,
+                                                                 "recomputed": samples}}]},
     }
-    assert gpu_check.claims(measured)["all_pass"]
+    assert gpu_check.all_pass(gpu_check.claims(measured))
     measured["tier_copies"] = {"error": "RuntimeError: boom"}
     measured["engine"]["decode"][1]["ratio"] = 0.99
     verdict = gpu_check.claims(measured)
-    assert not verdict["all_pass"]
-    assert not verdict["pass"]["tier_copies_vs_torch"]
-    assert not verdict["pass"]["decode_vs_transformers"]
-    assert verdict["pass"]["ipc_handoff_speedup"] and verdict["pass"]["tests_pass"]
+    assert not gpu_check.all_pass(verdict)
+    assert not verdict["tier_copies"]["pass"] and not verdict["decode"][1]["pass"]
+    assert verdict["decode"][0]["pass"] and verdict["ipc_handoff"]["pass"]
+    assert verdict["gpu_tests"]["pass"] and verdict["prefix_reuse"][0]["pass"]
+    del measured["engine"]  # a section that did not run fails its claims
+    verdict = gpu_check.claims(measured)
+    assert not verdict["decode"][0]["pass"]
+    assert not verdict["greedy_tokens_equal_transformers"]["pass"]
