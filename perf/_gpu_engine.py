@@ -119,23 +119,25 @@ async def decode(engine: TorchEngine, hf: Any, batch: int, new_tokens: int, repe
             "bf16_first_difference": _first_difference(ours_tokens, hf_tokens)}
 
 
-async def _kernels_per_token(generate: Any) -> float | str:
-    """GPU operations (kernels, copies) per decoded token, from torch's profiler: those of
-    9 new tokens less those of 1, over 8. Small models decode at the speed their CPU launches
-    these; the count says where one side does more."""
+async def _gpu_ops(call: Any) -> int:
+    """GPU operations (kernels, copies) that ``await call()`` ran, from torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    counts = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        await call()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if str(e.device_type).endswith("CUDA"))
+
+
+async def _kernels_per_token(generate: Any) -> float | str:
+    """GPU operations per decoded token: those of 9 new tokens less those of 1, over 8. Small
+    models decode at the speed their CPU launches these; the count says where one side does
+    more."""
     try:
-        for n in (1, 9):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                await generate(n)
-                torch.cuda.synchronize()
-            counts.append(sum(e.count for e in prof.key_averages()
-                              if str(e.device_type).endswith("CUDA")))
+        one, nine = await _gpu_ops(lambda: generate(1)), await _gpu_ops(lambda: generate(9))
     except Exception as exc:  # a diagnostic: its failure is reported, not fatal
         return f"not counted: {type(exc).__name__}: {exc}"[:300]
-    return round((counts[1] - counts[0]) / 8, 1)
+    return round((nine - one) / 8, 1)
 
 
 def _first_difference(a: list[list[int]], b: list[list[int]]) -> int | None:
@@ -198,8 +200,15 @@ async def prefix_reuse(model: Any, config: Any, length: int, repeats: int,
                         times[side].append(time.perf_counter() - start)
                     if side == "cached":
                         hits.append(result.cached_tokens)
+        ops: dict[str, int | str] = {}
+        for side, engine in (("cached", cached), ("recomputed", fresh)):
+            prompt = base + _prompts(generator, [SUFFIX])[0]
+            try:  # what each side launches for one first token (a diagnostic)
+                ops[side] = await _gpu_ops(lambda e=engine, p=prompt: e.generate(p, one))
+            except Exception as exc:
+                ops[side] = f"not counted: {type(exc).__name__}: {exc}"[:300]
     ms = {side: Samples(tuple(t)).map(lambda s: s * 1e3) for side, t in times.items()}
-    return {"prompt_tokens": length, "cached_tokens": min(hits),
+    return {"prompt_tokens": length, "cached_tokens": min(hits), "gpu_ops": ops,
             "ttft_ms": {side: s.to_json(2) for side, s in ms.items()},
             "speedup": round(ms["recomputed"].median / ms["cached"].median, 2),
             "ideal": round(length / (length - min(hits)), 1)}

@@ -78,7 +78,8 @@ def batched_copies() -> Iterator[None]:
     safe: a GPU copy only races with the CPU touching the same host memory, and every CPU-side
     copy of a page (`copy_page`), in any thread, first waits for the pending ones; the store
     makes its copies under its lock and ends the block before it hands pages to a caller.
-    Copies from or to memory that is not page-locked are waited for at once, as outside.
+    (A copy from or to memory that is not page-locked needs no later wait: CUDA returns from
+    it only once the host memory is read, or written, in full.)
     """
     depth = getattr(_batching, "depth", 0)
     _batching.depth = depth + 1
@@ -124,8 +125,7 @@ def copy_page(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.is_cuda and src.is_cuda:
         return
     stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
-    host = src if dst.is_cuda else dst
-    if getattr(_batching, "depth", 0) and host.is_pinned():
+    if getattr(_batching, "depth", 0):
         with _pending_lock:
             _pending_streams.add(stream)
     else:
@@ -267,14 +267,16 @@ class MemoryTier:
         A view of the pool when the slots are consecutive and ascending (writing to it changes
         the tier); otherwise a copy.
         """
-        for slot in slots:
-            self._check_slot(slot, reserved=True)
         pool = self.pool if layer is None else self.pool[:, layer]
         if not slots:
             return pool[:0]
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return pool[first:first + len(slots)]
+        first, last = slots[0], slots[-1]
+        if last - first == len(slots) - 1 and slots == list(range(first, last + 1)):
+            self._check_slot(first, reserved=True)  # the run lies between its two ends
+            self._check_slot(last, reserved=True)
+            return pool[first:last + 1]
+        for slot in slots:
+            self._check_slot(slot, reserved=True)
         return pool.index_select(0, torch.tensor(slots, device=pool.device))
 
     def close(self) -> None:
