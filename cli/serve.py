@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,7 +26,7 @@ from cli._options import (
 from cli._signals import stopped_by_signals
 from cli.run import FILE_HELP
 from omni import Graph, NodeError, Runtime
-from omni.serve import DRAIN_TIMEOUT_S, GuardState
+from omni.serve import DRAIN_TIMEOUT_S, FilePolicy, GuardState
 from omni.serve import serve as serve_app
 
 __all__ = ["serve"]
@@ -60,6 +61,10 @@ def serve(
         "--allow-remote-media",
         help="Let /v1/chat/completions fetch http(s) image URLs (default: data URLs only).")
     ] = False,
+    allow_path: Annotated[list[str] | None, typer.Option(
+        "--allow-path", metavar="DIR", show_default=False,
+        help="Let clients name input files (a graph's omni.InputFile inputs) under DIR; "
+             "repeatable. Default: none, such inputs are refused.")] = None,
     kv_device: KvDeviceOption = None,
     kv_host: KvHostOption = None,
     kv_disk: KvDiskOption = None,
@@ -86,12 +91,15 @@ def serve(
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
         runtime = {"kv": kv, "cluster": cluster, "token_file": token_file, "metrics": True,
                    "metrics_port": metrics_port}
-        try:
-            trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
-                                       drain_timeout, allow_remote_media))
-        except Stopped as exc:
-            sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
-                             f"{_drained(state)}\n")
+        # the requests' output files live in a folder of this server's, gone when it exits
+        with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
+            files = _file_policy(allow_path or [], outputs)
+            try:
+                trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
+                                           drain_timeout, allow_remote_media, files))
+            except Stopped as exc:
+                sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
+                                 f"{_drained(state)}\n")
 
 
 def _chosen_graphs(module: Any, names: list[str], path: str) -> dict[str, Graph]:
@@ -101,6 +109,13 @@ def _chosen_graphs(module: Any, names: list[str], path: str) -> dict[str, Graph]
             raise CliError(f"{path} defines no graph to serve")
         return graphs
     return {name: select_graph(module, name, path) for name in names}
+
+
+def _file_policy(allow_paths: list[str], outputs: str) -> FilePolicy:
+    try:
+        return FilePolicy.create(allow_paths, outputs)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _read_key(path: str | None) -> str | None:
@@ -123,7 +138,7 @@ def _drained(state: GuardState) -> str:
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
                  host: str, port: int, drain_timeout: float,
-                 allow_remote_media: bool = False) -> None:
+                 allow_remote_media: bool = False, files: FilePolicy | None = None) -> None:
     stop = trio.Event()
     names = ", ".join(graphs)
 
@@ -136,7 +151,7 @@ async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str,
                 graphs=list(graphs.values()), **runtime) as rt:
             await serve_app(rt, graphs, stop, host=host, port=port, state=state,
                             drain_timeout=drain_timeout, on_ready=ready,
-                            allow_remote_media=allow_remote_media)
+                            allow_remote_media=allow_remote_media, files=files)
     except (OSError, BaseExceptionGroup) as exc:
         error = first_of(exc, OSError)
         if error is None:

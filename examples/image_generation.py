@@ -11,7 +11,10 @@ Inputs: `prompt`, `out` (the PNG to write), and optionally `image` (a PNG or JPE
 image), `width` and `height` (pixels, multiples of 16; 128), `steps` (8), `guidance` (3.0),
 `seed` (0), `expand` (tokens the LLM role writes; 8), `reuse` (true) and `png` (false; true
 with ``out=""``: the result carries the PNG's bytes under "png" and no file is written, which
-is how ``omni serve`` answers ``POST /v1/images/generations`` with this graph).
+is how ``omni serve`` answers ``POST /v1/images/generations`` with this graph). `out` and
+`image` are marked as files: on ``POST /v1/graphs/image_generation`` the server picks `out`
+and sends the PNG back in the answer's ``"files"``, and `image` must lie under a folder its
+operator allows (``--allow-path``).
 
 The graph (`check_settings` feeds both roles):
 
@@ -65,7 +68,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -335,7 +338,8 @@ def _write(path: str, data: bytes) -> None:
 
 @image_generations  # POST /v1/images/generations with `omni serve` (out="", png=true)
 @omni.graph
-def image_generation(prompt: str, out: str, image: str = "", width: int = 128,
+def image_generation(prompt: str, out: Annotated[str, omni.OutputFile(".png")],
+                     image: Annotated[str, omni.InputFile()] = "", width: int = 128,
                      height: int = 128, steps: int = 8, guidance: float = 3.0, seed: int = 0,
                      expand: int = 8, reuse: bool = True, png: bool = False):
     settings = check_settings(width, height, steps, guidance, seed, expand)

@@ -10,7 +10,10 @@ One request is one turn of a conversation: ``{"session": "alice", "text": "Hi!"}
 optionally, ``"audio"`` (a 16 kHz mono 16-bit WAV file), ``"image"`` (PNG, JPEG or a ``.npy``
 ``[H, W, 3]`` array), ``"out"`` (where to write the spoken reply) and ``"max_tokens"`` (32).
 Paths are relative to the current folder. The reply's WAV goes to ``out``, by default
-``<session>-<turn>.wav`` in ``$OMNI_DIALOGUE_OUT`` (the current folder when unset).
+``<session>-<turn>.wav`` in ``$OMNI_DIALOGUE_OUT`` (the current folder when unset). The graph
+marks them as files (`omni.InputFile`, `omni.OutputFile`): served by ``omni serve``, a client
+may name ``audio`` and ``image`` only under a folder the operator allows (``--allow-path``),
+and the server picks ``out`` itself and sends the WAV back in the answer's ``"files"``.
 
     begin ─┐
     hear ──┼─► Dialogue ─────────► Speech ──────────────► write_reply ─► the turn's result
@@ -75,7 +78,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -415,8 +418,9 @@ def _wav_path(turn: Turn, number: int) -> Path:
 
 
 @omni.graph
-def dialogue(session: str, text: str, audio: str = "", image: str = "", out: str = "",
-             max_tokens: int = 32):
+def dialogue(session: str, text: str, audio: Annotated[str, omni.InputFile()] = "",
+             image: Annotated[str, omni.InputFile()] = "",
+             out: Annotated[str, omni.OutputFile(".wav")] = "", max_tokens: int = 32):
     turn = begin(session, text, out, max_tokens)
     reply = Dialogue()(turn, hear(audio), look(image))
     return write_reply(turn, Speech()(reply))

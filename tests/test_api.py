@@ -8,9 +8,9 @@ import omni
 
 def test_public_names_are_pinned():
     assert sorted(omni.__all__) == sorted([
-        "AsyncioRuntime", "Balancer", "Context", "Graph", "GraphError", "InputError", "Node",
-        "NodeError", "OmniError", "Ref", "RouteError", "Runtime", "context", "graph", "node",
-        "run", "switch",
+        "AsyncioRuntime", "Balancer", "Context", "Graph", "GraphError", "InputError",
+        "InputFile", "Node", "NodeError", "OmniError", "OutputFile", "Ref", "RouteError",
+        "Runtime", "context", "graph", "node", "run", "switch",
     ])
     for name in omni.__all__:
         assert getattr(omni, name) is not None

@@ -31,7 +31,7 @@ from omni.compute._output import output_text, sample_params, stream_due
 from omni.compute.encoders import AudioEncoder, ImageEncoder
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
 from omni.compute.models import DecoderLM, load_pretrained, tiny_model
-from omni.compute.prompt import Prompt, PromptTokens, as_prompt, tokenize
+from omni.compute.prompt import Prompt, PromptTokens, Text, as_prompt, tokenize
 from omni.compute.sampling import (
     RequestSamplingState,
     SamplingParams,
@@ -47,6 +47,9 @@ log = logging.getLogger("omni.compute")
 
 STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
 PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
+# a prompt with more characters of text than this is tokenized in a worker thread (a 64k-char
+# text takes ~10 ms to tokenize: the event loop's budget for one step)
+TOKENIZE_IN_THREAD_CHARS = 1 << 16
 
 
 class TorchEngine(ChatMixin):
@@ -143,8 +146,13 @@ class TorchEngine(ChatMixin):
     # -- requests ----------------------------------------------------------------------------
 
     def prepare(self, prompt: Any) -> PromptTokens:
-        """Flatten a prompt to token ids and media (ValueError for what cannot be served)."""
-        tokens = tokenize(as_prompt(prompt), self.tokenizer.encode if self.tokenizer else None)
+        """Flatten a prompt to token ids and media (ValueError for what cannot be served).
+
+        A text too long for the context is refused from its length, before it is tokenized:
+        `Tokenizer.max_token_chars` bounds how much text a token covers."""
+        prompt = as_prompt(prompt)
+        self.check_length(prompt)
+        tokens = tokenize(prompt, self.tokenizer.encode if self.tokenizer else None)
         if not tokens.token_ids:
             raise ValueError("the prompt is empty")
         limit = self.config.max_position_embeddings
@@ -156,6 +164,26 @@ class TorchEngine(ChatMixin):
             raise ValueError(f"token id {bad[0]} is outside the vocabulary "
                              f"(0..{self.config.vocab_size - 1})")
         return tokens
+
+    def check_length(self, prompt: Prompt) -> int:
+        """The prompt's characters of text; ValueError when they alone prove it longer than
+        the context (no tokenizer runs: a hostile 30 MB prompt costs a sum of lengths)."""
+        limit = self.config.max_position_embeddings
+        chars = fewest = 0  # characters of text; tokens at least (ids and media: exactly)
+        for segment in prompt.segments:
+            if not isinstance(segment, Text):
+                fewest += segment.num_positions
+            elif isinstance(segment.content, str):
+                chars += len(segment.content)
+            else:
+                fewest += len(segment.content)
+        per_token = getattr(self.tokenizer, "max_token_chars", None)
+        if per_token:
+            fewest += -(-chars // per_token)
+        if fewest >= limit:
+            raise ValueError(f"the prompt has at least {fewest} tokens ({chars} characters "
+                             f"of text); this model's context is {limit} tokens")
+        return chars
 
     def page_keys(self, token_ids: Any, spans: list[MediaSpan]) -> list[bytes]:
         """The store keys of the full pages of `token_ids` (media digests included)."""
@@ -224,7 +252,11 @@ class TorchEngine(ChatMixin):
             self._forget(request)
 
     async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
-        tokens = self.prepare(prompt)
+        prompt = as_prompt(prompt)
+        if self.check_length(prompt) > TOKENIZE_IN_THREAD_CHARS:
+            tokens = await trio.to_thread.run_sync(self.prepare, prompt)
+        else:
+            tokens = self.prepare(prompt)
         params = params if params is not None else self.default_params(len(tokens))
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "

@@ -3,6 +3,7 @@ with its special tokens and chat template."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -20,9 +21,13 @@ _ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special"
 
 
 class Tokenizer(Protocol):
-    """What an engine needs of a tokenizer."""
+    """What an engine needs of a tokenizer. `max_token_chars`: no token covers more
+    characters of the text as given (None: not known), so a text of n characters has at
+    least n / max_token_chars tokens: what lets an engine refuse a text too long for its
+    context without tokenizing it."""
 
     eos_token_ids: tuple[int, ...]
+    max_token_chars: int | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -42,6 +47,7 @@ class ByteTokenizer:
     eos_token_ids = (2,)
     offset = 3
     vocab_size = 256 + 3
+    max_token_chars = 1  # a character is one to four bytes, each a token
 
     def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
@@ -87,6 +93,19 @@ class HFTokenizer:
             eos = self.eos_token_id
             eos_token_ids = () if eos is None else (eos,)
         self.eos_token_ids = tuple(eos_token_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """An upper bound on the characters of text one token covers: the longest token of
+        the vocabulary (a byte-level token's string has a character per byte, at least as
+        many as the text it stands for), times 4 under a Unicode-composing normalizer (NFC
+        and NFKC merge at most 4 code points into one). None under a normalizer that may
+        remove text (stripping, replacing): then no bound is known."""
+        shrink = _normalizer_shrink(self._tok.normalizer)
+        if shrink is None:
+            return None
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * shrink
 
     @property
     def backend(self) -> _Tokenizer:
@@ -149,6 +168,27 @@ class HFTokenizer:
     def __repr__(self) -> str:
         return (f"<HFTokenizer vocab={self._tok.get_vocab_size()} eos={list(self.eos_token_ids)} "
                 f"chat_template={self.chat_template is not None}>")
+
+
+def _normalizer_shrink(normalizer: Any) -> int | None:
+    """How many characters of text at most become one under `normalizer` (1: none shrink
+    it; None: it may remove text, no bound)."""
+    if normalizer is None:
+        return 1
+    kind = type(normalizer).__name__
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+        return 1  # these decompose, change case or add: the text never gets shorter
+    if kind in ("NFC", "NFKC"):
+        return 4  # a canonical decomposition has at most 4 code points
+    if kind == "Sequence":
+        try:
+            parts = [_normalizer_shrink(n) for n in normalizer]
+        except TypeError:  # a Sequence that does not list its parts
+            return None
+        if any(part is None for part in parts):
+            return None
+        return functools.reduce(lambda a, b: a * b, parts, 1)
+    return None
 
 
 def load_tokenizer(directory: str | Path,

@@ -272,9 +272,11 @@ def _call_signature(body: Callable[..., Any], *, skip_self: bool) -> inspect.Sig
     return sig
 
 
-def _resolve_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+def _resolve_hints(fn: Callable[..., Any], *, extras: bool = False) -> dict[str, Any]:
+    """`fn`'s resolved annotations; with `extras`, ``Annotated[...]`` kept whole (a graph's
+    inputs: their marks and constraints matter to whoever feeds them)."""
     try:
-        return typing.get_type_hints(fn)
+        return typing.get_type_hints(fn, include_extras=extras)
     except Exception:  # forward references that do not resolve: fall back to what is there
         return {k: v for k, v in getattr(fn, "__annotations__", {}).items()
                 if not isinstance(v, str)}

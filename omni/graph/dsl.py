@@ -293,7 +293,7 @@ def graph(fn: Callable[..., Any] | None = None, /, *, name: str | None = None) -
     if fn is None:
         return functools.partial(graph, name=name)
     graph_name = name or fn.__name__
-    return _trace_graph(fn, graph_name, inspect.signature(fn), _resolve_hints(fn),
+    return _trace_graph(fn, graph_name, inspect.signature(fn), _resolve_hints(fn, extras=True),
                         _definition_location(fn), fn)
 
 

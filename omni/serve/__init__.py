@@ -6,8 +6,9 @@ drains what is in flight; ``omni serve FILE`` is the command that does both.
 """
 
 from omni.serve._errors import ApiError
+from omni.serve._files import FilePolicy
 from omni.serve._guard import GuardState
 from omni.serve.app import build_app
 from omni.serve.server import DRAIN_TIMEOUT_S, serve
 
-__all__ = ["DRAIN_TIMEOUT_S", "ApiError", "GuardState", "build_app", "serve"]
+__all__ = ["DRAIN_TIMEOUT_S", "ApiError", "FilePolicy", "GuardState", "build_app", "serve"]

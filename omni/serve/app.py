@@ -43,8 +43,10 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from omni.graph.dsl import Graph, Ref
 from omni.graph.errors import InputError, NodeError, RouteError
+from omni.graph.files import OutputFile, file_role
 from omni.graph.jsonable import to_jsonable
 from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
+from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
 
 __all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
@@ -55,7 +57,8 @@ SCHEMA_REF = "#/components/schemas/{name}"
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
-              *, metrics_app: Any = None, allow_remote_media: bool = False) -> Any:
+              *, metrics_app: Any = None, allow_remote_media: bool = False,
+              files: FilePolicy | None = None) -> Any:
     """The ASGI app serving `graphs` (by name) on a started `runtime`.
 
     Args:
@@ -65,8 +68,15 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None
             (then the runtime's own, when it keeps metrics).
         allow_remote_media: the OpenAI chat endpoint fetches http(s) image URLs.
+        files: the policy for graphs' file inputs (`FilePolicy`); default: clients name no
+            input file, output files go to the system's temporary folder.
+
+    Raises:
+        ValueError: a graph with output files and an output named like the answer's
+            ``"files"``.
     """
     state = state or GuardState()
+    files = files or FilePolicy()
     created = int(time.time())
     if metrics_app is None and getattr(runtime, "metrics", None) is not None:
         metrics_app = runtime.metrics.asgi_app()
@@ -93,7 +103,9 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
 
     components: dict[str, Any] = {}
     for name, graph in graphs.items():
-        app.add_api_route(f"/v1/graphs/{name}", _graph_route(runtime, graph), methods=["POST"],
+        _check_files_key(graph)
+        app.add_api_route(f"/v1/graphs/{name}", _graph_route(runtime, graph, files),
+                          methods=["POST"],
                           summary=f"Run graph '{name}'", response_model=None,
                           openapi_extra=_graph_openapi(graph, components),
                           name=f"graph:{name}")
@@ -164,24 +176,45 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
 
 
-def _graph_route(runtime: Any, graph: Graph) -> Callable[[Request], Awaitable[Response]]:
+def _check_files_key(graph: Graph) -> None:
+    names = [graph.output] if isinstance(graph.output, Ref) else list(graph.output)
+    if FILES_KEY in names and any(
+            isinstance(file_role(i.type), OutputFile) for i in graph.inputs):
+        raise ValueError(f"graph '{graph.name}' writes output files, which its answers carry "
+                         f"under \"{FILES_KEY}\": rename its output '{FILES_KEY}'")
+
+
+def _graph_route(runtime: Any, graph: Graph,
+                 policy: FilePolicy) -> Callable[[Request], Awaitable[Response]]:
     async def run_graph(request: Request) -> Response:
-        inputs, stream = await _graph_body(request, graph)
-        if stream:
-            return EventSourceResponse(_graph_events(runtime, graph, inputs), ping=15)
-        result = await until_disconnected(request, lambda: runtime.run(graph, **inputs))
-        if result is None:
-            return Response(status_code=499)  # nobody is there to read it
-        outputs = {"output": result} if isinstance(graph.output, Ref) else result
-        return JSONResponse(to_jsonable(outputs))
+        raw, stream = await _graph_body(request)
+        files = policy.open_request(graph, raw)
+        try:
+            inputs = _converted(graph, files.inputs)
+            if stream:
+                owned, files = files, None  # the stream closes them when it ends
+                return EventSourceResponse(_graph_events(runtime, graph, inputs, owned),
+                                           ping=15)
+            result = await until_disconnected(request, lambda: runtime.run(graph, **inputs))
+            if result is None:
+                return Response(status_code=499)  # nobody is there to read it
+            outputs = {"output": result} if isinstance(graph.output, Ref) else result
+            answer = files.rewrite(to_jsonable(outputs))
+            written = await files.collect()
+            if written:
+                answer[FILES_KEY] = written
+            return JSONResponse(answer)
+        finally:
+            if files is not None:
+                files.close()
 
     run_graph.__doc__ = (graph.fn.__doc__ if graph.fn is not None else None) or (
         f"Run graph '{graph.name}' on the inputs given.")
     return run_graph
 
 
-async def _graph_body(request: Request, graph: Graph) -> tuple[dict[str, Any], bool]:
-    """The request's checked inputs and its stream flag."""
+async def _graph_body(request: Request) -> tuple[dict[str, Any], bool]:
+    """The request's inputs (as sent) and its stream flag."""
     body = await json_body(request)
     unknown = sorted(set(body) - {"inputs", "stream"})
     if unknown:
@@ -193,8 +226,14 @@ async def _graph_body(request: Request, graph: Graph) -> tuple[dict[str, Any], b
                        param="inputs")
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
+    return inputs, stream
+
+
+def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` checked against the graph's annotations (`ApiError` 400 naming what is
+    wrong)."""
     try:
-        return graph.convert_inputs(inputs), stream
+        return graph.convert_inputs(inputs)
     except InputError as exc:
         raise ApiError(400, str(exc), param="inputs") from None
 
@@ -248,19 +287,26 @@ def graph_error(exc: NodeError) -> ApiError:
                     code="node_failed")
 
 
-async def _graph_events(runtime: Any, graph: Graph,
-                        inputs: dict[str, Any]) -> AsyncIterator[dict[str, str]]:
-    """One event per output item, then ``[DONE]``; a failure as an ``error`` event."""
+async def _graph_events(runtime: Any, graph: Graph, inputs: dict[str, Any],
+                        files: RequestFiles) -> AsyncIterator[dict[str, str]]:
+    """One event per output item, then the output files (``{"files": {...}}``) if any, then
+    ``[DONE]``; a failure as an ``error`` event. Closes `files` when it ends."""
     try:
         async with runtime.stream(graph, **inputs) as stream:
             async for name, item in stream:
-                yield {"data": json.dumps({"output": name, "item": to_jsonable(item)},
+                yield {"data": json.dumps({"output": name,
+                                           "item": files.rewrite(to_jsonable(item))},
                                           ensure_ascii=False)}
-    except NodeError as exc:
-        error = graph_error(exc)
+        written = await files.collect()
+        if written:
+            yield {"data": json.dumps({FILES_KEY: written})}
+    except (NodeError, ApiError) as exc:
+        error = graph_error(exc) if isinstance(exc, NodeError) else exc
         yield {"event": "error", "data": json.dumps(error_body(
             error.status, error.message, code=error.code))}
         return
+    finally:
+        files.close()
     yield {"data": DONE}
 
 
