@@ -26,12 +26,13 @@ from cli._options import (
 from cli._signals import stopped_by_signals
 from cli.run import FILE_HELP
 from omni import Graph, NodeError, Runtime
-from omni.serve import DRAIN_TIMEOUT_S, FilePolicy, GuardState
+from omni.serve import DRAIN_TIMEOUT_S, FilePolicy, GuardState, MediaPolicy
 from omni.serve import serve as serve_app
 
 __all__ = ["serve"]
 
 MAX_BODY_MIB = 32
+MEDIA = MediaPolicy()  # the defaults of the media options
 
 
 def serve(
@@ -61,6 +62,14 @@ def serve(
         "--allow-remote-media",
         help="Let /v1/chat/completions fetch http(s) image URLs (default: data URLs only).")
     ] = False,
+    max_image_pixels: Annotated[int, typer.Option(
+        "--max-image-pixels", metavar="N", min=1,
+        help="Answer 400 to a message's image of more pixels than this (checked from its "
+             "header, before decoding).")] = MEDIA.max_image_pixels,
+    max_media_mib: Annotated[int, typer.Option(
+        "--max-media-mib", metavar="MIB", min=1,
+        help="Answer 400 to a message's image or audio clip larger than this.")
+    ] = MEDIA.max_item_bytes >> 20,
     allow_path: Annotated[list[str] | None, typer.Option(
         "--allow-path", metavar="DIR", show_default=False,
         help="Let clients name input files (a graph's omni.InputFile inputs) under DIR; "
@@ -95,8 +104,9 @@ def serve(
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
             files = _file_policy(allow_path or [], outputs)
             try:
+                media = MediaPolicy(allow_remote_media, max_image_pixels, max_media_mib << 20)
                 trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
-                                           drain_timeout, allow_remote_media, files))
+                                           drain_timeout, media, files))
             except Stopped as exc:
                 sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                                  f"{_drained(state)}\n")
@@ -138,7 +148,7 @@ def _drained(state: GuardState) -> str:
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
                  host: str, port: int, drain_timeout: float,
-                 allow_remote_media: bool = False, files: FilePolicy | None = None) -> None:
+                 media: MediaPolicy | None = None, files: FilePolicy | None = None) -> None:
     stop = trio.Event()
     names = ", ".join(graphs)
 
@@ -151,7 +161,7 @@ async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str,
                 graphs=list(graphs.values()), **runtime) as rt:
             await serve_app(rt, graphs, stop, host=host, port=port, state=state,
                             drain_timeout=drain_timeout, on_ready=ready,
-                            allow_remote_media=allow_remote_media, files=files)
+                            media=media, files=files)
     except (OSError, BaseExceptionGroup) as exc:
         error = first_of(exc, OSError)
         if error is None:

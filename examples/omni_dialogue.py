@@ -75,7 +75,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -440,11 +440,12 @@ class Chat:
         self.tokenizer = self.engine.tokenizer
 
     async def __call__(self, request: ChatRequest) -> AsyncIterator[Event]:
+        # text stays text: the engine refuses one too long for its context from its length
+        # and tokenizes a long one in a worker thread
         prompt = Prompt(self._render(request.messages))
-        size = len(self.engine.prepare(prompt))
         if request.params.n > 1:  # one prefill, n rows: the whole replies at the end
             result = await self.engine.generate(prompt, request.params)
-            yield Started("", 0, size, result.cached_tokens, 0, speak=False)
+            yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0, speak=False)
             for i, sample in enumerate(result.samples):
                 yield Finished(sample.text or "", tuple(sample.token_ids),
                                sample.finish_reason, {}, index=i)
@@ -455,33 +456,34 @@ class Chat:
             async for token_id in stream:
                 if not started:
                     started = True
-                    yield Started("", 0, size, stream.cached_tokens, 0, speak=request.audio)
+                    yield Started("", 0, stream.prompt_tokens, stream.cached_tokens, 0,
+                                  speak=request.audio)
                 yield Token(token_id, deltas.add(token_id))
         result = stream.result
         if not started:
-            yield Started("", 0, size, result.cached_tokens, 0, speak=request.audio)
+            yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0,
+                          speak=request.audio)
         yield Finished(result.text or "", tuple(result.token_ids), result.finish_reason, {})
 
     def _render(self, messages: tuple[ChatMessage, ...]) -> list:
-        """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them."""
+        """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them (each
+        segment tokenized on its own, as `Dialogue` encodes them)."""
         system = [p for m in messages if m.role == "system" for p in m.parts]
-        encode = self.tokenizer.encode
-        segments: list = [Text(encode("".join(system) + "\n")) if system else Text(
-            encode(SYSTEM))]
+        segments: list = [Text("".join(system) + "\n") if system else Text(SYSTEM)]
         first = True
         for message in (m for m in messages if m.role != "system"):
             if message.role == "user":
-                segments.append(Text(encode("User: " if first else "\nUser: ")))
+                segments.append(Text("User: " if first else "\nUser: "))
                 first = False
             else:
-                segments.append(Text(encode("\nAssistant:")))
-            segments += [_segment(part, encode) for part in message.parts]
+                segments.append(Text("\nAssistant:"))
+            segments += [_segment(part) for part in message.parts]
         if messages[-1].role != "assistant":
-            segments.append(Text(encode("\nAssistant:")))
+            segments.append(Text("\nAssistant:"))
         return segments
 
 
-def _segment(part: object, encode: Callable[[str], list[int]]) -> object:
+def _segment(part: object) -> object:
     """A message part as a prompt segment; ValueError for audio the encoder cannot take."""
     if isinstance(part, ImagePart):
         return Image(part.pixels)
@@ -490,7 +492,7 @@ def _segment(part: object, encode: Callable[[str], list[int]]) -> object:
             raise ValueError(f"input_audio must be {SAMPLE_RATE} Hz, got {part.sample_rate} "
                              f"Hz (ffmpeg -i IN -ac 1 -ar {SAMPLE_RATE} OUT.wav)")
         return Audio(part.samples, part.sample_rate)
-    return Text(encode(part))
+    return Text(part)
 
 
 @omni.node

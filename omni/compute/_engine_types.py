@@ -83,14 +83,22 @@ class _Request:
 class TokenStream:
     """`TorchEngine.stream`'s token ids, as an async iterator (``async for token in ...``).
 
-    `cached_tokens` is known once the first token arrived (the prefix came from the store
-    then), `result` (a `GenerateResult`) once the iteration ended; `aclose()` stops it early.
+    `prompt_tokens` is known once the prompt was read (at the first token at the latest),
+    `cached_tokens` once the first token arrived (the prefix came from the store then),
+    `result` (a `GenerateResult`) once the iteration ended; `aclose()` stops it early.
     """
 
     def __init__(self, engine: _StreamSource, prompt: Any, params: SamplingParams | None):
         self.result: GenerateResult | None = None
         self._request: _Request | None = None
         self._tokens = engine._stream(prompt, params, self)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's tokens (None before it was read)."""
+        if self.result is not None:
+            return self.result.prompt_tokens
+        return None if self._request is None else len(self._request.tokens)
 
     @property
     def cached_tokens(self) -> int | None:

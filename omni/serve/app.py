@@ -30,7 +30,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -49,15 +49,20 @@ from omni.serve._errors import ApiError, api_error_handler, error_body, error_re
 from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
 
+if TYPE_CHECKING:
+    from omni.serve.openai import MediaPolicy
+
 __all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
 
 DONE = "[DONE]"
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"  # the page at /
 SCHEMA_REF = "#/components/schemas/{name}"
+# a body larger than this is parsed in a worker thread (1 MiB of JSON: ~5 ms to parse)
+PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
-              *, metrics_app: Any = None, allow_remote_media: bool = False,
+              *, metrics_app: Any = None, media: MediaPolicy | None = None,
               files: FilePolicy | None = None) -> Any:
     """The ASGI app serving `graphs` (by name) on a started `runtime`.
 
@@ -67,7 +72,9 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         state: the API key and limits (`GuardState`); defaults: no key, no limit.
         metrics_app: an ASGI app answering ``/metrics`` (the runtime's metrics), or None
             (then the runtime's own, when it keeps metrics).
-        allow_remote_media: the OpenAI chat endpoint fetches http(s) image URLs.
+        media: what the OpenAI chat endpoint takes of a message's images and audio
+            (`omni.serve.openai.MediaPolicy`: remote URLs, pixels, bytes); default: data
+            URLs only, the default limits.
         files: the policy for graphs' file inputs (`FilePolicy`); default: clients name no
             input file, output files go to the system's temporary folder.
 
@@ -113,7 +120,7 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
 
     from omni.serve.openai import add_openai_routes  # imported here: it uses this module
 
-    add_openai_routes(app, runtime, graphs, allow_remote_media=allow_remote_media)
+    add_openai_routes(app, runtime, graphs, media=media)
 
     @app.post("/v1/graphs/{name}", include_in_schema=False)
     async def unknown_graph(name: str) -> Response:
@@ -239,10 +246,14 @@ def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object; `ApiError` 400 naming what is wrong."""
+    """The request's body as a JSON object (parsed in a worker thread when it is large);
+    `ApiError` 400 naming what is wrong."""
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw else {}
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            body = await anyio.to_thread.run_sync(json.loads, raw)
+        else:
+            body = json.loads(raw) if raw else {}
     except ValueError as exc:  # UnicodeDecodeError included
         raise ApiError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:

@@ -19,6 +19,7 @@ from omni.graph.dsl import Graph
 from omni.serve._files import FilePolicy
 from omni.serve._guard import GuardState
 from omni.serve.app import build_app
+from omni.serve.openai import MediaPolicy
 
 __all__ = ["DRAIN_TIMEOUT_S", "serve"]
 
@@ -29,14 +30,14 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
                 host: str = "127.0.0.1", port: int = 8000, state: GuardState | None = None,
                 drain_timeout: float = DRAIN_TIMEOUT_S, metrics_app: Any = None,
                 on_ready: Callable[[str], None] | None = None,
-                allow_remote_media: bool = False, files: FilePolicy | None = None) -> None:
+                media: MediaPolicy | None = None, files: FilePolicy | None = None) -> None:
     """Serve `graphs` on `runtime` at ``http://host:port`` until `stop` is set, then drain.
 
     Args:
         port: 0 takes a free port; `on_ready` gets the URL actually bound.
         state: the API key and limits (see `GuardState`).
         drain_timeout: seconds in-flight requests get to finish once `stop` is set.
-        allow_remote_media: the OpenAI chat endpoint fetches http(s) image URLs.
+        media: what the OpenAI chat endpoint takes of a message's media (`MediaPolicy`).
         files: the policy for graphs' file inputs (see `FilePolicy`).
 
     Raises:
@@ -44,7 +45,7 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
     """
     state = state or GuardState()
     app = build_app(runtime, graphs, state, metrics_app=metrics_app,
-                    allow_remote_media=allow_remote_media, files=files)
+                    media=media, files=files)
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = drain_timeout

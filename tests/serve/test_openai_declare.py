@@ -25,6 +25,7 @@ from omni.serve.openai import (
 from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
 from omni.serve.openai._chat_request import sampling_params
+from omni.serve.openai import MediaPolicy
 from omni.serve.openai._media import decode_audio
 from tests.serve._server import ROOT
 
@@ -129,9 +130,9 @@ def wav(samples: np.ndarray, rate: int, channels: int) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-def test_audio_is_decoded_to_mono_float_samples() -> None:
+async def test_audio_is_decoded_to_mono_float_samples() -> None:
     stereo = np.array([[0.5, -0.5], [0.25, 0.25]], dtype=np.float32).reshape(-1)
-    part = decode_audio(wav(stereo, 8000, 2), "wav", "m")
+    part = await decode_audio(wav(stereo, 8000, 2), "wav", "m", MediaPolicy())
     assert part.sample_rate == 8000
     np.testing.assert_allclose(part.samples, [0.0, 0.25], atol=1e-4)
 
@@ -139,7 +140,7 @@ def test_audio_is_decoded_to_mono_float_samples() -> None:
 @pytest.mark.parametrize(("data", "fmt", "says"), [
     ("UklGR", "mp3", "only 'wav'"), ("not base64!", "wav", "not valid base64"),
     (base64.b64encode(b"RIFF....").decode(), "wav", "not a PCM WAV file")])
-def test_bad_audio_is_a_400(data: str, fmt: str, says: str) -> None:
+async def test_bad_audio_is_a_400(data: str, fmt: str, says: str) -> None:
     with pytest.raises(ApiError, match=says) as caught:
-        decode_audio(data, fmt, "messages.0.content.0.input_audio")
+        await decode_audio(data, fmt, "messages.0.content.0.input_audio", MediaPolicy())
     assert caught.value.status == 400

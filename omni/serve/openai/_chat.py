@@ -23,20 +23,21 @@ from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
 from omni.serve.openai._chat_request import chat_request
 from omni.serve.openai._declare import ChatAudio, ChatEnd, ChatRequest, ChatStart, ChatText
+from omni.serve.openai._media import MediaPolicy
 
 __all__ = ["chat_route"]
 
 
-def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], Any], *,
-               allow_remote: bool) -> Callable[[Request], Awaitable[Response]]:
+def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], Any],
+               media: MediaPolicy) -> Callable[[Request], Awaitable[Response]]:
     """The route's handler; `find(model)` is the chat graph serving `model` (or `ApiError`
-    404)."""
+    404); messages' media are taken under `media`."""
 
     async def chat_completions(request: Request) -> Response:
         body = validated(ChatCompletionRequest, await json_body(request),
                          "chat completions")
         graph = find(body.model)
-        chat = await chat_request(body, allow_remote=allow_remote)
+        chat = await chat_request(body, media)
         reply = _Reply(body.model, chat.audio, body.audio.format if body.audio else "wav")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -9,7 +9,7 @@ from typing import Any
 from omni.serve._errors import ApiError
 from omni.serve.openai._chat_models import ChatCompletionRequest, Message
 from omni.serve.openai._declare import ChatMessage, ChatRequest
-from omni.serve.openai._media import decode_audio, decode_image
+from omni.serve.openai._media import MediaPolicy, decode_audio, decode_image
 
 __all__ = ["DEFAULT_MAX_TOKENS", "chat_request", "sampling_params"]
 
@@ -21,8 +21,9 @@ _SAMPLING = ("temperature", "top_p", "n", "stop", "frequency_penalty", "presence
              "logit_bias", "top_k", "min_p", "repetition_penalty")
 
 
-async def chat_request(body: ChatCompletionRequest, *, allow_remote: bool) -> ChatRequest:
-    """The graph's input for a checked body; `ApiError` 400 for values out of range."""
+async def chat_request(body: ChatCompletionRequest, media: MediaPolicy) -> ChatRequest:
+    """The graph's input for a checked body, its media decoded under `media` (in worker
+    threads); `ApiError` 400 for values out of range."""
     audio = "audio" in (body.modalities or ["text"])
     if audio and body.audio is None:
         raise ApiError(400, 'audio: modalities ["text", "audio"] needs audio: {"voice": '
@@ -30,7 +31,7 @@ async def chat_request(body: ChatCompletionRequest, *, allow_remote: bool) -> Ch
     if audio and (body.n or 1) > 1:
         raise ApiError(400, "n: a spoken reply has one choice; send n=1 or no audio",
                        param="n")
-    messages = tuple([await _message(m, f"messages.{i}", allow_remote=allow_remote)
+    messages = tuple([await _message(m, f"messages.{i}", media)
                       for i, m in enumerate(body.messages)])
     return ChatRequest(body.model, messages, sampling_params(body), audio)
 
@@ -74,7 +75,7 @@ def _json_schema(body: ChatCompletionRequest) -> str | None:
     return json.dumps(fmt.json_schema.schema_)
 
 
-async def _message(message: Message, where: str, *, allow_remote: bool) -> ChatMessage:
+async def _message(message: Message, where: str, media: MediaPolicy) -> ChatMessage:
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
@@ -90,9 +91,8 @@ async def _message(message: Message, where: str, *, allow_remote: bool) -> ChatM
             raise ApiError(400, f"{at}: only user messages may hold {part.type} parts",
                            param=at)
         elif part.type == "image_url":
-            parts.append(await decode_image(part.image_url.url, f"{at}.image_url.url",
-                                            allow_remote=allow_remote))
+            parts.append(await decode_image(part.image_url.url, f"{at}.image_url.url", media))
         else:
-            parts.append(decode_audio(part.input_audio.data, part.input_audio.format,
-                                      f"{at}.input_audio"))
+            parts.append(await decode_audio(part.input_audio.data, part.input_audio.format,
+                                            f"{at}.input_audio", media))
     return ChatMessage(role, tuple(parts))

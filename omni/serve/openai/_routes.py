@@ -10,18 +10,20 @@ from omni.serve.openai._chat import chat_route, unknown_model
 from omni.serve.openai._chat_models import ChatCompletionRequest
 from omni.serve.openai._declare import CHAT_COMPLETIONS, IMAGE_GENERATIONS, endpoint_of
 from omni.serve.openai._images import ImageRequest, images_route
+from omni.serve.openai._media import MediaPolicy
 
 __all__ = ["add_openai_routes"]
 
 
 def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
-                      allow_remote_media: bool = False) -> None:
+                      media: MediaPolicy | None = None) -> None:
     """Add ``POST /v1/chat/completions`` when a graph of `graphs` is marked
     `chat_completions`, ``POST /v1/images/generations`` when one is marked
     `image_generations`; the `model` of a request is the graph's name in `graphs`.
 
     Args:
-        allow_remote_media: fetch a message's http(s) image URLs (refused with 400 if not).
+        media: what a message's images and audio may be (`MediaPolicy`: remote URLs,
+            pixels, bytes); default: data URLs only, the default limits.
     """
     chat = _marked(graphs, CHAT_COMPLETIONS)
     if chat:
@@ -31,7 +33,7 @@ def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
             return chat[model]
 
         app.add_api_route("/v1/chat/completions", chat_route(
-            runtime, chat, find_chat, allow_remote=allow_remote_media), methods=["POST"],
+            runtime, chat, find_chat, media or MediaPolicy()), methods=["POST"],
             summary="OpenAI chat completions (JSON, or SSE with stream: true)",
             response_model=None, openapi_extra=_body_schema(ChatCompletionRequest))
     images = _marked(graphs, IMAGE_GENERATIONS)
