@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 import tempfile
 from pathlib import Path
@@ -46,8 +47,9 @@ def serve(
         "--port", "-p", min=0, max=65535, help="Port to listen on (0: a free one).")] = 8000,
     api_key_file: Annotated[str | None, typer.Option(
         "--api-key-file", metavar="PATH", show_default=False,
-        help="Require 'Authorization: Bearer KEY' on /v1/ routes, KEY being this file's "
-             "content.")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1/ routes: the file holds one key "
+             "per line ('KEY' or 'NAME KEY'; # comments), each key a tenant whose KV cache "
+             "is its own.")] = None,
     max_concurrency: Annotated[int | None, typer.Option(
         "--max-concurrency", metavar="N", min=1, show_default=False,
         help="Answer 429 to a request beyond N in flight (default: no limit).")] = None,
@@ -95,7 +97,7 @@ def serve(
     with reporting(debug):
         module = load_module(file)
         graphs = _chosen_graphs(module, graph_names or [], file)
-        state = GuardState(api_key=_read_key(api_key_file), max_concurrency=max_concurrency,
+        state = GuardState(api_keys=_read_keys(api_key_file), max_concurrency=max_concurrency,
                            max_body_bytes=max_body_mib * 1024 * 1024)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
         runtime = {"kv": kv, "cluster": cluster, "token_file": token_file, "metrics": True,
@@ -128,17 +130,35 @@ def _file_policy(allow_paths: list[str], outputs: str) -> FilePolicy:
         raise CliError(str(exc)) from None
 
 
-def _read_key(path: str | None) -> str | None:
+def _read_keys(path: str | None) -> dict[str, str]:
+    """The key file's keys, each mapped to its tenant: the name given before it on its line,
+    else ``key-`` and 12 hex digits of its digest (stable, and telling nothing of the key)."""
     if path is None:
-        return None
+        return {}
     try:
-        key = Path(path).read_text().strip()
+        lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"--api-key-file {path}: cannot read it "
                        f"({getattr(exc, 'strerror', None) or exc})") from None
-    if not key or any(c.isspace() for c in key):
-        raise CliError(f"--api-key-file {path}: the key must be one word, without spaces")
-    return key
+    keys: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2:
+            raise CliError(f"--api-key-file {path}:{number}: expected 'KEY' or 'NAME KEY', "
+                           f"got {len(words)} words")
+        key = words[-1]
+        name = words[0] if len(words) == 2 else (
+            "key-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+        if key in keys:
+            raise CliError(f"--api-key-file {path}:{number}: this key is listed twice")
+        if name in keys.values():
+            raise CliError(f"--api-key-file {path}:{number}: the name {name!r} is taken")
+        keys[key] = name
+    if not keys:
+        raise CliError(f"--api-key-file {path}: no key in it")
+    return keys
 
 
 def _drained(state: GuardState) -> str:

@@ -137,6 +137,7 @@ class Turn:
     out: str | None
     max_tokens: int
     started: float  # time.perf_counter() when the request entered the graph
+    salt: str = ""  # the request's cache salt: sessions and KV pages are its own
 
 
 class Event:
@@ -185,7 +186,7 @@ class Finished(Event):
 
 
 @omni.node
-async def begin(session: str, text: str, out: str, max_tokens: int) -> Turn:
+async def begin(session: str, text: str, out: str, max_tokens: int, salt: str) -> Turn:
     """The entry: check the request and note when it started."""
     started = time.perf_counter()
     if not isinstance(session, str) or not session.strip() or len(session) > 200:
@@ -199,7 +200,9 @@ async def begin(session: str, text: str, out: str, max_tokens: int) -> Turn:
             or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
         raise ValueError(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, "
                          f"got {max_tokens!r}")
-    return Turn(session, text, out or None, max_tokens, started)
+    if not isinstance(salt, str):
+        raise ValueError(f"salt must be a string, got {salt!r:.60}")
+    return Turn(session, text, out or None, max_tokens, started, salt)
 
 
 @omni.node(thread=True)
@@ -247,11 +250,12 @@ class Dialogue:
         self.store = self.engine.store
         self.tokenizer = self.engine.tokenizer
         self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self.system = Text(self.tokenizer.encode(SYSTEM))
 
     async def __call__(self, turn: Turn, heard: Prompt, seen: Prompt) -> AsyncIterator[Event]:
-        session = self._session(turn.session)
+        self.engine.check_length(Prompt(turn.text))  # a text too long: refused untokenized
+        session = self._session((turn.salt, turn.session))
         message = self._message(turn.text, heard + seen, first=not session.turns)
         trimmed = self._fit(session, message, turn.max_tokens)
         prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
@@ -261,7 +265,7 @@ class Dialogue:
         number = session.turns + 1
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
         reply: list[int] = []
-        stream = self.engine.stream(prompt, params)
+        stream = self.engine.stream(prompt, params, cache_salt=turn.salt)
         # Closed even when the turn is cancelled while this generator waits at a `yield`:
         # otherwise the engine would go on decoding the abandoned reply (a batch row, compute
         # and pages) until the garbage collector finalized the stream.
@@ -286,7 +290,8 @@ class Dialogue:
         yield Finished(self.tokenizer.decode(reply), tuple(reply), reason,
                        {k: after[k] - before[k] for k in after})
 
-    def _session(self, name: str) -> _Session:
+    def _session(self, name: tuple[str, str]) -> _Session:
+        """The session of (salt, name): a salt's sessions are its own."""
         session = self.sessions.get(name)
         if session is None:
             session = self.sessions[name] = _Session([])
@@ -420,8 +425,9 @@ def _wav_path(turn: Turn, number: int) -> Path:
 @omni.graph
 def dialogue(session: str, text: str, audio: Annotated[str, omni.InputFile()] = "",
              image: Annotated[str, omni.InputFile()] = "",
-             out: Annotated[str, omni.OutputFile(".wav")] = "", max_tokens: int = 32):
-    turn = begin(session, text, out, max_tokens)
+             out: Annotated[str, omni.OutputFile(".wav")] = "", max_tokens: int = 32,
+             salt: Annotated[str, omni.CacheSalt()] = ""):
+    turn = begin(session, text, out, max_tokens, salt)
     reply = Dialogue()(turn, hear(audio), look(image))
     return write_reply(turn, Speech()(reply))
 
@@ -444,13 +450,14 @@ class Chat:
         # and tokenizes a long one in a worker thread
         prompt = Prompt(self._render(request.messages))
         if request.params.n > 1:  # one prefill, n rows: the whole replies at the end
-            result = await self.engine.generate(prompt, request.params)
+            result = await self.engine.generate(prompt, request.params,
+                                                cache_salt=request.cache_salt)
             yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0, speak=False)
             for i, sample in enumerate(result.samples):
                 yield Finished(sample.text or "", tuple(sample.token_ids),
                                sample.finish_reason, {}, index=i)
             return
-        stream = self.engine.stream(prompt, request.params)
+        stream = self.engine.stream(prompt, request.params, cache_salt=request.cache_salt)
         deltas, started = _Deltas(self.tokenizer, request.params.stop), False
         async with contextlib.aclosing(stream):
             async for token_id in stream:

@@ -10,6 +10,7 @@ re-exports the public API; importing it does not import torch.
 from omni.errors import OmniError
 from omni.graph import (
     Balancer,
+    CacheSalt,
     Context,
     Graph,
     GraphError,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncioRuntime",
     "Balancer",
+    "CacheSalt",
     "Context",
     "Graph",
     "GraphError",

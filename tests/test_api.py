@@ -8,7 +8,7 @@ import omni
 
 def test_public_names_are_pinned():
     assert sorted(omni.__all__) == sorted([
-        "AsyncioRuntime", "Balancer", "Context", "Graph", "GraphError", "InputError",
+        "AsyncioRuntime", "Balancer", "CacheSalt", "Context", "Graph", "GraphError", "InputError",
         "InputFile", "Node", "NodeError", "OmniError", "OutputFile", "Ref", "RouteError",
         "Runtime", "context", "graph", "node", "run", "switch",
     ])

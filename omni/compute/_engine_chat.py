@@ -45,9 +45,10 @@ class ChatMixin:
     generation_defaults: GenerationDefaults | None = None
 
     if TYPE_CHECKING:
-        async def generate(self, prompt: Any,
-                           params: SamplingParams | None = None) -> GenerateResult: ...
-        def stream(self, prompt: Any, params: SamplingParams | None = None) -> TokenStream: ...
+        async def generate(self, prompt: Any, params: SamplingParams | None = None, *,
+                           cache_salt: str = "") -> GenerateResult: ...
+        def stream(self, prompt: Any, params: SamplingParams | None = None, *,
+                   cache_salt: str = "") -> TokenStream: ...
 
     def default_params(self, num_prompt_tokens: int = 0) -> SamplingParams:
         """The sampling of a request that passes no params (for a prompt of that length):

@@ -16,8 +16,8 @@ __all__ = ["EngineStats", "GenerateResult", "TokenStream"]
 class _StreamSource(Protocol):
     """What a `TokenStream` needs of its engine."""
 
-    def _stream(self, prompt: Any, params: SamplingParams | None,
-                stream: TokenStream) -> AsyncIterator[int]: ...
+    def _stream(self, prompt: Any, params: SamplingParams | None, stream: TokenStream,
+                cache_salt: str = "") -> AsyncIterator[int]: ...
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class _Request:
     keys: list[bytes]
     spans: list[MediaSpan]
     started: float
+    cache_salt: str = ""  # its pages' keys are salted with it (see `TorchEngine.generate`)
     sampling: RequestSamplingState | None = None
     output: list[int] = field(default_factory=list)
     row: int | None = None
@@ -88,10 +89,11 @@ class TokenStream:
     `result` (a `GenerateResult`) once the iteration ended; `aclose()` stops it early.
     """
 
-    def __init__(self, engine: _StreamSource, prompt: Any, params: SamplingParams | None):
+    def __init__(self, engine: _StreamSource, prompt: Any, params: SamplingParams | None,
+                 cache_salt: str = ""):
         self.result: GenerateResult | None = None
         self._request: _Request | None = None
-        self._tokens = engine._stream(prompt, params, self)
+        self._tokens = engine._stream(prompt, params, self, cache_salt)
 
     @property
     def prompt_tokens(self) -> int | None:

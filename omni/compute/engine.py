@@ -185,9 +185,12 @@ class TorchEngine(ChatMixin):
                              f"of text); this model's context is {limit} tokens")
         return chars
 
-    def page_keys(self, token_ids: Any, spans: list[MediaSpan]) -> list[bytes]:
-        """The store keys of the full pages of `token_ids` (media digests included)."""
-        return block_keys(token_ids, self.page_size, extra=(self.model_id,), media=spans)
+    def page_keys(self, token_ids: Any, spans: list[MediaSpan],
+                  cache_salt: str = "") -> list[bytes]:
+        """The store keys of the full pages of `token_ids` (media digests included); a
+        `cache_salt` gives another set of keys: requests of different salts share no page."""
+        extra = (self.model_id,) if not cache_salt else (self.model_id, "salt", cache_salt)
+        return block_keys(token_ids, self.page_size, extra=extra, media=spans)
 
     def stats(self) -> EngineStats:
         """Prefills, prompt tokens computed and decode steps since the engine was built."""
@@ -195,12 +198,15 @@ class TorchEngine(ChatMixin):
         return EngineStats(c["prefills"], c["prefill_tokens"], c["decode_steps"])
 
     async def generate(self, prompt: Prompt | str | list[int],
-                       params: SamplingParams | None = None) -> GenerateResult:
+                       params: SamplingParams | None = None, *,
+                       cache_salt: str = "") -> GenerateResult:
         """Generate from `prompt`; returns tokens, text and how much of the prompt was cached.
 
         With ``params.n > 1`` the n samples share one prefill (the prompt's KV is copied to n
         batch rows) and `GenerateResult.samples` holds all n; sample i is seeded
-        ``sampling_seed + i`` when a seed is given.
+        ``sampling_seed + i`` when a seed is given. `cache_salt` scopes the KV cache: the
+        request reuses (and leaves) pages only for requests of the same salt (a server gives
+        each tenant its own, as vLLM's ``cache_salt``).
 
         Raises:
             ValueError: a prompt the model cannot serve, an invalid grammar or stop_regex,
@@ -208,7 +214,7 @@ class TorchEngine(ChatMixin):
                 tokenizer (as SGLang without one).
             ImportError: a grammar field is set and xgrammar is not installed.
         """
-        request = await self._admit(prompt, params)
+        request = await self._admit(prompt, params, cache_salt)
         try:
             while any(sample.finish_reason is None for sample in request.samples):
                 await self._advance()
@@ -218,23 +224,24 @@ class TorchEngine(ChatMixin):
         return self._result(request)
 
     def stream(self, prompt: Prompt | str | list[int],
-               params: SamplingParams | None = None) -> TokenStream:
+               params: SamplingParams | None = None, *, cache_salt: str = "") -> TokenStream:
         """Generate from `prompt`: an async iterator of token ids as they are sampled, whose
         `result` (cached tokens, time to first token...) is there once it is exhausted.
 
         With ``params.stream_interval = k`` tokens arrive as SGLang sends them: the first at
         once, then k at a time, the rest at the end (the iterator still yields single ids).
+        `cache_salt` as for `generate`.
 
         Raises:
             ValueError: ``params.n > 1`` (a stream carries one sample; use `generate`).
         """
         if params is not None and params.n > 1:
             raise ValueError(f"a stream carries one sample, got n={params.n}: use generate()")
-        return TokenStream(self, prompt, params)
+        return TokenStream(self, prompt, params, cache_salt)
 
-    async def _stream(self, prompt: Any, params: SamplingParams | None,
-                      stream: TokenStream) -> AsyncIterator[int]:
-        request = await self._admit(prompt, params)
+    async def _stream(self, prompt: Any, params: SamplingParams | None, stream: TokenStream,
+                      cache_salt: str = "") -> AsyncIterator[int]:
+        request = await self._admit(prompt, params, cache_salt)
         request.streaming = True
         stream._request = request
         try:
@@ -251,7 +258,8 @@ class TorchEngine(ChatMixin):
         finally:
             self._forget(request)
 
-    async def _admit(self, prompt: Any, params: SamplingParams | None) -> _Request:
+    async def _admit(self, prompt: Any, params: SamplingParams | None,
+                     cache_salt: str = "") -> _Request:
         prompt = as_prompt(prompt)
         if self.check_length(prompt) > TOKENIZE_IN_THREAD_CHARS:
             tokens = await trio.to_thread.run_sync(self.prepare, prompt)
@@ -266,9 +274,9 @@ class TorchEngine(ChatMixin):
                              "this engine has none (stop_token_ids work without one)")
         grammar = await self._compile_grammar(params)
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        keys, started = self.page_keys(tokens.token_ids, spans), time.perf_counter()
-        samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started)
-                   for i in range(params.n)]
+        keys, started = self.page_keys(tokens.token_ids, spans, cache_salt), time.perf_counter()
+        samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started,
+                            cache_salt=cache_salt) for i in range(params.n)]
         for sample in samples:
             constraint = None
             if grammar is not None and self._grammars is not None:
@@ -513,7 +521,8 @@ class TorchEngine(ChatMixin):
         full = r.length // self.page_size
         if full <= r.stored_pages:
             return
-        keys = self.page_keys(ids[: full * self.page_size], r.spans)[r.stored_pages:]
+        keys = self.page_keys(ids[: full * self.page_size], r.spans,
+                              r.cache_salt)[r.stored_pages:]
         start = r.stored_pages * self.page_size
         kv = self._batch.row_kv(r.row, 0, full * self.page_size)
         pages = self.model.kv_to_pages(kv, start, self.page_size)

@@ -10,12 +10,12 @@ from omni.graph.context import Context, context
 from omni.graph.dsl import Graph, Node, NodeClass, Ref, graph, node, switch
 from omni.graph.embed import AsyncioRuntime, run
 from omni.graph.errors import GraphError, InputError, NodeError, RouteError
-from omni.graph.files import InputFile, OutputFile, file_role
+from omni.graph.marks import CacheSalt, InputFile, OutputFile, file_role, is_cache_salt
 from omni.graph.runtime import ResultStream, Runtime, RuntimeStats
 
 __all__ = [
-    "AsyncioRuntime", "Balancer", "CallInfo", "Context", "Graph", "GraphError", "InputError",
-    "InputFile", "LeastLoaded", "Node", "NodeClass", "NodeError", "OutputFile", "PowerOfTwo",
-    "Ref", "Replica", "ResultStream", "RoundRobin", "RouteError", "Runtime", "RuntimeStats",
-    "context", "file_role", "graph", "node", "run", "switch",
+    "AsyncioRuntime", "Balancer", "CacheSalt", "CallInfo", "Context", "Graph", "GraphError",
+    "InputError", "InputFile", "LeastLoaded", "Node", "NodeClass", "NodeError", "OutputFile",
+    "PowerOfTwo", "Ref", "Replica", "ResultStream", "RoundRobin", "RouteError", "Runtime",
+    "RuntimeStats", "context", "file_role", "graph", "is_cache_salt", "node", "run", "switch",
 ]

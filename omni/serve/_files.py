@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from omni.graph.dsl import Graph
-from omni.graph.files import InputFile, OutputFile, file_role
+from omni.graph.marks import InputFile, OutputFile, file_role
 from omni.serve._errors import ApiError
 
 __all__ = ["FILES_KEY", "MAX_OUTPUT_FILE_BYTES", "FilePolicy", "RequestFiles"]

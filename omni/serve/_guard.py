@@ -1,7 +1,7 @@
-"""What every request passes before a route sees it: the API key, the body limit, the
-concurrency limit and the drain. A plain ASGI middleware, so that it wraps a streaming
-response to its end (a stream holds its concurrency slot until its last event) and refuses a
-body before the route reads it.
+"""What every request passes before a route sees it: the API key (which names the request's
+tenant), the body limit, the concurrency limit and the drain. A plain ASGI middleware, so that
+it wraps a streaming response to its end (a stream holds its concurrency slot until its last
+event) and refuses a body before the route reads it.
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni.serve._errors import error_body
+from omni.serve._tenants import TENANT_STATE
 
 __all__ = ["Guard", "GuardState"]
 
@@ -28,11 +29,14 @@ UNCOUNTED_PATHS = frozenset({"/metrics"})  # behind the key, but never refused a
 
 @dataclass
 class GuardState:
-    """The key, the limits and what the guard counts. Why shared: the app reports it
+    """The keys, the limits and what the guard counts. Why shared: the app reports it
     (`/health`), the server sets `draining`, and ``omni serve`` says at its stop whether
-    requests were still in flight."""
+    requests were still in flight.
 
-    api_key: str | None = None
+    `api_keys` maps each accepted key to its tenant's name (empty: no key needed, one
+    tenant)."""
+
+    api_keys: dict[str, str] = field(default_factory=dict)
     max_concurrency: int | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     in_flight: int = 0
@@ -40,9 +44,10 @@ class GuardState:
 
 
 class Guard:
-    """ASGI middleware: 401 without the key (when one is set), 413 over the body limit, 429
-    when `max_concurrency` requests are in flight, 503 while draining. `/health`, the
-    playground and the API docs need no key and count toward no limit."""
+    """ASGI middleware: 401 without a key (when keys are set), 413 over the body limit, 429
+    when `max_concurrency` requests are in flight, 503 while draining; the key's tenant goes
+    into the request's state (`omni.serve._tenants.tenant_of`). `/health`, the playground
+    and the API docs need no key and count toward no limit."""
 
     def __init__(self, app: ASGIApp, state: GuardState):
         self.app, self.state = app, state
@@ -55,6 +60,8 @@ class Guard:
         if refusal is not None:
             await self._refuse(send, *refusal)
             return
+        scope.setdefault("state", {})[TENANT_STATE] = _tenant(dict(scope["headers"]),
+                                                              self.state.api_keys) or ""
         if scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -67,7 +74,7 @@ class Guard:
 
     def _refusal(self, scope: Scope) -> tuple[int, str, dict[str, str]] | None:
         state, headers = self.state, dict(scope["headers"])
-        if state.api_key is not None and not _key_matches(headers, state.api_key):
+        if state.api_keys and _tenant(headers, state.api_keys) is None:
             return 401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'.", {}
         if state.draining:
             return 503, "The server is shutting down.", {"retry-after": "1"}
@@ -116,11 +123,17 @@ class Guard:
         await send({"type": "http.response.body", "body": body})
 
 
-def _key_matches(headers: dict[bytes, bytes], key: str) -> bool:
+def _tenant(headers: dict[bytes, bytes], keys: dict[str, str]) -> str | None:
+    """The tenant of the request's bearer key; None when it has none of `keys`. Every key is
+    compared, each in constant time, so the time taken tells nothing of which was close."""
     given = headers.get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
+    presented = token.strip().encode()
+    found = None
+    for key, tenant in keys.items():
+        if hmac.compare_digest(presented, key.encode()) and scheme.lower() == "bearer":
+            found = tenant
+    return found
 
 
 def _too_large(limit: int) -> str:

@@ -2,11 +2,14 @@
 
 Routes:
 
-- ``POST /v1/graphs/{name}``: body ``{"inputs": {...}, "stream": false}``. The inputs are
-  checked against the graph's annotations (as ``omni run`` checks them) and the answer is the
-  request's outputs as ``omni run --json`` prints them (``{"output": value}`` for a graph with
-  one output). With ``"stream": true`` the answer is a server-sent event stream: one event
-  ``{"output": NAME, "item": VALUE}`` per output item as it is produced, then ``[DONE]``.
+- ``POST /v1/graphs/{name}``: body ``{"inputs": {...}, "stream": false, "cache_salt":
+  "..."}``. The inputs are checked against the graph's annotations (as ``omni run`` checks
+  them) and the answer is the request's outputs as ``omni run --json`` prints them
+  (``{"output": value}`` for a graph with one output). With ``"stream": true`` the answer is
+  a server-sent event stream: one event ``{"output": NAME, "item": VALUE}`` per output item
+  as it is produced, then ``[DONE]``. File inputs follow the server's `FilePolicy` (output
+  files come back under ``"files"``); an `omni.CacheSalt` input gets the request's salt
+  (its tenant's and its ``cache_salt``).
 - ``GET /v1/models``: the graphs served, as OpenAI's model list (each with the path its
   requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``).
 - ``POST /v1/chat/completions``, ``POST /v1/images/generations``: for graphs marked with
@@ -43,11 +46,12 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from omni.graph.dsl import Graph, Ref
 from omni.graph.errors import InputError, NodeError, RouteError
-from omni.graph.files import OutputFile, file_role
 from omni.graph.jsonable import to_jsonable
+from omni.graph.marks import OutputFile, file_role, is_cache_salt
 from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
 from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
+from omni.serve._tenants import cache_salt, requested_salt, tenant_of
 
 if TYPE_CHECKING:
     from omni.serve.openai import MediaPolicy
@@ -194,7 +198,8 @@ def _check_files_key(graph: Graph) -> None:
 def _graph_route(runtime: Any, graph: Graph,
                  policy: FilePolicy) -> Callable[[Request], Awaitable[Response]]:
     async def run_graph(request: Request) -> Response:
-        raw, stream = await _graph_body(request)
+        raw, stream, salt = await _graph_body(request)
+        raw = _with_cache_salt(graph, raw, cache_salt(tenant_of(request), salt))
         files = policy.open_request(graph, raw)
         try:
             inputs = _converted(graph, files.inputs)
@@ -220,20 +225,33 @@ def _graph_route(runtime: Any, graph: Graph,
     return run_graph
 
 
-async def _graph_body(request: Request) -> tuple[dict[str, Any], bool]:
-    """The request's inputs (as sent) and its stream flag."""
+async def _graph_body(request: Request) -> tuple[dict[str, Any], bool, str]:
+    """The request's inputs (as sent), its stream flag and its cache salt."""
     body = await json_body(request)
-    unknown = sorted(set(body) - {"inputs", "stream"})
+    unknown = sorted(set(body) - {"inputs", "stream", "cache_salt"})
     if unknown:
         raise ApiError(400, f"unknown field(s) {', '.join(unknown)}: the body is "
-                            '{"inputs": {...}, "stream": false}', param=unknown[0])
+                            '{"inputs": {...}, "stream": false, "cache_salt": "..."}',
+                       param=unknown[0])
     inputs, stream = body.get("inputs", {}), body.get("stream", False)
     if not isinstance(inputs, dict):
         raise ApiError(400, f"inputs must be a JSON object, got {type(inputs).__name__}",
                        param="inputs")
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
-    return inputs, stream
+    return inputs, stream, requested_salt(body.get("cache_salt"))
+
+
+def _with_cache_salt(graph: Graph, inputs: dict[str, Any], salt: str) -> dict[str, Any]:
+    """`inputs` with the graph's `omni.CacheSalt` inputs set to the request's salt (the
+    server's to give: a client that sets one is refused)."""
+    marked = [i.name for i in graph.inputs if is_cache_salt(i.type)]
+    for name in marked:
+        if name in inputs:
+            raise ApiError(400, f"input '{name}' is the server's (the request's cache salt): "
+                                'leave it out, and send "cache_salt" beside "inputs" to '
+                                "scope the cache further", param=f"inputs.{name}")
+    return {**inputs, **dict.fromkeys(marked, salt)} if marked else inputs
 
 
 def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -347,3 +347,19 @@ async def test_n_and_stop_regex_errors_are_clear(reference):
     with pytest.raises(ValueError, match=r"stop_regex '\(a' is not a valid regex"):
         await reference.generate("x", SamplingParams(stop_regex="(a"))
     assert reference.stats().num_prefills == 0
+
+
+async def test_a_cache_salt_keeps_requests_of_other_salts_from_each_others_pages(
+        engine, reference):
+    """vLLM's cache_salt: the same prompt under another salt finds nothing cached (so
+    `cached_tokens` tells no one what another tenant asked); under its own it is reused."""
+    secret = SYSTEM + "My bank PIN is 7391. "
+    await engine.generate(secret + "Remember it.", GREEDY, cache_salt="victim")
+    for salt in ("attacker", ""):
+        guess = await engine.generate(secret + "Is it?", GREEDY, cache_salt=salt)
+        assert guess.cached_tokens == 0
+    again = await engine.generate(secret + "Is it?", GREEDY, cache_salt="victim")
+    assert again.cached_tokens >= len(secret.encode()) // 16 * 16
+    assert again.token_ids == (await reference.generate(secret + "Is it?", GREEDY)).token_ids
+    stream = engine.stream(secret + "Tell me.", GREEDY, cache_salt="attacker")
+    assert [t async for t in stream] and stream.cached_tokens > 0  # its own earlier guess

@@ -18,6 +18,7 @@ from omni.serve import ApiError
 from omni.serve.openai import (
     CHAT_COMPLETIONS,
     IMAGE_GENERATIONS,
+    MediaPolicy,
     chat_completions,
     endpoint_of,
     image_generations,
@@ -25,7 +26,6 @@ from omni.serve.openai import (
 from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
 from omni.serve.openai._chat_request import sampling_params
-from omni.serve.openai import MediaPolicy
 from omni.serve.openai._media import decode_audio
 from tests.serve._server import ROOT
 

@@ -13,8 +13,7 @@ import pytest
 from PIL import Image
 
 from omni.serve import ApiError
-from omni.serve.openai import MediaPolicy
-from omni.serve.openai import _media
+from omni.serve.openai import MediaPolicy, _media
 from omni.serve.openai._media import decode_image
 
 WHERE = "messages.0.content.0.image_url.url"

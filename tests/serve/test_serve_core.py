@@ -269,11 +269,18 @@ def test_mistakes_at_startup_are_one_line_and_exit_2(tmp_path: Path) -> None:
         port = str(taken.getsockname()[1])
         in_use = run_cli(str(GRAPHS), "--port", port)
     empty = tmp_path / "empty"
-    empty.write_text("\n")
+    empty.write_text("\n# only a comment\n")
+    wordy = tmp_path / "wordy"
+    wordy.write_text("alice k1\nbob k 2\n")
+    twice = tmp_path / "twice"
+    twice.write_text("alice k1\nbob k1\n")
     cases = {
         in_use: f"cannot listen on 127.0.0.1:{port}",
         run_cli(str(GRAPHS), "--api-key-file", str(tmp_path / "none")): "cannot read it",
-        run_cli(str(GRAPHS), "--api-key-file", str(empty)): "one word",
+        run_cli(str(GRAPHS), "--api-key-file", str(empty)): "no key in it",
+        run_cli(str(GRAPHS), "--api-key-file", str(wordy)): "wordy:2: expected 'KEY' or",
+        run_cli(str(GRAPHS), "--api-key-file", str(twice)): "twice:2: this key is listed",
+        run_cli(str(GRAPHS), "--allow-path", str(tmp_path / "no-dir")): "not a folder",
         run_cli(str(GRAPHS), "nope"): "nope",
         run_cli(str(tmp_path / "missing.py")): "no such file",
     }

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni.serve._tenants import MAX_CACHE_SALT_CHARS
+
 __all__ = ["ChatCompletionRequest", "Message"]
 
 
@@ -77,7 +79,8 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_Strict):
     """The fields Omni serves: OpenAI's, plus SGLang's ``top_k``, ``min_p`` and
-    ``repetition_penalty`` (as ``extra_body`` from the official client)."""
+    ``repetition_penalty`` and vLLM's ``cache_salt`` (as ``extra_body`` from the official
+    client)."""
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -100,3 +103,4 @@ class ChatCompletionRequest(_Strict):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)

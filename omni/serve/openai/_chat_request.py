@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from omni.serve._errors import ApiError
+from omni.serve._tenants import cache_salt
 from omni.serve.openai._chat_models import ChatCompletionRequest, Message
 from omni.serve.openai._declare import ChatMessage, ChatRequest
 from omni.serve.openai._media import MediaPolicy, decode_audio, decode_image
@@ -21,9 +22,11 @@ _SAMPLING = ("temperature", "top_p", "n", "stop", "frequency_penalty", "presence
              "logit_bias", "top_k", "min_p", "repetition_penalty")
 
 
-async def chat_request(body: ChatCompletionRequest, media: MediaPolicy) -> ChatRequest:
-    """The graph's input for a checked body, its media decoded under `media` (in worker
-    threads); `ApiError` 400 for values out of range."""
+async def chat_request(body: ChatCompletionRequest, media: MediaPolicy,
+                       tenant: str = "") -> ChatRequest:
+    """The graph's input for a checked body of `tenant`, its media decoded under `media` (in
+    worker threads), its cache salt the tenant's and the body's; `ApiError` 400 for values
+    out of range."""
     audio = "audio" in (body.modalities or ["text"])
     if audio and body.audio is None:
         raise ApiError(400, 'audio: modalities ["text", "audio"] needs audio: {"voice": '
@@ -33,7 +36,8 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy) -> ChatR
                        param="n")
     messages = tuple([await _message(m, f"messages.{i}", media)
                       for i, m in enumerate(body.messages)])
-    return ChatRequest(body.model, messages, sampling_params(body), audio)
+    return ChatRequest(body.model, messages, sampling_params(body), audio,
+                       cache_salt(tenant, body.cache_salt or ""))
 
 
 def sampling_params(body: ChatCompletionRequest) -> Any:

@@ -100,6 +100,9 @@ class ChatRequest:
     messages: tuple[ChatMessage, ...]
     params: Any  # omni.compute.SamplingParams
     audio: bool = False  # modalities includes "audio": the reply is spoken too
+    # what the graph salts its cache with (`TorchEngine.generate(..., cache_salt=)`): the
+    # server's, per tenant (API key) and the request's own cache_salt
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
-"""Graph inputs that are files: which inputs a node opens for reading and which it writes.
+"""Marks on a graph's inputs (``Annotated[str, mark]``) for whoever feeds the graph from
+outside: which inputs are files a node opens or writes, and which carries the request's cache
+salt.
 
-A graph says so in its annotations, so that whoever feeds it from outside can hold the paths
-to a policy: ``omni run`` (the user's own machine) passes them as given; ``omni serve`` never
-lets a remote client name a server path (`omni.serve`'s file policy: input files only from
-folders its operator allows, output files in a folder the server picks, sent back as data)::
+``omni run`` (the user's own machine) passes them as given. ``omni serve`` holds them to its
+policy: it never lets a remote client name a server path (input files only from folders its
+operator allows, output files in a folder the server picks, sent back as data), and it fills
+the cache salt itself, from the client's API key and the request's ``cache_salt``::
 
     @omni.graph
     def dialogue(text: str, image: Annotated[str, omni.InputFile()] = "",
-                 out: Annotated[str, omni.OutputFile(".wav")] = ""): ...
+                 out: Annotated[str, omni.OutputFile(".wav")] = "",
+                 salt: Annotated[str, omni.CacheSalt()] = ""): ...
 
 An input annotated `pathlib.Path` (or another `PurePath`) is an input file too. The values
 stay strings (or paths): the marks only describe them.
@@ -21,7 +24,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FileRole", "InputFile", "OutputFile", "file_role"]
+__all__ = ["CacheSalt", "FileRole", "InputFile", "OutputFile", "file_role", "is_cache_salt"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class OutputFile:
             raise ValueError(f"OutputFile's suffix is like '.wav' (or ''), got {self.suffix!r}")
 
 
+@dataclass(frozen=True)
+class CacheSalt:
+    """Marks a graph input (``Annotated[str, CacheSalt()]``) as the request's cache salt: a
+    string that nodes mix into the keys of what they cache (``TorchEngine.generate(...,
+    cache_salt=)``), so that requests of different salts share nothing. A server fills it per
+    tenant (API key) and request; requests with the same salt share their prefixes."""
+
+
 FileRole = InputFile | OutputFile
 
 
@@ -62,6 +73,12 @@ def file_role(annotation: Any) -> FileRole | None:
     if any(isinstance(m, type) and issubclass(m, pathlib.PurePath) for m in members):
         return InputFile()  # Path | None
     return None
+
+
+def is_cache_salt(annotation: Any) -> bool:
+    """Whether an input's annotation marks it as the request's `CacheSalt`."""
+    return typing.get_origin(annotation) is typing.Annotated and any(
+        isinstance(m, CacheSalt) for m in typing.get_args(annotation)[1:])
 
 
 def _is_union(annotation: Any) -> bool:
