@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -22,7 +21,7 @@ import pytest
 import trio
 
 from tests._wait import wait_until
-from tests.serve._server import STOP_CAP_S, Server, running
+from tests.serve._server import STOP_CAP_S, Server, idle_connection, running
 
 GRAPHS = Path(__file__).with_name("drain_graphs.py")
 
@@ -113,7 +112,7 @@ def test_a_drain_refuses_new_requests_closes_idle_connections_and_ends_with_its_
 
 
 async def _drain_with_idle_connections(server: Server, gate: Path) -> list[str]:
-    idle = await _idle_connection(server.url)
+    idle = await idle_connection(server.url)
     answer: list[str] = []
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as pool:
         assert (await pool.get("/v1/models")).status_code == 200  # a pooled connection
@@ -132,23 +131,6 @@ async def _drain_with_idle_connections(server: Server, gate: Path) -> list[str]:
         # the pooled client is still open: its connection must not hold the process
         assert await trio.to_thread.run_sync(server.wait) is not None, "still running"
     return answer
-
-
-async def _idle_connection(url: str) -> trio.SocketStream:
-    """A keep-alive connection that has had one answer and now waits."""
-    where = urlsplit(url)
-    stream = await trio.open_tcp_stream(where.hostname, where.port)
-    await stream.send_all(b"GET /health HTTP/1.1\r\nHost: omni\r\n\r\n")
-    received = b""
-    while b"\r\n\r\n" not in received:
-        received += await stream.receive_some()
-    head, _, body = received.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += await stream.receive_some()
-    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower()
-    return stream
 
 
 async def _refused_while_draining(url: str, gate: Path) -> None:
