@@ -66,7 +66,7 @@ class GuardState:
     def cut(self) -> None:
         """Cancel every request in flight (the drain's timeout passed); each tells its
         client and counts itself in `num_cut` as it ends."""
-        for scope in self._running:
+        for scope in list(self._running):
             scope.cancel()
 
     def _enter(self, scope: anyio.CancelScope) -> None:
