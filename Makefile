@@ -32,6 +32,7 @@ demo: $(STAMP)
 	OMNI_DIALOGUE_OUT=$(DEMO_OUT) $(BIN)/omni run examples/omni_dialogue.py \
 		--inputs-json examples/dialogue_turns.jsonl --json
 	@echo "the replies' speech is in $(DEMO_OUT)"
+	@echo "omni is installed in $(VENV): '. $(VENV)/bin/activate' puts it on your PATH"
 
 # Debian's chromium and its driver, for the playground's browser test (which says why it is
 # skipped where they cannot be installed: not root, no apt).

@@ -39,7 +39,10 @@ def member_row(view: Any) -> dict[str, Any]:
     }
 
 
-def print_status(address: str, members: list[Any], *, as_json: bool) -> None:
+def print_status(address: str, members: list[Any], *, as_json: bool,
+                 token_file: str | None = None) -> None:
+    """The members as a table (or one JSON object); with none, the command that adds one
+    (with `token_file` when the status was asked with one)."""
     rows = [member_row(view) for view in members]
     if as_json:
         typer.echo(json.dumps({"head": address, "members": rows,
@@ -49,7 +52,8 @@ def print_status(address: str, members: list[Any], *, as_json: bool) -> None:
     typer.echo(f"cluster at {address}: {up} worker(s) up"
                + (f", {len(rows) - up} lost" if len(rows) > up else ""))
     if not rows:
-        typer.echo("no workers: start one with `omni cluster join " + address + "`")
+        flag = f" --token-file {token_file}" if token_file else ""
+        typer.echo(f"no workers: start one with `omni cluster join {address}{flag}`")
         return
     table = [COLUMNS, *(_cells(r) for r in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]

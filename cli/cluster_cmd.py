@@ -272,4 +272,4 @@ def status(
                                              result_type=list[MemberView])
 
             members = _run(fetch)
-        print_status(address, members, as_json=as_json)
+        print_status(address, members, as_json=as_json, token_file=token_file)

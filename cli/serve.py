@@ -58,7 +58,8 @@ def serve(
         help="Answer 413 to a request body larger than this.")] = MAX_BODY_MIB,
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", metavar="SECONDS", min=0,
-        help="On Ctrl-C or SIGTERM, how long requests in flight may take to finish.")
+        help="On Ctrl-C or SIGTERM, how long requests in flight may take to finish before "
+             "they are cut.")
     ] = DRAIN_TIMEOUT_S,
     allow_remote_media: Annotated[bool, typer.Option(
         "--allow-remote-media",
@@ -89,8 +90,10 @@ def serve(
     POST /v1/chat/completions and /v1/images/generations for graphs marked with
     omni.serve.openai's decorators; the playground page at /.
 
-    Prints one line with the URL once it listens. Ctrl-C or SIGTERM stops taking requests,
-    lets those in flight finish (up to --drain-timeout seconds), then exits 0.
+    Prints one line with the URL once it listens. Ctrl-C or SIGTERM drains: new requests get
+    503, requests in flight may finish for up to --drain-timeout seconds (those still running
+    then are cut: a stream ends with an error event), and it exits 0 as soon as none is left,
+    saying how many finished and how many were cut.
 
     Example: omni serve examples/hello.py --port 8000
     """
@@ -111,7 +114,7 @@ def serve(
                                            drain_timeout, media, files))
             except Stopped as exc:
                 sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
-                                 f"{_drained(state)}\n")
+                                 f"{_drained(state, drain_timeout)}\n")
 
 
 def _chosen_graphs(module: Any, names: list[str], path: str) -> dict[str, Graph]:
@@ -161,9 +164,14 @@ def _read_keys(path: str | None) -> dict[str, str]:
     return keys
 
 
-def _drained(state: GuardState) -> str:
-    return "every request in flight finished" if state.in_flight == 0 else (
-        f"{state.in_flight} request(s) cancelled after the drain timeout")
+def _drained(state: GuardState, timeout: float) -> str:
+    """How the requests in flight at the stop ended, as the drain counted them."""
+    finished, cut = state.num_finished, state.num_cut
+    if not cut:
+        return (f"every request in flight finished ({finished}), none cut" if finished
+                else "no request was in flight")
+    return (f"{finished} request(s) in flight finished, {cut} cut at the drain timeout "
+            f"({timeout:g} s)")
 
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],

@@ -1,8 +1,9 @@
 """Serving: graphs over HTTP, the way applications reach every other model server.
 
 `build_app` makes the ASGI app (``/v1/graphs/{name}``, ``/v1/models``, ``/health``,
-``/metrics``, ``/docs``), `serve` runs it on hypercorn's trio worker until told to stop and
-drains what is in flight; ``omni serve FILE`` is the command that does both.
+``/metrics``, ``/docs``), `serve` runs it (hypercorn's HTTP protocol on trio) until told to
+stop, then drains: new requests get 503, those in flight may finish up to a timeout, the rest
+are cut and told so; ``omni serve FILE`` is the command that does both.
 """
 
 from omni.serve._errors import ApiError

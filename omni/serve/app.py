@@ -11,10 +11,12 @@ Routes:
   files come back under ``"files"``); an `omni.CacheSalt` input gets the request's salt
   (its tenant's and its ``cache_salt``).
 - ``GET /v1/models``: the graphs served, as OpenAI's model list (each with the path its
-  requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``).
+  requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``);
+  ``GET /v1/models/{id}``: one of them (404 for another id).
 - ``POST /v1/chat/completions``, ``POST /v1/images/generations``: for graphs marked with
   them (`omni.serve.openai`).
-- ``GET /health``: ``{"status": "ok"}`` (``"draining"``, status 503, while shutting down).
+- ``GET /health``: ``{"status": "ok", "in_flight": N}`` (``"draining"``, status 503, while
+  shutting down).
 - ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them.
 - ``GET /docs``, ``GET /openapi.json``: the API's description.
 - ``GET /``: the playground, a page to chat with a chat graph (text, images, audio in,
@@ -106,11 +108,21 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
         return JSONResponse({"status": status, "in_flight": state.in_flight},
                             status_code=503 if state.draining else 200)
 
+    def model(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "omni",
+                "omni": {"endpoint": _endpoint(name, graphs[name])}}
+
     @app.get("/v1/models", summary="The graphs served, as OpenAI's model list")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "omni",
-             "omni": {"endpoint": _endpoint(name, graph)}} for name, graph in graphs.items()]}
+        return {"object": "list", "data": [model(name) for name in graphs]}
+
+    @app.get("/v1/models/{model_id}", summary="One graph served, as OpenAI's model object")
+    async def one_model(model_id: str) -> dict[str, Any]:
+        if model_id not in graphs:
+            raise ApiError(404, f"The model {model_id!r} does not exist here; this server "
+                                f"serves: {', '.join(graphs) or 'none'}", param="model",
+                           code="model_not_found")
+        return model(model_id)
 
     components: dict[str, Any] = {}
     for name, graph in graphs.items():

@@ -1,8 +1,12 @@
-"""Run the app on hypercorn's trio worker, inside the caller's trio program.
+"""Run the app inside the caller's trio program, and drain it when told to stop.
 
-`serve` binds, reports the URL, answers until `stop` is set, then drains: it refuses new
-requests (503), lets the ones in flight finish for up to `drain_timeout` seconds and cancels
-what is left (which releases their KV leases), and returns.
+`serve` binds, reports the URL and answers until `stop` is set. Then it drains: new requests
+get 503 with ``Retry-After`` (the listener stays open to say so), connections waiting idle
+are closed, and the requests in flight may finish for up to `drain_timeout` seconds. Those
+still running then are cut: each is cancelled (which releases its KV leases) and told so, a
+stream by a last ``error`` event (code ``server_shutdown``), a request not yet answered by a
+503. `serve` returns as soon as no request is in flight, closing every connection; the
+`GuardState` counts the requests that finished and those that were cut.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from omni.graph.dsl import Graph
 from omni.serve._files import FilePolicy
 from omni.serve._guard import GuardState
+from omni.serve._http import http_server
 from omni.serve.app import build_app
 from omni.serve.openai import MediaPolicy
 
@@ -35,7 +39,8 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
 
     Args:
         port: 0 takes a free port; `on_ready` gets the URL actually bound.
-        state: the API key and limits (see `GuardState`).
+        state: the API key and limits (see `GuardState`); after the drain, its
+            `num_finished` and `num_cut` say how the requests in flight ended.
         drain_timeout: seconds in-flight requests get to finish once `stop` is set.
         media: what the OpenAI chat endpoint takes of a message's media (`MediaPolicy`).
         files: the policy for graphs' file inputs (see `FilePolicy`).
@@ -46,24 +51,28 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
     state = state or GuardState()
     app = build_app(runtime, graphs, state, metrics_app=metrics_app,
                     media=media, files=files)
+    async with http_server(app, _config(host, port)) as server:
+        if on_ready is not None:
+            on_ready(server.urls[0])
+        await stop.wait()
+        await drain(state, server.close_idle, drain_timeout)
+
+
+async def drain(state: GuardState, close_idle: Callable[[], Any], timeout: float) -> None:
+    """Refuse new requests, close idle connections, wait up to `timeout` seconds for the
+    requests in flight, cut the rest; return once none is in flight."""
+    state.draining = True  # first: a request on a connection about to close is refused
+    await close_idle()
+    with trio.move_on_after(timeout):
+        await state.wait_idle()
+    state.cut()
+    await state.wait_idle()  # the cut requests tell their clients
+
+
+def _config(host: str, port: int) -> Config:
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.graceful_timeout = drain_timeout
     config.loglevel = "WARNING"  # the command prints its own one-line start
     config.accesslog = None
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
-
-    async def shutdown_trigger() -> None:
-        await stop.wait()
-        state.draining = True
-
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(_serve, app, config, shutdown_trigger)
-        if on_ready is not None:
-            on_ready(binds[0])
-
-
-async def _serve(app: Any, config: Config, shutdown_trigger: Callable[[], Any],
-                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger,
-                          task_status=task_status)
+    return config

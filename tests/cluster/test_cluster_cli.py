@@ -31,6 +31,16 @@ def test_workers_join_and_status_shows_them(cluster: Cluster) -> None:
     assert [line.split()[0] for line in table.stdout.splitlines()[2:]] == ["w1", "w2"]
 
 
+def test_status_without_workers_names_the_join_command_with_its_token_file(
+        cluster: Cluster) -> None:
+    """As the README runs them: every command given the same relative ``--token-file``."""
+    cluster.head()
+    table = cluster.cli("cluster", "status", cluster.address, "--token-file", "cluster.token")
+    assert table.returncode == 0, table.stderr
+    assert (f"no workers: start one with `omni cluster join {cluster.address} --token-file "
+            "cluster.token`") in table.stdout
+
+
 def test_a_graph_runs_across_workers(cluster: Cluster) -> None:
     cluster.head()
     cluster.worker("w1")

@@ -48,6 +48,9 @@ CASES: dict[str, Case] = {
         "Processes", "KV store owners SIGKILLed: their arenas and lease tables left behind"),
     "proc.run_signalled": Case(
         "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
+    "proc.serve_drained": Case(
+        "Processes", "SIGTERM to `omni serve` under traffic: requests finishing during the "
+        "drain, streams outliving `--drain-timeout`, idle keep-alive connections"),
     # Peers on the wire
     "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
     "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),

@@ -19,8 +19,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 START_CAP_S = 180.0  # importing torch and building engines on a loaded 2-core machine
@@ -88,3 +90,21 @@ def running(file: str | Path, *args: str, env: dict[str, str] | None = None
             yield server
         finally:
             server.stop()
+
+
+async def idle_connection(url: str) -> trio.SocketStream:
+    """A keep-alive connection to the server at `url` that has had one answer (``GET
+    /health``, read whole) and now waits for a next request."""
+    where = urlsplit(url)
+    stream = await trio.open_tcp_stream(where.hostname, where.port)
+    await stream.send_all(b"GET /health HTTP/1.1\r\nHost: omni\r\n\r\n")
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += await stream.receive_some()
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += await stream.receive_some()
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower(), head
+    return stream

@@ -1,7 +1,8 @@
 """The playground page at / in a real browser (Debian's headless chromium, driven by
 selenium): a chat of two turns against `omni serve examples/omni_dialogue.py` (the second
 reporting cached tokens), a spoken reply with a playable audio element, an image generated
-against `omni serve examples/image_generation.py`; a screenshot of each page is kept.
+against `omni serve examples/image_generation.py`; a screenshot of each page is kept. Each
+page shows only the panels of the endpoints its server's graphs serve (from /v1/models).
 
 Skipped, saying why, only where chromium and chromedriver are not installed (`make test`
 installs them where it can: root with apt).
@@ -61,6 +62,16 @@ def assistant_metas(browser) -> list[str]:
     return [m for m in texts(browser, ".msg.assistant .meta") if "prompt tokens" in m]
 
 
+def shown(browser, *ids: str) -> list[bool]:
+    """Whether each element is displayed."""
+    from selenium.webdriver.common.by import By
+
+    return [browser.find_element(By.ID, i).is_displayed() for i in ids]
+
+
+PANELS = ("chat-panel", "image-panel", "no-panel")
+
+
 def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply(browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
@@ -68,6 +79,7 @@ def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply(browser, tmp_path:
                  env={"OMNI_DIALOGUE_OUT": str(tmp_path)}) as server:
         browser.get(server.url + "/")
         wait_until_sync(lambda: texts(browser, "#chat-model option"), "the model list")
+        assert shown(browser, *PANELS) == [True, False, False]  # no image graph here
         send(browser, "Hello there")
         wait_until_sync(lambda: len(assistant_metas(browser)) == 1, "the first reply")
         send(browser, "And again")
@@ -128,6 +140,7 @@ def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
     with running(ROOT / "examples" / "image_generation.py") as server:
         browser.get(server.url + "/")
         wait_until_sync(lambda: texts(browser, "#image-model option"), "the model list")
+        assert shown(browser, *PANELS) == [False, True, False]  # no chat graph here
         browser.find_element(By.ID, "image-prompt").send_keys("a red fox in snow")
         browser.find_element(By.ID, "generate").click()
         wait_until_sync(lambda: browser.find_elements(By.CSS_SELECTOR, "#images img"),
@@ -140,3 +153,12 @@ def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
         assert "error" not in browser.find_element(By.ID, "status").get_attribute("class")
         browser.save_screenshot(str(tmp_path / "image.png"))
         assert (tmp_path / "image.png").stat().st_size > 10_000
+
+
+def test_a_server_without_chat_or_image_graphs_shows_neither_panel(browser) -> None:
+    with running(ROOT / "tests" / "serve" / "graphs.py") as server:
+        browser.get(server.url + "/")
+        wait_until_sync(lambda: "model(s)" in texts(browser, "#status")[0], "the model list")
+        assert shown(browser, *PANELS) == [False, False, True]
+        assert shown(browser, "chat-model-label", "image-model-label") == [False, False]
+        assert "echo, numbers" in texts(browser, "#graph-names")[0]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
@@ -87,6 +88,21 @@ async def test_models_health_and_the_api_description(url: str) -> None:
     body = spec["paths"]["/v1/graphs/numbers"]["post"]["requestBody"]["content"]
     inputs = body["application/json"]["schema"]["properties"]["inputs"]
     assert inputs["properties"]["n"]["type"] == "integer" and inputs["required"] == ["n"]
+
+
+def test_the_official_client_lists_and_retrieves_models(url: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    listed = {m.id: m for m in client.models.list()}
+    echo = client.models.retrieve("echo")
+    assert (echo.id, echo.object, echo.owned_by) == ("echo", "model", "omni")
+    assert echo == listed["echo"]
+    assert echo.model_extra == {"omni": {"endpoint": "/v1/graphs/echo"}}
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("nope")
+    assert caught.value.code == "model_not_found"
+    assert "'nope'" in caught.value.message and "echo" in caught.value.message
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert_error(http.get("/v1/models/nope"), 404, "nope")
 
 
 @pytest.mark.parametrize(("body", "status", "words"), [
@@ -220,7 +236,8 @@ def test_sigterm_drains_requests_in_flight_then_exits_0(tmp_path: Path) -> None:
     with running(GRAPHS, env={"OMNI_TEST_GATE": str(gate)}) as server:
         answers = trio.run(_drain, server, gate)
         assert server.process.returncode == 0, server.stderr()
-        assert "stopped (SIGTERM); every request in flight finished" in server.stderr()
+        assert "stopped (SIGTERM); every request in flight finished (3), none cut" in \
+            server.stderr()
     assert answers == [{"output": "d0"}, {"output": "d1"}, {"output": "d2"}]
 
 
