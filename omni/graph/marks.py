@@ -32,6 +32,9 @@ class InputFile:
     """Marks a graph input (``Annotated[str, InputFile()]``) as the path of a file a node
     reads."""
 
+    def __str__(self) -> str:
+        return "input file"
+
 
 @dataclass(frozen=True)
 class OutputFile:
@@ -39,6 +42,9 @@ class OutputFile:
     node writes; `suffix` is the file's type, for whoever picks the path."""
 
     suffix: str = ""
+
+    def __str__(self) -> str:
+        return f"output file {self.suffix}".rstrip()
 
     def __post_init__(self) -> None:
         if not isinstance(self.suffix, str) or (
@@ -53,6 +59,9 @@ class CacheSalt:
     string that nodes mix into the keys of what they cache (``TorchEngine.generate(...,
     cache_salt=)``), so that requests of different salts share nothing. A server fills it per
     tenant (API key) and request; requests with the same salt share their prefixes."""
+
+    def __str__(self) -> str:
+        return "cache salt"
 
 
 FileRole = InputFile | OutputFile

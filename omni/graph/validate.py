@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from omni.graph._calls import Call
 from omni.graph._node import Node, Ref
 from omni.graph.errors import GraphError
+from omni.graph.marks import CacheSalt, InputFile, OutputFile
 
 if TYPE_CHECKING:
     from omni.graph.dsl import Graph
@@ -44,8 +45,14 @@ def stream_item_type(annotation: Any) -> Any:
 
 
 def type_name(annotation: Any) -> str:
+    """An annotation as text: ``int``, ``list[str]``; an ``Annotated`` one as its type with
+    Omni's marks in brackets (``str (input file)``), other metadata left out."""
     if annotation is None:
         return "Any"
+    if typing.get_origin(annotation) is typing.Annotated:
+        base, *metadata = typing.get_args(annotation)
+        marks = [f" ({m})" for m in metadata if isinstance(m, InputFile | OutputFile | CacheSalt)]
+        return type_name(base) + "".join(marks)
     if isinstance(annotation, type) and not typing.get_args(annotation):
         return annotation.__name__
     return repr(annotation).replace("typing.", "").replace("collections.abc.", "")
