@@ -77,6 +77,15 @@ CASES: dict[str, Case] = {
         "Hostile input", "page keys and store ids that try path traversal on the disk tier"),
     "input.oversize": Case("Hostile input", "an oversize message"),
     "input.unauthenticated_join": Case("Hostile input", "an unauthenticated join"),
+    "serve.client_paths": Case(
+        "Hostile client", "`omni serve`: a client naming server paths to write (`out`) and to "
+        "read (`image`, `audio`)"),
+    "serve.bounded_work": Case(
+        "Hostile client", "`omni serve`: a PNG of a few KB holding 12,000 x 12,000 pixels (a "
+        "decompression bomb) and a 30 MB message, with /health polled meanwhile"),
+    "serve.tenant_probe": Case(
+        "Hostile client", "`omni serve`: a tenant guessing another's prompt from "
+        "`cached_tokens`"),
     # A user's mistakes at the command line
     "cli.one_line": Case(
         "Command line", "KV flags at files, devices, /proc, /sys, impossible sizes; a node "
