@@ -538,6 +538,15 @@ KNOWN: tuple[Known, ...] = (
                      f"{fig(k.c['ttft_ms']['p50'] or 0)} ms, p99 "
                      f"{fig(k.c['ttft_ms']['p99'] or 0)} ms"),
           "—"),
+    Known("serve", "hostile",
+          lambda k: (f"`omni serve`: GET /health while {k.c['hostile_requests']} hostile chat "
+                     "requests at once (decompression-bomb PNGs, 30 MB messages) are refused"),
+          lambda k: f"p99 ≤ {k.c['target']:g} ms, every one refused",
+          lambda k: (f"p99 {fig(k.c['measured']['p99'])} ms (max "
+                     f"{fig(k.c['measured']['max'])} ms, {k.c['measured']['polls']} polls); "
+                     f"{k.c['refused']} of {k.c['hostile_requests']} refused (400)"),
+          lambda k: (f"/health alone: p99 {fig(k.c['baseline']['p99'])} ms "
+                     f"({k.c['baseline']['polls']} polls)")),
     Known("serve", "claim",
           "`omni serve`: requests/s through POST /v1/graphs/NAME on a no-op graph",
           lambda k: f"≥ {k.c['target']:g}× the bare server stack's",

@@ -16,9 +16,17 @@ the two differ only by what Omni adds per request (the scheduler, the request's 
 node call). One client process (httpx on trio, `concurrency` connections, each sending
 requests back to back) loads each server for `seconds`, the two alternating round by round.
 
+Hostile requests (on the chat server, after the chats): `hostile_requests` at once, half a
+PNG of a few KB holding 12,000 x 12,000 pixels, half a 30 MB message, while a client polls
+``GET /health`` back to back; the same polling with no hostile request first, as the
+baseline. Every hostile request must be refused (400), and /health's p99 latency stay within
+`HEALTH_P99_TARGET_MS` (an absolute target: a load balancer's health check must not time
+out while the server refuses abuse).
+
 Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
-rounds of the paired ratio), with 0 errors. Both servers and the client share this machine's
-cores, which bounds the absolute figures, not the ratio.
+rounds of the paired ratio), with 0 errors; /health's p99 under hostile requests <= 100 ms
+with every one refused. Both servers and the client share this machine's cores, which bounds
+the absolute figures, not the ratio.
 
 Usage: ``python perf/serve.py [--quick] [--out PATH.json] [--plot PATH.png] [--repeats N]``
 """
@@ -58,6 +66,7 @@ from perf._common import (
 __all__ = ["Params", "main", "measure"]
 
 TARGET = 0.7  # omni requests/s / the constant server's, at least
+HEALTH_P99_TARGET_MS = 100.0  # /health's p99 while hostile requests are refused, at most
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = Path(__file__).with_name("_serve_graphs.py")
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
@@ -76,13 +85,15 @@ class Params:
     concurrency: int = 16
     chats: int = 64  # streaming chat completions at once
     reply_tokens: int = 32
+    hostile_requests: int = 8  # half decompression bombs, half 30 MB messages, at once
+    health_polls: int = 100  # of the baseline (no hostile request)
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (a few seconds)."""
         return cls(seed=seed, repeats=1, seconds=0.5, concurrency=4, chats=4, reply_tokens=4,
-                   quick=True)
+                   hostile_requests=2, health_polls=20, quick=True)
 
 
 def start(kind: str, folder: Path) -> tuple[subprocess.Popen, str]:
@@ -167,6 +178,69 @@ async def chat_load(url: str, model: str, params: Params) -> dict[str, Any]:
             "errors": len(errors), "first_errors": errors[:3], "pass": not errors}
 
 
+def hostile_bodies() -> list[bytes]:
+    """A chat request with a decompression bomb (a PNG of a few KB, 12,000 x 12,000 pixels)
+    and one with a 30 MB message, as JSON bodies."""
+    import base64
+    import io
+    import json
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("1", (12_000, 12_000)).save(png, "PNG")
+    bomb = [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}]
+    huge = "tell me more " * (30 * 2**20 // 13)
+    return [json.dumps({"model": CHAT_MODEL, "max_tokens": 1,
+                        "messages": [{"role": "user", "content": content}]}).encode()
+            for content in (bomb, huge)]
+
+
+async def hostile_health(url: str, params: Params) -> dict[str, Any]:
+    """/health's latency polled back to back: alone (`health_polls` times), then while
+    `hostile_requests` hostile requests are refused; the claim."""
+    bodies = hostile_bodies()
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+        async def poll(latencies: list[float], until: trio.Event | None) -> None:
+            while (until is None and len(latencies) < params.health_polls) or (
+                    until is not None and not until.is_set()):
+                start = time.perf_counter()
+                answer = await http.get("/health")
+                latencies.append(time.perf_counter() - start)
+                assert answer.status_code == 200, answer.text
+
+        async def attack(body: bytes) -> None:
+            answer = await http.post("/v1/chat/completions", content=body,
+                                     headers={"content-type": "application/json"})
+            statuses.append(answer.status_code)
+
+        alone: list[float] = []
+        await poll(alone, None)
+        under: list[float] = []
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poll, under, done)
+            async with trio.open_nursery() as attackers:
+                for i in range(params.hostile_requests):
+                    attackers.start_soon(attack, bodies[i % 2])
+            done.set()
+    p99 = _percentile_ms(under, 99) or 0.0
+    refused = statuses.count(400)
+    return {"unit": "ms", "target": HEALTH_P99_TARGET_MS,
+            "measured": {"p50": _percentile_ms(under, 50), "p99": p99,
+                         "max": round(max(under) * 1e3, 1), "polls": len(under)},
+            "baseline": {"p50": _percentile_ms(alone, 50), "p99": _percentile_ms(alone, 99),
+                         "max": round(max(alone) * 1e3, 1), "polls": len(alone)},
+            "refused": refused, "hostile_requests": len(statuses),
+            "pass": p99 <= HEALTH_P99_TARGET_MS and refused == len(statuses),
+            "note": (f"GET /health polled back to back while {len(statuses)} hostile chat "
+                     "requests (half a PNG of 12,000 x 12,000 pixels, half a 30 MB message) "
+                     "were refused; baseline: the same polling with none")}
+
+
 def _percentile_ms(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -174,14 +248,16 @@ def _percentile_ms(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] * 1e3, 1)
 
 
-def measure_chat(params: Params, folder: Path) -> dict[str, Any]:
-    """The chat server, one warm-up chat, then `params.chats` at once; the chat claim."""
+def measure_chat(params: Params, folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The chat server, one warm-up chat, then `params.chats` at once, then the hostile
+    requests; the chat claim and the hostile one."""
     process, url = start("chat", folder)
     try:
         model = CHAT_MODEL
         warm = dataclasses.replace(params, chats=1)
         asyncio.run(chat_load(url, model, warm))
         result = asyncio.run(chat_load(url, model, params))
+        hostile = trio.run(hostile_health, url, params)
     finally:
         result_code = _stop(process)
     return {**result, "model": model, "exit_code": result_code,
@@ -189,7 +265,7 @@ def measure_chat(params: Params, folder: Path) -> dict[str, Any]:
                      "openai.AsyncOpenAI (one connection each), max_tokens "
                      f"{params.reply_tokens}, against omni serve examples/omni_dialogue.py "
                      "(the built-in tiny model); TTFT from the request to the first content "
-                     "delta")}
+                     "delta")}, hostile
 
 
 def measure(params: Params) -> dict[str, Any]:
@@ -199,7 +275,7 @@ def measure(params: Params) -> dict[str, Any]:
 
 
 def _measure(params: Params, folder: Path) -> dict[str, Any]:
-    chat = measure_chat(params, folder)
+    chat, hostile = measure_chat(params, folder)
     servers = {kind: start(kind, folder) for kind in ("omni", "constant")}
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
     errors = 0
@@ -218,6 +294,7 @@ def _measure(params: Params, folder: Path) -> dict[str, Any]:
                                                     strict=True))
     return {
         "benchmark": "serve", "env": environment(), "params": asdict(params), "chat": chat,
+        "hostile": hostile,
         "claim": claim(unit="requests per second", target=TARGET, measured=omni_rate,
                        baseline=constant, ratio=ratio,
                        passed=ratio >= TARGET and errors == 0, errors=errors,

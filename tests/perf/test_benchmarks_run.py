@@ -166,6 +166,10 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
     assert claim["errors"] == 0 and claim["exit_codes"] == {"omni": 0, "constant": 0}
     assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
     assert abs(claim["ratio"] - claim["measured"]["median"] / claim["baseline"]["median"]) < 0.01
+    hostile = report["hostile"]  # every hostile request refused, /health answering
+    assert hostile["refused"] == hostile["hostile_requests"] == report["params"][
+        "hostile_requests"]
+    assert hostile["measured"]["polls"] > 0 and hostile["baseline"]["polls"] > 0
 
 
 def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):
