@@ -4,9 +4,13 @@ The driver runs the graph's scheduler and its function nodes itself; each class 
 are placed by the head on workers (by ``resources=`` and ``where=``) and built there. Calls go
 straight from the driver to the worker hosting the replica; the head is never on the path.
 
-It also keeps the replicas: a replica whose worker stops answering is marked dead at once (calls
-on it fail with `WorkerLost`, retried elsewhere for nodes with ``retries``), and a repair task
-places a replacement, on the same worker when it rejoins or on another with room. The head
+It also keeps the replicas: a replica whose worker stops answering is marked dead at once, and
+a repair task places a replacement, on the same worker when it rejoins or on another with room.
+Calls wait for it rather than fail: a call that finds every replica of its node dead waits up
+to `replace_timeout` seconds for one to be placed again (then fails with `NoLiveReplica`
+naming the node and the timeout), and a call in flight on the lost worker fails with
+`WorkerLost`, which the scheduler retries once on a live replica (a `ReplicaLost`; not a
+stream that had passed items on). The head
 spreads a node's replicas over the workers; when a worker joins (or rejoins) while another
 hosts two or more replicas of a node and it hosts none, the repair task moves one there: the
 new replica takes the old one's place in the pool, and the old one is undeployed once its calls
@@ -42,7 +46,7 @@ from omni.cluster.protocol import (
     endpoint_for,
 )
 from omni.cluster.remote import Deploy, RemoteReplica, Renew
-from omni.graph.balance import CallInfo, Pool, Replica
+from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
 from omni.transport._host import host_id
 from omni.transport.credentials import Credentials
@@ -134,16 +138,22 @@ class ClusterLink:
         wait_for_workers: seconds a deployment waits for workers to join before failing.
         min_workers: workers that must be members before the first replica is placed (within
             `wait_for_workers`), so that the first deployments spread over all of them.
+        replace_timeout: seconds a call waits for a replacement when every replica of its
+            node is on a worker that is gone, before it fails with `NoLiveReplica`.
 
     Raises:
-        ValueError: `min_workers` is negative.
+        ValueError: `min_workers` or `replace_timeout` is negative.
     """
 
     def __init__(self, address: str, *, token_file: str | os.PathLike[str] | None = None,
                  kv_layout: Any = None, wait_for_workers: float = 10.0, min_workers: int = 0,
+                 replace_timeout: float = REPLACE_TIMEOUT_S,
                  heartbeat_interval: float = HEARTBEAT_S):
         if min_workers < 0:
             raise ValueError(f"min_workers must be >= 0, got {min_workers!r}")
+        if not replace_timeout >= 0:  # NaN too
+            raise ValueError(f"replace_timeout must be >= 0 seconds, got {replace_timeout!r}")
+        self.replace_timeout = replace_timeout
         self.address = check_address(address)
         self.token_file = Path(token_file) if token_file is not None else default_token_path()
         self.kv_layout = kv_layout
@@ -211,7 +221,8 @@ class ClusterLink:
                     for i in range(node.options.replicas)]
         options = node.options
         pool = Pool(node.name, replicas, balancer=options.balance,
-                    concurrency=options.concurrency, max_queue=options.max_queue)
+                    concurrency=options.concurrency, max_queue=options.max_queue,
+                    replace_timeout=self.replace_timeout)
         keys = getattr(node.target, "kv_keys", None)
         if hasattr(pool.balancer, "bind"):
             keys_of = None if keys is None else functools.partial(_call_keys, keys)
@@ -311,17 +322,35 @@ class ClusterLink:
                     await self._rebalance(placed, draining)
 
     async def _replace_dead(self, placed: _Placed) -> None:
-        for replica in placed.pool.replicas:
+        """Place a replacement for each dead replica of `placed` (calls wait for them)."""
+        pool = placed.pool
+        if pool.stats().waiting_for_replica:
+            pool.wake()  # a replica whose worker answered again serves them without a move
+        for replica in pool.replicas:
             if replica.alive:
                 continue
             try:
-                proxy = await self._place_one(placed.node, placed.deployment, replica.index)
+                proxy = await self._place_one(placed.node, placed.deployment, replica.index,
+                                              avoid=self._silent())
             except (NodeError, TransportError) as exc:
                 log.debug("cannot replace %s yet: %s", replica.instance, exc)
                 continue
             log.info("replica %d of '%s' now on worker '%s'", replica.index,
                      placed.node.name, proxy.member)
-            placed.pool.replace(replica.index, proxy)
+            pool.replace(replica.index, proxy)
+
+    def _silent(self) -> set[str]:
+        """Workers this driver found silent that the head still lists at the same endpoint:
+        the head notices a loss a beat or so after a driver may, and a replacement placed
+        there would fail. A worker restarted under the same name has a new endpoint."""
+        assert self._clients is not None and self._roster is not None
+        silent = set()
+        for name, view in self._roster.members.items():
+            client = self._clients.get(name)
+            if client is not None and not client.peer_alive \
+                    and client.endpoint == endpoint_for(view.info):
+                silent.add(name)
+        return silent
 
     async def _rebalance(self, placed: _Placed, draining: trio.Nursery) -> None:
         """Move one replica off a worker crowded with `placed`'s replicas to a member that
