@@ -297,14 +297,29 @@ class ClusterLink:
         return msgspec.structs.asdict(self.kv_layout.to_spec())
 
     async def _undeploy_all(self) -> None:
+        """Drop this driver's replicas, then end its session on each of their workers, which
+        then lets go of the payload segments and mappings it kept for this driver (else it
+        would keep them until the session's lease ran out); and forget those workers here
+        (segments they still map are unlinked, our mappings of theirs dropped)."""
         proxies = [r.instance for p in self._placed for r in p.pool.replicas]
+        members: dict[str, Any] = {}
         for proxy in [*proxies, *self._retiring]:
             if proxy.alive:
+                members[proxy.member] = proxy.client
                 try:
                     await proxy.client.call("node.undeploy", [proxy.deployment,
                                                               proxy.replica], timeout=1.0)
                 except TransportError:
                     pass  # the worker drops replicas of drivers that are gone anyway
+        for member, client in members.items():
+            try:
+                ours = await client.call(
+                    "node.leave", Renew(self.session, self.mover.take_releases(member)),
+                    timeout=1.0, result_type=list[int])
+            except TransportError:
+                ours = []  # the worker ends the session when it stops being renewed
+            self.mover.release(member, ours)
+            self.mover.forget(member)
 
     # -- keeping replicas --------------------------------------------------------------------
 
