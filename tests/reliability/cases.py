@@ -48,6 +48,12 @@ CASES: dict[str, Case] = {
         "Processes", "KV store owners SIGKILLed: their arenas and lease tables left behind"),
     "proc.run_signalled": Case(
         "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
+    "proc.worker_killed_mid_run": Case(
+        "Processes", "the worker hosting a class node SIGKILLed in the middle of `omni run -c 4 "
+        "--cluster`, another worker up"),
+    "proc.no_worker_left": Case(
+        "Processes", "the only worker SIGKILLed in the middle of `omni run --cluster "
+        "--replace-timeout 2`: nowhere to place its replica again"),
     # Peers on the wire
     "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
     "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),
