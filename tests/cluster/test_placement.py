@@ -128,6 +128,10 @@ async def test_a_placement_that_does_not_fit_reserves_nothing():
 
 
 class Proxy:
+    """Stands for a `RemoteReplica`: a replica on a worker, which can die."""
+
+    omni_remote = True
+
     def __init__(self, member: str, alive: bool = True):
         self.member = member
         self.alive = alive
