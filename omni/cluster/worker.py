@@ -357,6 +357,7 @@ class Worker:
             raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
                               f"{head.deployment}")
         session = hosted.session
+        self._check_session(session)
         self.mover.release(session, head.released)
         feeds: list[int] = []
         try:
@@ -371,6 +372,7 @@ class Worker:
         finally:
             if not head.stream:
                 self._drop_inboxes(session, feeds)
+        self._check_session(session)  # it may have left while the call ran
         try:
             refs, frames = await pack_for(self.mover, result, peer=session,
                                           same_host=hosted.same_host)
@@ -378,6 +380,12 @@ class Worker:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
         return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
+
+    def _check_session(self, session: str) -> None:
+        """Refuse work for a driver whose session has ended: nothing may be leased to it any
+        more, since nobody would end that lease."""
+        if session not in self._sessions:
+            raise LookupError(f"the driver of this call has left worker '{self.name}'")
 
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
