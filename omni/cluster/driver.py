@@ -345,27 +345,16 @@ class ClusterLink:
             if replica.alive:
                 continue
             try:
+                assert self._roster is not None and self._clients is not None
                 proxy = await self._place_one(placed.node, placed.deployment, replica.index,
-                                              avoid=self._silent())
+                                              avoid=_silent(self._roster.members,
+                                                            self._clients.get))
             except (NodeError, TransportError) as exc:
                 log.debug("cannot replace %s yet: %s", replica.instance, exc)
                 continue
             log.info("replica %d of '%s' now on worker '%s'", replica.index,
                      placed.node.name, proxy.member)
             pool.replace(replica.index, proxy)
-
-    def _silent(self) -> set[str]:
-        """Workers this driver found silent that the head still lists at the same endpoint:
-        the head notices a loss a beat or so after a driver may, and a replacement placed
-        there would fail. A worker restarted under the same name has a new endpoint."""
-        assert self._clients is not None and self._roster is not None
-        silent = set()
-        for name, view in self._roster.members.items():
-            client = self._clients.get(name)
-            if client is not None and not client.peer_alive \
-                    and client.endpoint == endpoint_for(view.info):
-                silent.add(name)
-        return silent
 
     async def _rebalance(self, placed: _Placed, draining: trio.Nursery) -> None:
         """Move one replica off a worker crowded with `placed`'s replicas to a member that
@@ -451,6 +440,20 @@ def _crowded(replicas: Sequence[Replica], members: Collection[str]) -> Replica |
     if count < 2:
         return None
     return min((r for r in replicas if r.member == crowded), key=lambda r: (r.load, -r.index))
+
+
+def _silent(members: dict[str, Any], client_of: Any) -> set[str]:
+    """The members (name -> `MemberView`, as the head lists them) whose client here
+    (`client_of(name)`) found them silent at the endpoint the head still gives: the head
+    notices a loss a beat or so after a driver may, and a replacement placed there would fail.
+    A worker restarted under the same name has a new endpoint, so it is not avoided."""
+    silent = set()
+    for name, view in members.items():
+        client = client_of(name)
+        if client is not None and not client.peer_alive \
+                and client.endpoint == endpoint_for(view.info):
+            silent.add(name)
+    return silent
 
 
 def _check_travels(node: Any) -> None:
