@@ -299,8 +299,9 @@ class ClusterLink:
     async def _undeploy_all(self) -> None:
         """Drop this driver's replicas, then end its session on each of their workers, which
         then lets go of the payload segments and mappings it kept for this driver (else it
-        would keep them until the session's lease ran out); and forget those workers here
-        (segments they still map are unlinked, our mappings of theirs dropped)."""
+        would keep them until the session's lease ran out); and drop our mappings of their
+        segments. (Not `forget`: the mover is the process's, and another runtime here may be
+        calling the same workers.)"""
         proxies = [r.instance for p in self._placed for r in p.pool.replicas]
         members: dict[str, Any] = {}
         for proxy in [*proxies, *self._retiring]:
@@ -319,7 +320,7 @@ class ClusterLink:
             except TransportError:
                 ours = []  # the worker ends the session when it stops being renewed
             self.mover.release(member, ours)
-            self.mover.forget(member)
+            self.mover.unmap(member)
 
     # -- keeping replicas --------------------------------------------------------------------
 

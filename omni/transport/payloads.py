@@ -292,9 +292,19 @@ class PayloadMover:
                 del self._sending[transfer]
             for key in [k for k in self._receiving if k[0] == peer]:
                 del self._receiving[key]
-            for name in [n for n, (p, _) in self._maps.items() if p == peer]:
-                self._mapped_bytes -= len(self._maps.pop(name)[1])  # unmapped once arrays go
+            self._unmap(peer)
             self._trim()
+
+    def unmap(self, peer: str) -> None:
+        """Drop our mappings of `peer`'s segments (each is unmapped once the arrays made
+        from it are gone), leaving its leases and transfers as they are: for a process done
+        with `peer` while others here may still be using it."""
+        with self._lock:
+            self._unmap(peer)
+
+    def _unmap(self, peer: str) -> None:
+        for name in [n for n, (p, _) in self._maps.items() if p == peer]:
+            self._mapped_bytes -= len(self._maps.pop(name)[1])
 
     def shrink(self) -> int:
         """Unlink every free segment of the pool (leased ones stay); how many. For a process

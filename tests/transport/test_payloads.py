@@ -101,10 +101,12 @@ def test_a_forgotten_peer_leaves_nothing_leased_pooled_or_mapped_and_keeps_its_a
     producer.forget("consumer")  # the held segment is unlinked; the returned one is pooled
     assert producer.stats()["leased"] == 0 and len(segments(producer)) == 1
     assert (held == 3).all()  # still mapped, still its bytes
-    consumer.forget("producer")
+    consumer.unmap("producer")  # what a driver does with a worker's segments as it stops
     assert consumer.stats()["mapped_bytes"] == 0 and consumer._maps == {}
     _, again = send(producer, consumer, np.full(SHM_MIN, 5, np.uint8))  # reuses the free one
     assert producer.stats()["segments_created"] == 2 and (held == 3).all() and (again == 5).all()
+    consumer.forget("producer")  # forget drops the mappings too
+    assert consumer.stats()["mapped_bytes"] == 0 and consumer._maps == {}
 
 
 def test_shrink_unlinks_the_free_segments_of_the_pool_and_keeps_leased_ones(movers):
