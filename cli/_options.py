@@ -6,8 +6,10 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["ClusterOption", "DebugOption", "KvDeviceOption", "KvDiskOption", "KvHostOption",
-       "MetricsPortOption", "TokenFileOption"]
+from omni.graph.balance import REPLACE_TIMEOUT_S
+
+__all__ = ["REPLACE_TIMEOUT_S", "ClusterOption", "DebugOption", "KvDeviceOption", "KvDiskOption",
+           "KvHostOption", "MetricsPortOption", "ReplaceTimeoutOption", "TokenFileOption"]
 
 KvDeviceOption = Annotated[str | None, typer.Option(
     "--kv-device", metavar="SIZE", show_default=False,
@@ -26,6 +28,12 @@ ClusterOption = Annotated[str | None, typer.Option(
     "--cluster", metavar="ADDRESS", show_default=False,
     help="Run class nodes' replicas on the workers of the cluster whose head is at "
          "ADDRESS (omni cluster start); function nodes run here.")]
+
+ReplaceTimeoutOption = Annotated[float, typer.Option(
+    "--replace-timeout", metavar="SECONDS", min=0,
+    help="With --cluster: how long a request waits for a class node's replicas to be placed "
+         "again when the workers hosting them are gone (a call that was running there is "
+         "retried once on the replacement) before it fails.")]
 
 TokenFileOption = Annotated[str | None, typer.Option(
     "--token-file", metavar="PATH", show_default=False,

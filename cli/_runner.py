@@ -19,6 +19,7 @@ from cli._output import FLUSH_INTERVAL, Printer
 from cli._report import Outcome, Reporter
 from cli._signals import stopped_by_signals
 from omni import Graph, NodeError, Ref, Runtime
+from omni.graph.balance import REPLACE_TIMEOUT_S
 
 __all__ = ["run_batch"]
 
@@ -26,7 +27,8 @@ __all__ = ["run_batch"]
 async def run_batch(graph: Graph, requests: Iterable[dict[str, Any]], concurrency: int,
                     printer: Printer, reporter: Reporter, kv: Any = None,
                     cluster: str | None = None, token_file: str | None = None,
-                    metrics_port: int | None = None, blocking_input: bool = False) -> Outcome:
+                    replace_timeout: float = REPLACE_TIMEOUT_S, metrics_port: int | None = None,
+                    blocking_input: bool = False) -> Outcome:
     """Run `requests` (inputs, in order) on a fresh Runtime; return their latencies and failures.
 
     Raises:
@@ -36,7 +38,7 @@ async def run_batch(graph: Graph, requests: Iterable[dict[str, Any]], concurrenc
     outcome = Outcome()
     async with stopped_by_signals(), Runtime(
             graphs=[graph], kv=kv, cluster=cluster, token_file=token_file,
-            metrics_port=metrics_port) as rt:
+            replace_timeout=replace_timeout, metrics_port=metrics_port) as rt:
         if rt.metrics_address is not None:
             host, port = rt.metrics_address
             sys.stderr.write(f"metrics at http://{host}:{port}/metrics\n")

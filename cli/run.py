@@ -16,12 +16,14 @@ from cli._inputs import Requests
 from cli._kv import kv_config
 from cli._load import load_module, select_graph
 from cli._options import (
+    REPLACE_TIMEOUT_S,
     ClusterOption,
     DebugOption,
     KvDeviceOption,
     KvDiskOption,
     KvHostOption,
     MetricsPortOption,
+    ReplaceTimeoutOption,
     TokenFileOption,
 )
 from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
@@ -64,6 +66,7 @@ def run(
     kv_disk: KvDiskOption = None,
     cluster: ClusterOption = None,
     token_file: TokenFileOption = None,
+    replace_timeout: ReplaceTimeoutOption = REPLACE_TIMEOUT_S,
     metrics_port: MetricsPortOption = None,
     debug: DebugOption = False,
 ) -> None:
@@ -83,7 +86,8 @@ def run(
         printer = JsonPrinter(out) if as_json else HumanPrinter(graph, requests.numbered)
         outcome = _execute(graph, requests, concurrency or 1, printer, debug, kv,
                            {"cluster": cluster, "token_file": token_file,
-                            "metrics_port": metrics_port, "blocking_input": requests.blocking})
+                            "replace_timeout": replace_timeout, "metrics_port": metrics_port,
+                            "blocking_input": requests.blocking})
     if num_requests is not None or concurrency is not None:
         typer.echo(summary_line(outcome, concurrency or 1), err=True)
     if outcome.num_failed:

@@ -16,12 +16,14 @@ from cli._errors import CliError, Stopped, first_of, reporting
 from cli._kv import kv_config
 from cli._load import find_graphs, load_module, select_graph
 from cli._options import (
+    REPLACE_TIMEOUT_S,
     ClusterOption,
     DebugOption,
     KvDeviceOption,
     KvDiskOption,
     KvHostOption,
     MetricsPortOption,
+    ReplaceTimeoutOption,
     TokenFileOption,
 )
 from cli._signals import stopped_by_signals
@@ -82,6 +84,7 @@ def serve(
     kv_disk: KvDiskOption = None,
     cluster: ClusterOption = None,
     token_file: TokenFileOption = None,
+    replace_timeout: ReplaceTimeoutOption = REPLACE_TIMEOUT_S,
     metrics_port: MetricsPortOption = None,
     debug: DebugOption = False,
 ) -> None:
@@ -104,7 +107,7 @@ def serve(
                            max_body_bytes=max_body_mib * 1024 * 1024)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
         runtime = {"kv": kv, "cluster": cluster, "token_file": token_file, "metrics": True,
-                   "metrics_port": metrics_port}
+                   "metrics_port": metrics_port, "replace_timeout": replace_timeout}
         # the requests' output files live in a folder of this server's, gone when it exits
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
             files = _file_policy(allow_path or [], outputs)

@@ -11,6 +11,7 @@ from typing import Any
 
 from omni.graph import embed
 from omni.graph import runtime as graph_runtime
+from omni.graph.balance import REPLACE_TIMEOUT_S
 
 __all__ = ["AsyncioRuntime", "Runtime"]
 
@@ -29,17 +30,23 @@ class Runtime(graph_runtime.Runtime):
             ``~/.config/omni/cluster.token``).
         min_workers: with `cluster`, wait until that many workers are members before placing
             the first replica (at most 10 s), so that replicas spread over all of them.
+        replace_timeout: with `cluster`, how long (seconds) a request waits for a class
+            node's replicas to be placed again when the workers hosting all of them are gone
+            (a call in flight there is retried once on the replacement); past it, the request
+            fails with a `NodeError` whose cause (`NoLiveReplica`) names the node and the
+            timeout.
     """
 
     def __init__(self, *, cluster: str | None = None, token_file: str | None = None,
-                 min_workers: int = 0, kv: Any = None, **options: Any):
+                 min_workers: int = 0, replace_timeout: float = REPLACE_TIMEOUT_S,
+                 kv: Any = None, **options: Any):
         placement = None
         if cluster is not None:
             from omni.cluster.driver import ClusterLink
 
             placement = ClusterLink(cluster, token_file=token_file,
                                     kv_layout=getattr(kv, "layout", kv),
-                                    min_workers=min_workers)
+                                    min_workers=min_workers, replace_timeout=replace_timeout)
         super().__init__(kv=kv, placement=placement, **options)
 
 

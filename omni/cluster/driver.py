@@ -4,9 +4,13 @@ The driver runs the graph's scheduler and its function nodes itself; each class 
 are placed by the head on workers (by ``resources=`` and ``where=``) and built there. Calls go
 straight from the driver to the worker hosting the replica; the head is never on the path.
 
-It also keeps the replicas: a replica whose worker stops answering is marked dead at once (calls
-on it fail with `WorkerLost`, retried elsewhere for nodes with ``retries``), and a repair task
-places a replacement, on the same worker when it rejoins or on another with room. The head
+It also keeps the replicas: a replica whose worker stops answering is marked dead at once, and
+a repair task places a replacement, on the same worker when it rejoins or on another with room.
+Calls wait for it rather than fail: a call that finds every replica of its node dead waits up
+to `replace_timeout` seconds for one to be placed again (then fails with `NoLiveReplica`
+naming the node and the timeout), and a call in flight on the lost worker fails with
+`WorkerLost`, which the scheduler retries once on a live replica (a `ReplicaLost`; not a
+stream that had passed items on). The head
 spreads a node's replicas over the workers; when a worker joins (or rejoins) while another
 hosts two or more replicas of a node and it hosts none, the repair task moves one there: the
 new replica takes the old one's place in the pool, and the old one is undeployed once its calls
@@ -42,7 +46,7 @@ from omni.cluster.protocol import (
     endpoint_for,
 )
 from omni.cluster.remote import Deploy, RemoteReplica, Renew
-from omni.graph.balance import CallInfo, Pool, Replica
+from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
 from omni.transport._host import host_id
 from omni.transport.credentials import Credentials
@@ -134,16 +138,22 @@ class ClusterLink:
         wait_for_workers: seconds a deployment waits for workers to join before failing.
         min_workers: workers that must be members before the first replica is placed (within
             `wait_for_workers`), so that the first deployments spread over all of them.
+        replace_timeout: seconds a call waits for a replacement when every replica of its
+            node is on a worker that is gone, before it fails with `NoLiveReplica`.
 
     Raises:
-        ValueError: `min_workers` is negative.
+        ValueError: `min_workers` or `replace_timeout` is negative.
     """
 
     def __init__(self, address: str, *, token_file: str | os.PathLike[str] | None = None,
                  kv_layout: Any = None, wait_for_workers: float = 10.0, min_workers: int = 0,
+                 replace_timeout: float = REPLACE_TIMEOUT_S,
                  heartbeat_interval: float = HEARTBEAT_S):
         if min_workers < 0:
             raise ValueError(f"min_workers must be >= 0, got {min_workers!r}")
+        if not replace_timeout >= 0:  # NaN too
+            raise ValueError(f"replace_timeout must be >= 0 seconds, got {replace_timeout!r}")
+        self.replace_timeout = replace_timeout
         self.address = check_address(address)
         self.token_file = Path(token_file) if token_file is not None else default_token_path()
         self.kv_layout = kv_layout
@@ -211,7 +221,8 @@ class ClusterLink:
                     for i in range(node.options.replicas)]
         options = node.options
         pool = Pool(node.name, replicas, balancer=options.balance,
-                    concurrency=options.concurrency, max_queue=options.max_queue)
+                    concurrency=options.concurrency, max_queue=options.max_queue,
+                    replace_timeout=self.replace_timeout)
         keys = getattr(node.target, "kv_keys", None)
         if hasattr(pool.balancer, "bind"):
             keys_of = None if keys is None else functools.partial(_call_keys, keys)
@@ -286,14 +297,30 @@ class ClusterLink:
         return msgspec.structs.asdict(self.kv_layout.to_spec())
 
     async def _undeploy_all(self) -> None:
+        """Drop this driver's replicas, then end its session on each of their workers, which
+        then lets go of the payload segments and mappings it kept for this driver (else it
+        would keep them until the session's lease ran out); and drop our mappings of their
+        segments. (Not `forget`: the mover is the process's, and another runtime here may be
+        calling the same workers.)"""
         proxies = [r.instance for p in self._placed for r in p.pool.replicas]
+        members: dict[str, Any] = {}
         for proxy in [*proxies, *self._retiring]:
             if proxy.alive:
+                members[proxy.member] = proxy.client
                 try:
                     await proxy.client.call("node.undeploy", [proxy.deployment,
                                                               proxy.replica], timeout=1.0)
                 except TransportError:
                     pass  # the worker drops replicas of drivers that are gone anyway
+        for member, client in members.items():
+            try:
+                ours = await client.call(
+                    "node.leave", Renew(self.session, self.mover.take_releases(member)),
+                    timeout=1.0, result_type=list[int])
+            except TransportError:
+                ours = []  # the worker ends the session when it stops being renewed
+            self.mover.release(member, ours)
+            self.mover.unmap(member)
 
     # -- keeping replicas --------------------------------------------------------------------
 
@@ -311,17 +338,24 @@ class ClusterLink:
                     await self._rebalance(placed, draining)
 
     async def _replace_dead(self, placed: _Placed) -> None:
-        for replica in placed.pool.replicas:
+        """Place a replacement for each dead replica of `placed` (calls wait for them)."""
+        pool = placed.pool
+        if pool.stats().waiting_for_replica:
+            pool.wake()  # a replica whose worker answered again serves them without a move
+        for replica in pool.replicas:
             if replica.alive:
                 continue
             try:
-                proxy = await self._place_one(placed.node, placed.deployment, replica.index)
+                assert self._roster is not None and self._clients is not None
+                proxy = await self._place_one(placed.node, placed.deployment, replica.index,
+                                              avoid=_silent(self._roster.members,
+                                                            self._clients.get))
             except (NodeError, TransportError) as exc:
                 log.debug("cannot replace %s yet: %s", replica.instance, exc)
                 continue
             log.info("replica %d of '%s' now on worker '%s'", replica.index,
                      placed.node.name, proxy.member)
-            placed.pool.replace(replica.index, proxy)
+            pool.replace(replica.index, proxy)
 
     async def _rebalance(self, placed: _Placed, draining: trio.Nursery) -> None:
         """Move one replica off a worker crowded with `placed`'s replicas to a member that
@@ -407,6 +441,20 @@ def _crowded(replicas: Sequence[Replica], members: Collection[str]) -> Replica |
     if count < 2:
         return None
     return min((r for r in replicas if r.member == crowded), key=lambda r: (r.load, -r.index))
+
+
+def _silent(members: dict[str, Any], client_of: Any) -> set[str]:
+    """The members (name -> `MemberView`, as the head lists them) whose client here
+    (`client_of(name)`) found them silent at the endpoint the head still gives: the head
+    notices a loss a beat or so after a driver may, and a replacement placed there would fail.
+    A worker restarted under the same name has a new endpoint, so it is not avoided."""
+    silent = set()
+    for name, view in members.items():
+        client = client_of(name)
+        if client is not None and not client.peer_alive \
+                and client.endpoint == endpoint_for(view.info):
+            silent.add(name)
+    return silent
 
 
 def _check_travels(node: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omni.errors import OmniError
+from omni.graph.errors import ReplicaLost
 
 __all__ = ["ClusterError", "HeadUnreachable", "RemoteNodeError", "TokenRefused", "WorkerLost"]
 
@@ -19,8 +20,10 @@ class TokenRefused(ClusterError):
     """The head answered but refused this token's credentials."""
 
 
-class WorkerLost(ClusterError):
-    """The worker hosting a replica stopped answering while a call was on it."""
+class WorkerLost(ClusterError, ReplicaLost):
+    """The worker hosting a replica stopped answering while a call was on it, before its
+    result (or a stream's next items) came back. A `ReplicaLost`: the scheduler retries the
+    call once on a live replica unless a stream had already passed items on."""
 
     def __init__(self, member: str, detail: str):
         self.member = member

@@ -13,8 +13,9 @@ value; its head (`CallHead`, `ValueHead`, `StreamBatch`, `Feed`) carries the buf
 the shared-memory leases each side released since it last spoke, so segments are reused.
 
 When the worker stops answering heartbeats the replica is marked dead: the call fails with
-`WorkerLost` naming the worker (a node with ``retries`` is retried on another replica), and the
-pool places no more calls on it until the cluster runtime replaces it.
+`WorkerLost` naming the worker (a `ReplicaLost`: the scheduler retries it once on a live
+replica, unless a stream had passed items on), and the pool places no more calls on it until
+the cluster runtime replaces it (calls wait for that, see `omni.graph.balance.Pool`).
 """
 
 from __future__ import annotations

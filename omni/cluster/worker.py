@@ -2,7 +2,8 @@
 
 The worker serves RPC on its own port: ``node.deploy`` builds a replica (the class's code comes
 with the request, see `omni.cluster._code`), ``node.call`` runs one call, ``node.next`` pulls a
-streaming call's items, ``node.undeploy`` drops a replica. It registers with the head and beats
+streaming call's items, ``node.undeploy`` drops a replica, ``node.leave`` ends a driver's
+session. It registers with the head and beats
 with what it hosts (`omni.cluster.membership.HeadLink`), so the head can place replicas and show
 status, and it re-registers by itself when the head restarts.
 
@@ -13,6 +14,11 @@ recomputing (`omni.transport.kv_peers`).
 
 The event loop must keep answering heartbeats, so constructors and synchronous node bodies
 run in worker threads.
+
+A driver's session ends when it says so (``node.leave``, as it stops) or stops renewing for
+`SESSION_LEASE_S` (killed): its replicas are dropped, the payload segments it still held are
+unlinked and the worker's mappings of its segments dropped; once no session is left, the
+worker's payload pool is emptied too, so an idle worker holds no payload memory.
 """
 
 from __future__ import annotations
@@ -243,6 +249,7 @@ class Worker:
         server.register("node.close", self._close_stream, body_type=int)
         server.register("node.feed", self._feed, body_type=Feed, with_payload=True)
         server.register("node.renew", self._renew, body_type=Renew)
+        server.register("node.leave", self._leave, body_type=Renew)
         server.register("payload.push", self._push, body_type=Chunk, with_payload=True)
         server.register("payload.pull", self._pull, body_type=Chunk)
         server.register("worker.load", self._load_rpc, body_type=Any)
@@ -309,18 +316,38 @@ class Worker:
         self.mover.release(body.session, body.released)
         return self.mover.take_releases(body.session)
 
+    async def _leave(self, body: Renew) -> list[int]:
+        """A driver is done (it stops): end its session now rather than when its lease runs
+        out; the leases of its segments released here, as `_renew` answers."""
+        self.mover.release(body.session, body.released)
+        ours = self.mover.take_releases(body.session)
+        self._end_session(body.session, "its driver left")
+        return ours
+
     async def _reap_sessions(self) -> None:
         """Drop the replicas of drivers that are gone (killed before they could undeploy)."""
         while True:
             await trio.sleep(SESSION_LEASE_S / 4)
             cutoff = trio.current_time() - SESSION_LEASE_S
             for session in [s for s, at in self._sessions.items() if at < cutoff]:
-                del self._sessions[session]
-                self.mover.forget(session)
-                for hosted in self._hosted.values():
-                    if hosted.session == session:
-                        log.info("dropping %s: its driver stopped renewing", hosted.node)
-                        hosted.stop.set()
+                self._end_session(session, "its driver stopped renewing")
+
+    def _end_session(self, session: str, why: str) -> None:
+        """Forget a driver: its replicas, the payload segments it held, our mappings of its
+        segments; and the payload pool once no driver is left to reuse it."""
+        self._sessions.pop(session, None)
+        for hosted in self._hosted.values():
+            if hosted.session == session:
+                log.info("dropping %s: %s", hosted.node, why)
+                hosted.stop.set()
+        for stream_id in [i for i, s in self._streams.items() if s.session == session]:
+            stream = self._streams.pop(stream_id)
+            stream.scope.cancel()
+            stream.receive.close()
+        self._drop_inboxes(session, [feed for s, feed in self._inboxes if s == session])
+        self.mover.forget(session)
+        if not self._sessions:
+            self.mover.shrink()
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -330,6 +357,7 @@ class Worker:
             raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
                               f"{head.deployment}")
         session = hosted.session
+        self._check_session(session)
         self.mover.release(session, head.released)
         feeds: list[int] = []
         try:
@@ -344,6 +372,7 @@ class Worker:
         finally:
             if not head.stream:
                 self._drop_inboxes(session, feeds)
+        self._check_session(session)  # it may have left while the call ran
         try:
             refs, frames = await pack_for(self.mover, result, peer=session,
                                           same_host=hosted.same_host)
@@ -351,6 +380,12 @@ class Worker:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
         return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
+
+    def _check_session(self, session: str) -> None:
+        """Refuse work for a driver whose session has ended: nothing may be leased to it any
+        more, since nobody would end that lease."""
+        if session not in self._sessions:
+            raise LookupError(f"the driver of this call has left worker '{self.name}'")
 
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,

@@ -5,6 +5,10 @@ written twice. A node with ``retries=n`` gets up to n extra attempts after a fai
 its own ``timeout`` (a retry starts a fresh clock); ``NodeOptions.check`` allows retries only on
 idempotent nodes, since a retry runs the body again. Only an `Exception` is retried: a
 cancellation passes straight through. The error of the last attempt is raised.
+
+An attempt lost with the process that hosted its replica (`ReplicaLost`) gets one more attempt
+of its own, on top of ``retries`` and for every node: nothing of it came back, so the caller
+has seen nothing twice (see `ReplicaLost` for what that promises and what not).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from omni.graph.errors import ReplicaLost
+
 if TYPE_CHECKING:
     from omni.graph._node import NodeOptions
 
-__all__ = ["retrying", "with_timeout"]
+__all__ = ["LOST_RETRIES", "retrying", "with_timeout"]
 
 T = TypeVar("T")
+
+LOST_RETRIES = 1  # extra attempts of a call lost with its replica's process
 
 
 async def retrying(options: NodeOptions | None, attempt: Callable[[int], Awaitable[T]],
@@ -31,21 +39,29 @@ async def retrying(options: NodeOptions | None, attempt: Callable[[int], Awaitab
         options: the node's options (`retries`, `timeout`); None: one attempt, no timeout
             (a step that is not a node, such as a switch whose branches stream).
         attempt: one attempt; its number goes to the replica balancer (`CallInfo.attempt`).
-        may_retry: asked after a failed attempt that has retries left; False raises that
-            attempt's error at once (a stream that has already produced an item).
+        may_retry: asked after a failed attempt; False raises that attempt's error at once
+            (a stream that has already produced an item).
 
     Raises:
         Exception: the last attempt's error (`TimeoutError` when it ran out of time).
     """
     retries = options.retries if options is not None else 0
-    for number in range(retries + 1):
+    failures = lost = 0
+    number = 0
+    while True:
         try:
             async with with_timeout(options):
                 return await attempt(number)
-        except Exception:
-            if number == retries or (may_retry is not None and not may_retry()):
+        except Exception as exc:
+            if may_retry is not None and not may_retry():
                 raise
-    raise AssertionError("unreachable")  # pragma: no cover
+            if isinstance(exc, ReplicaLost) and lost < LOST_RETRIES:
+                lost += 1
+            else:
+                failures += 1
+                if failures > retries:
+                    raise
+        number += 1
 
 
 @asynccontextmanager

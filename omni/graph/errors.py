@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omni.errors import OmniError
 
-__all__ = ["GraphError", "InputError", "NodeError", "RouteError"]
+__all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError"]
 
 
 class GraphError(OmniError):
@@ -53,3 +53,15 @@ class RouteError(NodeError):
 
     def __init__(self, node: str, request_id: str, cause: BaseException):
         super().__init__(node, request_id, cause)
+
+
+class ReplicaLost(OmniError):
+    """The process hosting a replica went away while a call was on it, before the call's
+    result (or, for a stream, its first item) came back.
+
+    Raised by replicas that live in other processes (the cluster's `WorkerLost` is one).
+    Nothing of the call reached its consumers, and whatever it did inside the lost process
+    went with it, so the scheduler retries it once on a live replica, waiting for a
+    replacement if there is none yet (see `omni.graph.balance.Pool`), even for a node without
+    ``retries``. A stream that had passed items on is not retried: it fails with this error.
+    """

@@ -23,7 +23,7 @@ from omni.graph._plan import Plan, Step
 from omni.graph._retry import retrying
 from omni.graph.balance import CallInfo
 from omni.graph.context import CallContext, current
-from omni.graph.errors import NodeError, RouteError
+from omni.graph.errors import NodeError, ReplicaLost, RouteError
 
 __all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
 
@@ -195,8 +195,14 @@ async def _exec_stream(req: Request, step: Step) -> list[Any] | None:
             await _deliver(source, step, senders, collected, emit, produced)
 
     # retried only while nothing has been produced: consumers may already have seen an item
-    await retrying(step.node.options if step.node is not None else None, attempt,
-                   may_retry=lambda: not produced[0])
+    try:
+        await retrying(step.node.options if step.node is not None else None, attempt,
+                       may_retry=lambda: not produced[0])
+    except ReplicaLost as exc:
+        if not produced[0]:
+            raise
+        raise ReplicaLost(f"{exc}, after {produced[0]} item(s) of its stream had been passed "
+                          "on: not retried, a retry would produce them again") from exc
     for send in senders:
         send.close()
     return collected

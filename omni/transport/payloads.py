@@ -8,7 +8,9 @@ Handles travel, bytes move once, by locality:
   holds a *lease*: when the array (and every view or tensor made from it) is gone, the lease
   ends and the producer may reuse the segment. Leases go back in batches (`take_releases` on
   the consumer, `release` on the producer), riding on the calls and replies the two already
-  exchange; all leases of a peer that is gone are ended with `forget`.
+  exchange. A peer that is gone, or done (a driver that finished), is `forget`-ten: the
+  segments it still held are unlinked rather than reused (it may still map them: a driver that
+  stopped keeps the values it received), and the mappings of its segments are dropped.
 - **another host** (or ``OMNI_PAYLOAD_SHM=0``): a buffer of up to `CHUNK` bytes goes as a
   ZeroMQ payload frame after the body, zero-copy on both ends (the consumer's array views the
   frame). A larger one is a *transfer*: the ref names it, and its bytes follow in chunks of
@@ -19,9 +21,10 @@ Handles travel, bytes move once, by locality:
 
 Why a pool: a fresh segment costs a page fault and a page clear per 4 KiB on first write (here
 ~10x a memcpy), so segments up to `POOL_MAX` bytes are kept mapped and reused, and consumers
-keep their mappings of a producer's segments. Larger buffers get a segment of their own,
-written with pwrite (the producer never maps it, so its memory does not grow) and unlinked
-when the lease ends.
+keep their mappings of a producer's segments, until that producer is forgotten. Larger buffers
+get a segment of their own, written with pwrite (the producer never maps it, so its memory
+does not grow) and unlinked when the lease ends. `shrink` empties the pool (a worker does when
+its last driver has gone: nobody is left to reuse it).
 
 Settings (environment): ``OMNI_PAYLOAD_SHM`` (``0``: this process sends every buffer as frames,
 as between hosts; it still maps what others send it through shared memory),
@@ -119,7 +122,8 @@ class PayloadMover:
         self._lock = threading.Lock()
         self._segments: dict[str, _Segment] = {}  # ours, by name
         self._leased: dict[int, _Segment] = {}  # ours, by lease id
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()  # theirs, most recent last
+        # theirs, by segment name, most recent last: (the peer it came from, the mapping)
+        self._maps: OrderedDict[str, tuple[str, mmap.mmap]] = OrderedDict()
         self._mapped_bytes = 0
         self._released: dict[str, list[int]] = {}  # producer peer -> leases we ended
         self._transfers = itertools.count(1)
@@ -273,17 +277,43 @@ class PayloadMover:
             self._trim()
 
     def forget(self, peer: str) -> None:
-        """`peer` is gone: end every lease it held, and drop our mappings of its segments."""
+        """`peer` is gone or done: unlink the segments it still held a lease on (never reused:
+        it may still map them; its mappings stay valid and the memory goes with the last of
+        them), drop our mappings of its segments and its transfers.
+
+        Why unlink and not pool: a driver that finished may still hold arrays it received, and
+        a peer taken for dead may only have stalled; a segment reused under either would
+        change their bytes."""
         with self._lock:
             for lease in [k for k, s in self._leased.items() if s.peer == peer]:
-                segment = self._leased.pop(lease)
-                segment.lease, segment.peer = 0, ""
+                self._unlink(self._leased.pop(lease))
             self._released.pop(peer, None)
             for transfer in [t for t, (p, _) in self._sending.items() if p == peer]:
                 del self._sending[transfer]
             for key in [k for k in self._receiving if k[0] == peer]:
                 del self._receiving[key]
+            self._unmap(peer)
             self._trim()
+
+    def unmap(self, peer: str) -> None:
+        """Drop our mappings of `peer`'s segments (each is unmapped once the arrays made
+        from it are gone), leaving its leases and transfers as they are: for a process done
+        with `peer` while others here may still be using it."""
+        with self._lock:
+            self._unmap(peer)
+
+    def _unmap(self, peer: str) -> None:
+        for name in [n for n, (p, _) in self._maps.items() if p == peer]:
+            self._mapped_bytes -= len(self._maps.pop(name)[1])
+
+    def shrink(self) -> int:
+        """Unlink every free segment of the pool (leased ones stay); how many. For a process
+        whose peers are all gone: the pool only pays off while someone sends again."""
+        with self._lock:
+            free = [s for s in self._segments.values() if not s.lease]
+            for segment in free:
+                self._unlink(segment)
+        return len(free)
 
     def _trim(self) -> None:
         """Unlink free segments beyond the pool budget (one-off large ones always)."""
@@ -299,7 +329,10 @@ class PayloadMover:
     def _unlink(self, segment: _Segment) -> None:
         del self._segments[segment.name]
         if segment.mapping is not None:
-            segment.mapping.close()
+            try:
+                segment.mapping.close()
+            except BufferError:  # a copy into it is still running: unmapped when it ends
+                pass
         try:
             os.unlink(shm_directory() / segment.name)
         except FileNotFoundError:
@@ -341,7 +374,7 @@ class PayloadMover:
     def _unpack_shm(self, ref: BufferRef, peer: str) -> Any:
         import numpy
 
-        mapping = self._map(ref)
+        mapping = self._map(ref, peer)
         # The holder exports the mapped bytes: every array, view or tensor made from them keeps
         # it alive (NumPy collapses a view's base to the first non-array object), so the lease
         # ends exactly when the last of them goes.
@@ -349,14 +382,14 @@ class PayloadMover:
         weakref.finalize(holder, self._ended, peer, ref.lease)
         return numpy.frombuffer(holder, numpy.uint8)
 
-    def _map(self, ref: BufferRef) -> mmap.mmap:
+    def _map(self, ref: BufferRef, peer: str) -> mmap.mmap:
         if not ref.segment.startswith("omni-pay-") or "/" in ref.segment:
             raise WireError(f"not a payload segment: {ref.segment!r}")
         with self._lock:
-            mapping = self._maps.get(ref.segment)
-            if mapping is not None and len(mapping) >= ref.nbytes:
+            cached = self._maps.get(ref.segment)
+            if cached is not None and len(cached[1]) >= ref.nbytes:
                 self._maps.move_to_end(ref.segment)
-                return mapping
+                return cached[1]
         try:
             fd = os.open(shm_directory() / ref.segment, os.O_RDWR)
         except OSError as exc:
@@ -372,10 +405,13 @@ class PayloadMover:
             os.close(fd)
         if size <= POOL_MAX:
             with self._lock:
-                self._maps[ref.segment] = mapping
+                replaced = self._maps.pop(ref.segment, None)  # a smaller mapping of it
+                if replaced is not None:
+                    self._mapped_bytes -= len(replaced[1])
+                self._maps[ref.segment] = (peer, mapping)
                 self._mapped_bytes += size
                 while self._mapped_bytes > self.pool_bytes and len(self._maps) > 1:
-                    _, old = self._maps.popitem(last=False)  # unmapped once its arrays go
+                    _, (_, old) = self._maps.popitem(last=False)  # unmapped once arrays go
                     self._mapped_bytes -= len(old)
         return mapping
 

@@ -85,6 +85,15 @@ class SlowOnce:
         return await nap("SlowOnce", seconds)
 
 
+@omni.node(replicas=2, balance="least_loaded")
+class SlowWords:
+    """Streams one item, then naps: a worker killed now has passed an item on."""
+
+    async def __call__(self, seconds: float):
+        yield "first"
+        yield await nap("SlowWords", seconds)
+
+
 @omni.node
 class Fails:
     async def __call__(self, x: int) -> int:

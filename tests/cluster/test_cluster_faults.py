@@ -21,40 +21,61 @@ def started(cluster: Cluster) -> list[str]:
 
 
 async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> None:
+    """Calls in flight on a worker that is SIGKILLed are retried on the other one (once for
+    a node without ``retries``); a stream that had already passed an item on fails, naming
+    the worker; the worker rejoins and takes replicas back."""
     cluster.head()
     w1 = cluster.worker("w1")
     cluster.worker("w2")
     async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
-        for node in (p.SlowRetried(), p.SlowOnce()):
+        for node in (p.SlowRetried(), p.SlowOnce(), p.SlowWords()):
             await rt.deploy(node)
             assert {r.member for r in rt.pool_for(node).replicas} == {"w1", "w2"}
-        outcomes: dict[str, list] = {"retried": [], "once": []}
+        outcomes: dict[str, list] = {"retried": [], "once": [], "words": []}
+        firsts: list[str] = []
         failed_at: list[float] = []
 
         async def call(kind: str, node) -> None:
             try:  # the calls run until released (or CAP_S), so the kill lands mid-call
                 outcomes[kind].append(await rt.run(node, seconds=CAP_S))
             except omni.NodeError as exc:
-                failed_at.append(trio.current_time())
                 outcomes[kind].append(exc)
+
+        async def stream(node) -> None:
+            items = []
+            try:
+                async for _, item in rt.stream(node, seconds=CAP_S):
+                    items.append(item)
+                    firsts.append(item)
+                outcomes["words"].append(items)
+            except omni.NodeError as exc:
+                failed_at.append(trio.current_time())
+                outcomes["words"].append((items, exc))
 
         async with trio.open_nursery() as nursery:
             for kind, node in (("retried", p.SlowRetried()), ("once", p.SlowOnce())):
                 for _ in range(2):  # least_loaded: one call on each worker
                     nursery.start_soon(call, kind, node)
-            running = {"SlowRetried w1", "SlowRetried w2", "SlowOnce w1", "SlowOnce w2"}
-            await wait_until(lambda: running <= set(started(cluster)),
-                             "all four calls running, two on each worker")
+            for _ in range(2):
+                nursery.start_soon(stream, p.SlowWords())
+            running = {f"{node} {worker}" for node in ("SlowRetried", "SlowOnce", "SlowWords")
+                       for worker in ("w1", "w2")}
+            await wait_until(lambda: running <= set(started(cluster)) and len(firsts) == 2,
+                             "all six calls running, three on each worker, and both streams' "
+                             "first items here")
             w1.popen.kill()
             killed_at = trio.current_time()
             (cluster.folder / p.RELEASE).touch()  # w2's calls, and the retries there, return
 
-        # Retried calls finished on the survivor; the others failed naming the worker.
+        # Every call lost in flight finished on the survivor, with or without `retries`.
         assert outcomes["retried"] == ["w2", "w2"]
-        once = outcomes["once"]
-        assert "w2" in once
-        (error,) = [o for o in once if isinstance(o, omni.NodeError)]
-        assert error.node == "SlowOnce" and "worker 'w1' stopped answering" in str(error)
+        assert outcomes["once"] == ["w2", "w2"]
+        # The stream on w1 had passed an item on: it failed, naming the worker, not retried.
+        words = outcomes["words"]
+        assert ["first", "w2"] in words
+        ((items, error),) = [o for o in words if isinstance(o, tuple)]
+        assert items == ["first"] and error.node == "SlowWords"
+        assert "worker 'w1' stopped answering" in str(error) and "not retried" in str(error)
         assert failed_at[0] >= killed_at  # failed by the kill (how soon: tests/transport)
 
         # The head noticed too; the rest of the cluster keeps serving.

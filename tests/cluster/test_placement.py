@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from omni.cluster import ClusterError, Head, MemberInfo, MemberLoad, MemberView, PlaceRequest
-from omni.cluster.driver import _crowded
+from omni.cluster.driver import _crowded, _silent
 from omni.cluster.head import _Member, place
 from omni.cluster.protocol import Beat
 from omni.graph.balance import Replica
@@ -128,6 +128,10 @@ async def test_a_placement_that_does_not_fit_reserves_nothing():
 
 
 class Proxy:
+    """Stands for a `RemoteReplica`: a replica on a worker, which can die."""
+
+    omni_remote = True
+
     def __init__(self, member: str, alive: bool = True):
         self.member = member
         self.alive = alive
@@ -156,3 +160,18 @@ def test_nothing_moves_while_a_replica_is_dead():
     pool = replicas("w1", "w1")
     pool[0].instance.alive = False
     assert _crowded(pool, {"w1", "w2"}) is None
+
+
+class Client:
+    def __init__(self, endpoint: str, peer_alive: bool):
+        self.endpoint = endpoint
+        self.peer_alive = peer_alive
+
+
+def test_a_replacement_avoids_workers_found_silent_at_the_endpoint_the_head_still_lists():
+    members = {m.info.name: m for m in (member("w1"), member("w2"), member("w33"))}
+    clients = {"w1": Client(members["w1"].info.rpc, peer_alive=False),  # dead, head lags
+               "w2": Client(members["w2"].info.rpc, peer_alive=True),
+               "w33": Client("tcp://127.0.0.1:1", peer_alive=False)}  # restarted elsewhere
+    assert _silent(members, clients.get) == {"w1"}
+    assert _silent({}, clients.get) == set()

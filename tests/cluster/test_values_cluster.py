@@ -15,6 +15,7 @@ import trio
 import omni
 from omni._shm import shm_directory
 from omni.transport.payloads import payload_mover
+from tests._wait import wait_until
 from tests.cluster import value_nodes as v
 from tests.cluster.conftest import Cluster
 
@@ -94,6 +95,44 @@ async def test_a_worker_stopped_by_sigterm_leaves_no_payload_segment(cluster: Cl
         assert worker.wait(30) == 143  # 128 + SIGTERM, after a clean stop
         assert not [p for p in os.listdir(shm_directory()) if p.startswith(theirs)]
         assert kept.sum() == 1 << 20  # what arrived stays valid after its producer left
+
+
+def worker_payloads(pid: int) -> tuple[list[str], int]:
+    """Worker `pid`'s own payload segments, and the bytes of other processes' payload
+    segments it maps (from /proc: what the worker's memory holds, as `ps` would see it)."""
+    own = [p for p in os.listdir(shm_directory()) if p.startswith(f"omni-pay-{pid}-")]
+    mapped = 0
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "/omni-pay-" in fields[5] \
+                    and f"/omni-pay-{pid}-" not in fields[5]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mapped += end - start
+    return own, mapped
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/PID/maps")
+async def test_a_worker_lets_go_of_the_payloads_of_drivers_that_finished(cluster: Cluster
+                                                                          ) -> None:
+    """Each driver sends and gets back 1 MiB arrays through shared memory and keeps the last
+    result; once it has finished, the worker holds none of its segments and maps none of
+    the driver's (it used to keep one leased segment per finished driver, and its mappings
+    of their segments), and what the driver kept is still whole."""
+    cluster.head()
+    worker = cluster.worker("w1")
+    pid = worker.popen.pid
+    kept = []
+    for number in range(3):
+        async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+            for i in range(4):
+                back = await rt.run(v.Echo(), value=np.full(1 << 20, number * 4 + i, np.uint8))
+            own, mapped = worker_payloads(pid)
+            assert own and mapped >= 1 << 20  # in use while the driver runs
+        kept.append(back)
+        await wait_until(lambda: worker_payloads(pid) == ([], 0),
+                         f"worker to let go of driver {number}'s payloads")
+    assert [int(k[0]) for k in kept] == [3, 7, 11] and all((k == k[0]).all() for k in kept)
 
 
 @pytest.mark.gpu

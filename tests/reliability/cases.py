@@ -51,6 +51,12 @@ CASES: dict[str, Case] = {
     "proc.serve_drained": Case(
         "Processes", "SIGTERM to `omni serve` under traffic: requests finishing during the "
         "drain, streams outliving `--drain-timeout`, idle keep-alive connections"),
+    "proc.worker_killed_mid_run": Case(
+        "Processes", "the worker hosting a class node SIGKILLed in the middle of `omni run -c 4 "
+        "--cluster`, another worker up"),
+    "proc.no_worker_left": Case(
+        "Processes", "the only worker SIGKILLed in the middle of `omni run --cluster "
+        "--replace-timeout 2`: nowhere to place its replica again"),
     # Peers on the wire
     "peer.silent": Case("Wire", "a ZeroMQ peer that stops answering"),
     "peer.garbage": Case("Wire", "a ZeroMQ peer that replies garbage"),

@@ -86,6 +86,42 @@ def test_a_release_from_another_peer_or_an_unknown_lease_is_ignored(movers) -> N
     del back
 
 
+def test_a_forgotten_peer_leaves_nothing_leased_pooled_or_mapped_and_keeps_its_arrays(movers):
+    """What a worker does when a driver leaves (or stops renewing): the segments the driver
+    still held are unlinked, not pooled for another peer (the driver may still read them),
+    and the worker's mappings of the driver's segments go (the driver unlinked them)."""
+    producer, consumer = movers
+    _, held = send(producer, consumer, np.full(SHM_MIN, 3, np.uint8))  # the result it kept
+    _, args = send(producer, consumer, np.full(SHM_MIN, 4, np.uint8))
+    del args
+    gc.collect()
+    producer.release("consumer", consumer.take_releases("producer"))  # one returned, one held
+    assert producer.stats()["leased"] == 1 and len(segments(producer)) == 2
+    assert consumer.stats()["mapped_bytes"] == 2 * SHM_MIN
+    producer.forget("consumer")  # the held segment is unlinked; the returned one is pooled
+    assert producer.stats()["leased"] == 0 and len(segments(producer)) == 1
+    assert (held == 3).all()  # still mapped, still its bytes
+    consumer.unmap("producer")  # what a driver does with a worker's segments as it stops
+    assert consumer.stats()["mapped_bytes"] == 0 and consumer._maps == {}
+    _, again = send(producer, consumer, np.full(SHM_MIN, 5, np.uint8))  # reuses the free one
+    assert producer.stats()["segments_created"] == 2 and (held == 3).all() and (again == 5).all()
+    consumer.forget("producer")  # forget drops the mappings too
+    assert consumer.stats()["mapped_bytes"] == 0 and consumer._maps == {}
+
+
+def test_shrink_unlinks_the_free_segments_of_the_pool_and_keeps_leased_ones(movers):
+    producer, consumer = movers
+    _, kept = send(producer, consumer, np.ones(SHM_MIN, np.uint8))
+    _, done = send(producer, consumer, np.ones(2 * SHM_MIN, np.uint8))
+    del done
+    gc.collect()
+    producer.release("consumer", consumer.take_releases("producer"))
+    assert len(segments(producer)) == 2
+    assert producer.shrink() == 1
+    assert len(segments(producer)) == 1 and producer.stats()["leased"] == 1
+    assert (kept == 1).all()
+
+
 def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monkeypatch):
     producer, consumer = movers
     monkeypatch.setattr("omni.transport.payloads.POOL_MAX", SHM_MIN)
