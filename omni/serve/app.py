@@ -46,6 +46,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from omni.graph.balance import NoLiveReplica
 from omni.graph.dsl import Graph, Ref
 from omni.graph.errors import InputError, NodeError, RouteError
 from omni.graph.jsonable import to_jsonable
@@ -323,9 +324,14 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]
 
 def graph_error(exc: NodeError) -> ApiError:
     """A failed request as an API error: a node refusing its input (a ValueError, a switch
-    without the route) is the client's 400, anything else the server's 500."""
+    without the route) is the client's 400, a node with no live replica left (its workers
+    gone, none placed again within the replace timeout) a 503 to retry later, anything else
+    the server's 500."""
     cause = exc.cause
     text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    if isinstance(cause, NoLiveReplica):
+        return ApiError(503, f"node '{exc.node}' failed: {text}", code="no_live_replica",
+                        headers={"retry-after": "5"})
     client = isinstance(cause, ValueError) or isinstance(exc, RouteError)
     return ApiError(400 if client else 500, f"node '{exc.node}' failed: {text}",
                     code="node_failed")
