@@ -63,5 +63,10 @@ class ReplicaLost(OmniError):
     Nothing of the call reached its consumers, and whatever it did inside the lost process
     went with it, so the scheduler retries it once on a live replica, waiting for a
     replacement if there is none yet (see `omni.graph.balance.Pool`), even for a node without
-    ``retries``. A stream that had passed items on is not retried: it fails with this error.
+    ``retries``. A stream that had passed items on is not retried: it fails with this error,
+    `items_passed` saying how many (0 for a call lost before anything came back); the request
+    is then run again from the start where nothing of it reached its caller
+    (`omni.Runtime.run`).
     """
+
+    items_passed: int = 0

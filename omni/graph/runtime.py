@@ -17,7 +17,7 @@ from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
 from omni.graph.context import CallContext
 from omni.graph.dsl import Graph, Node, NodeClass
-from omni.graph.errors import NodeError
+from omni.graph.errors import NodeError, ReplicaLost
 from omni.graph.scheduler import run_plan
 
 __all__ = ["ResultStream", "Runtime", "RuntimeStats"]
@@ -209,12 +209,22 @@ class Runtime:
 
         Streaming outputs arrive as lists. Raises `InputError` for unknown or missing inputs,
         `NodeError` (or `RouteError`) when a node fails.
+
+        A request that failed because a worker went away while a node's stream on it had
+        passed items on (`ReplicaLost`, which the call itself may not retry) is run once more
+        from the start: nothing of it has reached the caller, who gets one answer. Its
+        function nodes then run twice (as a lost call's node does when it is retried).
         """
         plan, values, request_id = self._prepare(graph, inputs)
         try:
             if id(plan) not in self._deployed:
                 await self.deploy(graph)
-            result = await run_plan(plan, self, request_id, values)
+            try:
+                result = await run_plan(plan, self, request_id, values)
+            except NodeError as exc:
+                if not _rerunnable(exc, inputs):
+                    raise
+                result = await run_plan(plan, self, f"{request_id}-again", plan.bind(inputs))
         except BaseException:
             self._count(graph, "failed")
             raise
@@ -403,3 +413,12 @@ class ResultStream:
         # blocked on a send forever: cancel it. GC runs this in the trio thread.
         with contextlib.suppress(Exception):  # interpreter shutdown
             self._scope.cancel()
+
+
+def _rerunnable(exc: NodeError, inputs: dict[str, Any]) -> bool:
+    """Whether a request that failed with `exc` may run again: a node's stream was lost with
+    its replica after passing items on (a lost call was retried already), and no input is a
+    stream (one that was read cannot be read again)."""
+    cause = exc.cause
+    return isinstance(cause, ReplicaLost) and cause.items_passed > 0 and not any(
+        hasattr(v, "__aiter__") for v in inputs.values())

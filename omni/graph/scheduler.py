@@ -201,8 +201,10 @@ async def _exec_stream(req: Request, step: Step) -> list[Any] | None:
     except ReplicaLost as exc:
         if not produced[0]:
             raise
-        raise ReplicaLost(f"{exc}, after {produced[0]} item(s) of its stream had been passed "
-                          "on: not retried, a retry would produce them again") from exc
+        lost = ReplicaLost(f"{exc}, after {produced[0]} item(s) of its stream had been passed "
+                           "on: not retried, a retry would produce them again")
+        lost.items_passed = produced[0]
+        raise lost from exc
     for send in senders:
         send.close()
     return collected

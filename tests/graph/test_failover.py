@@ -302,3 +302,34 @@ async def test_a_stream_lost_before_its_first_item_is_retried_and_after_one_fail
     message = str(caught.value)
     assert "worker 'w2' stopped answering, after 1 item(s) of its stream had been passed on" \
         in message and "not retried" in message
+
+
+async def test_a_request_whose_stream_was_lost_mid_way_runs_again_once_for_run():
+    """`rt.run` hands nothing over before the end: a request whose node's stream was lost
+    after passing items on runs again from the start, and its caller gets one answer."""
+    lose = [True, False, True, True]  # per start of the stream: lost after its first item?
+    starts: list[bool] = []
+
+    @omni.node
+    class Words:
+        async def __call__(self, n: int) -> AsyncIterator[str]:
+            starts.append(lose[len(starts)])
+            yield "one"
+            if starts[-1]:
+                raise ReplicaLost(f"worker 'w{len(starts)}' stopped answering")
+            yield "two"
+
+    @omni.node
+    async def join(words: AsyncIterator[str]) -> str:
+        return " ".join([w async for w in words])
+
+    @omni.graph
+    def sentence(n: int):
+        return join(Words()(n))
+
+    async with omni.Runtime() as rt:
+        assert await rt.run(sentence, n=1) == "one two"
+        assert len(starts) == 2
+        with pytest.raises(omni.NodeError, match="worker 'w4' stopped answering, after 1"):
+            await rt.run(sentence, n=2)  # lost in its run again too: fails
+    assert len(starts) == 4
