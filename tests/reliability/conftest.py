@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from omni.kv.arena import Arena
+from tests.cluster.conftest import cluster  # noqa: F401  (the real cluster's fixture, shared)
 from tests.reliability.recorder import Recorder, default_path
 
 

@@ -7,25 +7,12 @@ timeout. The kill lands by condition (a call is held on the worker), never by ti
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 
 from tests._wait import CAP_S, wait_until_sync
 from tests.cluster.conftest import ROOT, Cluster
 from tests.reliability import failover_graph as g
 
 GRAPH = ROOT / "tests" / "reliability" / "failover_graph.py"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def notes(cluster: Cluster) -> list[tuple[str, int, str]]:
