@@ -75,6 +75,10 @@ def serve(
         "--max-media-mib", metavar="MIB", min=1,
         help="Answer 400 to a message's image or audio clip larger than this.")
     ] = MEDIA.max_item_bytes >> 20,
+    system_prompt: Annotated[str | None, typer.Option(
+        "--system-prompt", metavar="TEXT", show_default=False,
+        help="The system message of a /v1/chat/completions conversation that has none "
+             "(default: none; a checkpoint's chat template may add its own).")] = None,
     allow_path: Annotated[list[str] | None, typer.Option(
         "--allow-path", metavar="DIR", show_default=False,
         help="Let clients name input files (a graph's omni.InputFile inputs) under DIR; "
@@ -111,10 +115,11 @@ def serve(
         # the requests' output files live in a folder of this server's, gone when it exits
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
             files = _file_policy(allow_path or [], outputs)
+            app = {"files": files, "system_prompt": system_prompt, "media": MediaPolicy(
+                allow_remote_media, max_image_pixels, max_media_mib << 20)}
             try:
-                media = MediaPolicy(allow_remote_media, max_image_pixels, max_media_mib << 20)
                 trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
-                                           drain_timeout, media, files))
+                                           drain_timeout, app))
             except Stopped as exc:
                 sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                                  f"{_drained(state, drain_timeout)}\n")
@@ -178,8 +183,9 @@ def _drained(state: GuardState, timeout: float) -> str:
 
 
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
-                 host: str, port: int, drain_timeout: float,
-                 media: MediaPolicy | None = None, files: FilePolicy | None = None) -> None:
+                 host: str, port: int, drain_timeout: float, app: dict[str, Any]) -> None:
+    """Serve until a signal; `runtime` holds `omni.Runtime`'s options, `app` `serve`'s
+    (the media and file policies, the system prompt)."""
     stop = trio.Event()
     names = ", ".join(graphs)
 
@@ -191,8 +197,7 @@ async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str,
         async with stopped_by_signals(stop.set), Runtime(
                 graphs=list(graphs.values()), **runtime) as rt:
             await serve_app(rt, graphs, stop, host=host, port=port, state=state,
-                            drain_timeout=drain_timeout, on_ready=ready,
-                            media=media, files=files)
+                            drain_timeout=drain_timeout, on_ready=ready, **app)
     except (OSError, BaseExceptionGroup) as exc:
         error = first_of(exc, OSError)
         if error is None:

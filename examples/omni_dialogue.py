@@ -76,7 +76,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -238,6 +238,8 @@ def look(image: str) -> Prompt:
 class _Session:
     exchanges: list[tuple[list, int]]  # (segments of a message and its reply, their tokens)
     turns: int = 0
+    # with a chat template: the conversation as the template takes it, a dict per message
+    messages: list[dict[str, str]] = field(default_factory=list)
 
 
 @omni.node
@@ -252,14 +254,24 @@ class Dialogue:
         self.max_sessions = max_sessions
         self.sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
         self.system = Text(self.tokenizer.encode(SYSTEM))
+        self.templated = has_chat_template(self.engine)
 
     async def __call__(self, turn: Turn, heard: Prompt, seen: Prompt) -> AsyncIterator[Event]:
         self.engine.check_length(Prompt(turn.text))  # a text too long: refused untokenized
         session = self._session((turn.salt, turn.session))
-        message = self._message(turn.text, heard + seen, first=not session.turns)
-        trimmed = self._fit(session, message, turn.max_tokens)
-        prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
-                         *message])
+        if self.templated:
+            if (heard + seen).segments:
+                raise ValueError(f"{self.engine.model_id} is a text model: its chat template "
+                                 "takes no audio or image")
+            message: list = []
+            session.messages.append({"role": "user", "content": turn.text})
+            trimmed, ids = await self._fit_template(session, turn.max_tokens)
+            prompt = Prompt(Text(ids))
+        else:
+            message = self._message(turn.text, heard + seen, first=not session.turns)
+            trimmed = self._fit(session, message, turn.max_tokens)
+            prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
+                             *message])
         tokens = self.engine.prepare(prompt)
         before = self._kv_counters()
         number = session.turns + 1
@@ -281,8 +293,13 @@ class Dialogue:
                           trimmed)
         # The reply goes into the history as the generated ids, not as re-tokenized text:
         # the next turn's prompt then has exactly the tokens whose pages were just stored.
+        # (With a chat template the history is text the template renders anew each turn:
+        # the pages are reused up to where the reply's ids and its re-rendering differ.)
         exchange = [*message, Text(reply)] if reply else message
         session.exchanges.append((exchange, _count(exchange)))
+        if self.templated:
+            session.messages.append({"role": "assistant", "content": self.tokenizer.decode(
+                reply)})
         session.turns = number
         eos = set(self.tokenizer.eos_token_ids) or set(self.engine.config.eos_token_ids)
         reason = "stop" if reply and reply[-1] in eos else "length"
@@ -318,6 +335,21 @@ class Dialogue:
             trimmed += 1
         return trimmed
 
+
+    async def _fit_template(self, session: _Session, max_tokens: int) -> tuple[int, list[int]]:
+        """Drop the session's oldest exchanges until its rendered conversation and the reply
+        fit the context; how many, and the prompt's ids (rendered in a worker thread)."""
+        limit, trimmed = self.engine.config.max_position_embeddings, 0
+        while True:
+            ids = await trio.to_thread.run_sync(self.engine.chat_prompt, session.messages)
+            if len(ids) + max_tokens <= limit or len(session.messages) <= 1:
+                break
+            del session.messages[:2]  # the oldest user message and its reply
+            trimmed += 1
+        if len(ids) + max_tokens > limit:
+            raise ValueError(f"the message ({len(ids)} tokens) and max_tokens={max_tokens} "
+                             f"do not fit the model's context of {limit} tokens")
+        return trimmed, ids
 
     def _kv_counters(self) -> dict[str, int]:
         if self.store is None:
@@ -444,21 +476,22 @@ class Chat:
     def __init__(self, model: str = MODEL, seed: int = 0):
         self.engine = _engine(model, seed)
         self.tokenizer = self.engine.tokenizer
+        self.templated = has_chat_template(self.engine)
 
     async def __call__(self, request: ChatRequest) -> AsyncIterator[Event]:
-        # text stays text: the engine refuses one too long for its context from its length
-        # and tokenizes a long one in a worker thread
-        prompt = Prompt(self._render(request.messages))
-        if request.params.n > 1:  # one prefill, n rows: the whole replies at the end
-            result = await self.engine.generate(prompt, request.params,
+        prompt, size = await self._prompt(request.messages)
+        # the client's sampling over the checkpoint's generation_config.json defaults
+        params = request.params_over(self.engine.default_params(size))
+        if params.n > 1:  # one prefill, n rows: the whole replies at the end
+            result = await self.engine.generate(prompt, params,
                                                 cache_salt=request.cache_salt)
             yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0, speak=False)
             for i, sample in enumerate(result.samples):
                 yield Finished(sample.text or "", tuple(sample.token_ids),
                                sample.finish_reason, {}, index=i)
             return
-        stream = self.engine.stream(prompt, request.params, cache_salt=request.cache_salt)
-        deltas, started = _Deltas(self.tokenizer, request.params.stop), False
+        stream = self.engine.stream(prompt, params, cache_salt=request.cache_salt)
+        deltas, started = _Deltas(self.tokenizer, params.stop), False
         async with contextlib.aclosing(stream):
             async for token_id in stream:
                 if not started:
@@ -471,6 +504,22 @@ class Chat:
             yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0,
                           speak=request.audio)
         yield Finished(result.text or "", tuple(result.token_ids), result.finish_reason, {})
+
+    async def _prompt(self, messages: tuple[ChatMessage, ...]) -> tuple[Prompt, int]:
+        """The conversation as the model's prompt, and its tokens when known (0 otherwise).
+
+        With the checkpoint's chat template: rendered and tokenized as transformers'
+        `apply_chat_template(add_generation_prompt=True)` does, in a worker thread, after
+        its length alone was checked against the context. Else (the built-in tiny model) the
+        transcript `Dialogue` writes; text stays text there, so the engine refuses a prompt
+        too long for its context from its length and tokenizes a long one off the loop."""
+        if not self.templated:
+            return Prompt(self._render(messages)), 0
+        turns = [{"role": m.role, "content": _text_of(m, self.engine.model_id)}
+                 for m in messages]
+        self.engine.check_length(Prompt([Text(t["content"]) for t in turns]))
+        ids = await trio.to_thread.run_sync(self.engine.chat_prompt, turns)
+        return Prompt(Text(ids)), len(ids)
 
     def _render(self, messages: tuple[ChatMessage, ...]) -> list:
         """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them (each
@@ -488,6 +537,21 @@ class Chat:
         if messages[-1].role != "assistant":
             segments.append(Text("\nAssistant:"))
         return segments
+
+
+def has_chat_template(engine: TorchEngine) -> bool:
+    """Whether `engine`'s checkpoint brings a chat template (the built-in tiny model has
+    none: it gets this file's own transcript)."""
+    return getattr(engine.tokenizer, "chat_template", None) is not None
+
+
+def _text_of(message: ChatMessage, model: str) -> str:
+    """A message's text, for a chat template (ValueError for media: a text model's template
+    takes none)."""
+    if any(not isinstance(part, str) for part in message.parts):
+        raise ValueError(f"{model} is a text model: its chat template takes no image or "
+                         "audio")
+    return "".join(message.parts)
 
 
 def _segment(part: object) -> object:

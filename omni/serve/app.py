@@ -70,7 +70,7 @@ PARSE_IN_THREAD_BYTES = 1 << 20
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
               *, metrics_app: Any = None, media: MediaPolicy | None = None,
-              files: FilePolicy | None = None) -> Any:
+              files: FilePolicy | None = None, system_prompt: str | None = None) -> Any:
     """The ASGI app serving `graphs` (by name) on a started `runtime`.
 
     Args:
@@ -84,6 +84,8 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
             URLs only, the default limits.
         files: the policy for graphs' file inputs (`FilePolicy`); default: clients name no
             input file, output files go to the system's temporary folder.
+        system_prompt: the system message the chat endpoint puts first in a conversation
+            without one (None: none).
 
     Raises:
         ValueError: a graph with output files and an output named like the answer's
@@ -137,7 +139,7 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
 
     from omni.serve.openai import add_openai_routes  # imported here: it uses this module
 
-    add_openai_routes(app, runtime, graphs, media=media)
+    add_openai_routes(app, runtime, graphs, media=media, system_prompt=system_prompt)
 
     @app.post("/v1/graphs/{name}", include_in_schema=False)
     async def unknown_graph(name: str) -> Response:

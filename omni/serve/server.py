@@ -34,7 +34,8 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
                 host: str = "127.0.0.1", port: int = 8000, state: GuardState | None = None,
                 drain_timeout: float = DRAIN_TIMEOUT_S, metrics_app: Any = None,
                 on_ready: Callable[[str], None] | None = None,
-                media: MediaPolicy | None = None, files: FilePolicy | None = None) -> None:
+                media: MediaPolicy | None = None, files: FilePolicy | None = None,
+                system_prompt: str | None = None) -> None:
     """Serve `graphs` on `runtime` at ``http://host:port`` until `stop` is set, then drain.
 
     Args:
@@ -44,13 +45,14 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
         drain_timeout: seconds in-flight requests get to finish once `stop` is set.
         media: what the OpenAI chat endpoint takes of a message's media (`MediaPolicy`).
         files: the policy for graphs' file inputs (see `FilePolicy`).
+        system_prompt: the chat endpoint's system message for conversations without one.
 
     Raises:
         OSError: the address cannot be bound (in use, not this machine's).
     """
     state = state or GuardState()
     app = build_app(runtime, graphs, state, metrics_app=metrics_app,
-                    media=media, files=files)
+                    media=media, files=files, system_prompt=system_prompt)
     async with http_server(app, _config(host, port)) as server:
         if on_ready is not None:
             on_ready(server.urls[0])

@@ -30,15 +30,17 @@ __all__ = ["chat_route"]
 
 
 def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], Any],
-               media: MediaPolicy) -> Callable[[Request], Awaitable[Response]]:
+               media: MediaPolicy, system_prompt: str | None = None
+               ) -> Callable[[Request], Awaitable[Response]]:
     """The route's handler; `find(model)` is the chat graph serving `model` (or `ApiError`
-    404); messages' media are taken under `media`."""
+    404); messages' media are taken under `media`; `system_prompt` (the operator's) goes
+    first into a conversation without a system message."""
 
     async def chat_completions(request: Request) -> Response:
         body = validated(ChatCompletionRequest, await json_body(request),
                          "chat completions")
         graph = find(body.model)
-        chat = await chat_request(body, media, tenant_of(request))
+        chat = await chat_request(body, media, tenant_of(request), system_prompt)
         reply = _Reply(body.model, chat.audio, body.audio.format if body.audio else "wav")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -12,7 +12,7 @@ from omni.serve.openai._chat_models import ChatCompletionRequest, Message
 from omni.serve.openai._declare import ChatMessage, ChatRequest
 from omni.serve.openai._media import MediaPolicy, decode_audio, decode_image
 
-__all__ = ["DEFAULT_MAX_TOKENS", "chat_request", "sampling_params"]
+__all__ = ["DEFAULT_MAX_TOKENS", "chat_request", "given_sampling", "sampling_params"]
 
 DEFAULT_MAX_TOKENS = 128
 # SamplingParams' names as the request spells them, for errors that name the field.
@@ -23,9 +23,10 @@ _SAMPLING = ("temperature", "top_p", "n", "stop", "frequency_penalty", "presence
 
 
 async def chat_request(body: ChatCompletionRequest, media: MediaPolicy,
-                       tenant: str = "") -> ChatRequest:
+                       tenant: str = "", system_prompt: str | None = None) -> ChatRequest:
     """The graph's input for a checked body of `tenant`, its media decoded under `media` (in
-    worker threads), its cache salt the tenant's and the body's; `ApiError` 400 for values
+    worker threads), its cache salt the tenant's and the body's, `system_prompt` (the
+    operator's) first when the conversation has no system message; `ApiError` 400 for values
     out of range."""
     audio = "audio" in (body.modalities or ["text"])
     if audio and body.audio is None:
@@ -36,24 +37,36 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy,
                        param="n")
     messages = tuple([await _message(m, f"messages.{i}", media)
                       for i, m in enumerate(body.messages)])
+    if system_prompt and not any(m.role == "system" for m in messages):
+        messages = (ChatMessage("system", (system_prompt,)), *messages)
     return ChatRequest(body.model, messages, sampling_params(body), audio,
-                       cache_salt(tenant, body.cache_salt or ""))
+                       cache_salt(tenant, body.cache_salt or ""), given_sampling(body))
 
 
-def sampling_params(body: ChatCompletionRequest) -> Any:
-    """The request's `SamplingParams`; `ApiError` 400 naming the field out of range."""
-    from omni.compute.sampling_params import SamplingParams
-
+def given_sampling(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The `SamplingParams` fields the request sets itself (what a graph lays over its
+    model's own defaults, `ChatRequest.params_over`)."""
     fields: dict[str, Any] = {k: getattr(body, k) for k in _SAMPLING
                               if getattr(body, k) is not None}
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else (
         body.max_tokens)
-    fields["max_new_tokens"] = DEFAULT_MAX_TOKENS if limit is None else limit
+    if limit is not None:
+        fields["max_new_tokens"] = limit
     if body.seed is not None:
         fields["sampling_seed"] = body.seed
     grammar = _json_schema(body)
     if grammar is not None:
         fields["json_schema"] = grammar
+    return fields
+
+
+def sampling_params(body: ChatCompletionRequest) -> Any:
+    """The request's `SamplingParams` (its fields over SGLang's defaults, at most
+    `DEFAULT_MAX_TOKENS` new tokens unless it says); `ApiError` 400 naming the field out of
+    range."""
+    from omni.compute.sampling_params import SamplingParams
+
+    fields = {"max_new_tokens": DEFAULT_MAX_TOKENS, **given_sampling(body)}
     try:
         return SamplingParams(**fields)
     except ValueError as exc:

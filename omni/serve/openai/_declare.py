@@ -103,6 +103,16 @@ class ChatRequest:
     # what the graph salts its cache with (`TorchEngine.generate(..., cache_salt=)`): the
     # server's, per tenant (API key) and the request's own cache_salt
     cache_salt: str = ""
+    # the SamplingParams fields the client set itself (`params` lays them over SGLang's
+    # defaults; `params_over` over the model's own)
+    sampling: Any = None
+
+    def params_over(self, defaults: Any) -> Any:
+        """The request's sampling laid over `defaults` (a model's `SamplingParams`, e.g. its
+        generation_config.json's): what the client set wins, the rest is the model's."""
+        import dataclasses
+
+        return dataclasses.replace(defaults, **(self.sampling or {}))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ __all__ = ["add_openai_routes"]
 
 
 def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
-                      media: MediaPolicy | None = None) -> None:
+                      media: MediaPolicy | None = None,
+                      system_prompt: str | None = None) -> None:
     """Add ``POST /v1/chat/completions`` when a graph of `graphs` is marked
     `chat_completions`, ``POST /v1/images/generations`` when one is marked
     `image_generations`; the `model` of a request is the graph's name in `graphs`.
@@ -24,6 +25,8 @@ def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
     Args:
         media: what a message's images and audio may be (`MediaPolicy`: remote URLs,
             pixels, bytes); default: data URLs only, the default limits.
+        system_prompt: the system message of a conversation that has none (None: none is
+            added; a chat template may add its own, as transformers renders it).
     """
     chat = _marked(graphs, CHAT_COMPLETIONS)
     if chat:
@@ -33,7 +36,8 @@ def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
             return chat[model]
 
         app.add_api_route("/v1/chat/completions", chat_route(
-            runtime, chat, find_chat, media or MediaPolicy()), methods=["POST"],
+            runtime, chat, find_chat, media or MediaPolicy(), system_prompt),
+            methods=["POST"],
             summary="OpenAI chat completions (JSON, or SSE with stream: true)",
             response_model=None, openapi_extra=_body_schema(ChatCompletionRequest))
     images = _marked(graphs, IMAGE_GENERATIONS)
