@@ -29,7 +29,8 @@ from omni.compute.models import load_pretrained
 from omni.compute.sampling import SamplingParams
 from omni.kv import KVStore, TierConfig
 from perf._common import Samples, gc_frozen
-from perf.decode import left_padded, ours_generate
+from perf.decode import Params as DecodeParams
+from perf.decode import hf_generate, measure_case, ours_generate
 
 __all__ = ["QWEN3_0_6B", "engine_figures"]
 
@@ -63,60 +64,27 @@ def load_hf(path: Path, dtype: torch.dtype) -> Any:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
 
 
-def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    ids, mask = left_padded(prompts)
-    with torch.inference_mode():
-        out = hf.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=False,
-                          max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD_ID)
-    return out[:, ids.shape[1]:].tolist()
-
-
 def _prompts(generator: torch.Generator, lengths: list[int]) -> list[list[int]]:
     vocab = QWEN3_0_6B["vocab_size"]
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-async def _seconds(fn: Any) -> float:
-    """Seconds one call of `fn` takes, after a garbage collection (inside `gc_frozen`, one
-    that scans only what the measurements made)."""
-    gc.collect()
-    start = time.perf_counter()
-    await fn()
-    return time.perf_counter() - start
-
-
 async def decode(engine: TorchEngine, hf: Any, batch: int, new_tokens: int, repeats: int,
                  generator: torch.Generator) -> dict[str, Any]:
+    """perf/decode.py's case (rounds in alternating order, inside `gc_frozen`) on the GPU,
+    with each side's GPU operations per decoded token."""
     prompts = _prompts(generator, [64 - 4 * i for i in range(batch)])
+    case = await measure_case(engine, hf, prompts,
+                              DecodeParams(repeats=repeats, new_tokens=new_tokens))
+    del case["pass"]  # the claim is gpu_check's (`claims.decode`), not a second one here
+    case["gpu_ops_per_token"] = {
+        "ours": await _kernels_per_token(lambda n: ours_generate(engine, prompts, n)),
+        "transformers": await _kernels_per_token(lambda n: _async(hf_generate, hf, prompts, n))}
+    return case
 
-    async def theirs(n: int) -> list[list[int]]:
-        return hf_generate(hf, prompts, n)
 
-    calls = {"ours_n": lambda: ours_generate(engine, prompts, new_tokens),
-             "ours_1": lambda: ours_generate(engine, prompts, 1),
-             "hf_n": lambda: theirs(new_tokens), "hf_1": lambda: theirs(1)}
-    ours_tokens, hf_tokens = await calls["ours_n"](), await calls["hf_n"]()  # warm-ups
-    await calls["ours_1"]()
-    await calls["hf_1"]()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    with gc_frozen():  # a full collection with transformers imported takes ~0.25 s
-        for r in range(repeats):
-            for key in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-                times[key].append(await _seconds(calls[key]))
-
-    def rate(side: str) -> Samples:
-        return Samples(tuple(batch * (new_tokens - 1) / (tn - t1) for tn, t1 in zip(
-            times[f"{side}_n"], times[f"{side}_1"], strict=True)))
-
-    ours, theirs_rate = rate("ours"), rate("hf")
-    kernels = {"ours": await _kernels_per_token(lambda n: ours_generate(engine, prompts, n)),
-               "transformers": await _kernels_per_token(theirs)}
-    return {"batch": batch, "new_tokens": new_tokens, "gpu_ops_per_token": kernels,
-            "decode_tokens_per_s": {"ours": ours.to_json(1),
-                                    "transformers": theirs_rate.to_json(1)},
-            "ratio": round(ours.median / theirs_rate.median, 3),
-            "bf16_tokens_equal": ours_tokens == hf_tokens,
-            "bf16_first_difference": _first_difference(ours_tokens, hf_tokens)}
+async def _async(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 async def _gpu_ops(call: Any) -> int:

@@ -129,10 +129,11 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """transformers' greedy generation of every prompt in one padded batch."""
+    """transformers' greedy generation of every prompt in one padded batch, on the model's
+    device."""
     ids, mask = left_padded(prompts)
-    out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                      eos_token_id=None, pad_token_id=PAD_ID)
+    out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), do_sample=False,
+                      max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD_ID)
     return out[:, ids.shape[1]:].tolist()
 
 

@@ -152,6 +152,10 @@ class TorchEngine(ChatMixin):
         `Tokenizer.max_token_chars` bounds how much text a token covers."""
         prompt = as_prompt(prompt)
         self.check_length(prompt)
+        return self._tokenize(prompt)
+
+    def _tokenize(self, prompt: Prompt) -> PromptTokens:
+        """`prepare` once the prompt's length was checked."""
         tokens = tokenize(prompt, self.tokenizer.encode if self.tokenizer else None)
         if not tokens.token_ids:
             raise ValueError("the prompt is empty")
@@ -262,9 +266,9 @@ class TorchEngine(ChatMixin):
                      cache_salt: str = "") -> _Request:
         prompt = as_prompt(prompt)
         if self.check_length(prompt) > TOKENIZE_IN_THREAD_CHARS:
-            tokens = await trio.to_thread.run_sync(self.prepare, prompt)
+            tokens = await trio.to_thread.run_sync(self._tokenize, prompt)
         else:
-            tokens = self.prepare(prompt)
+            tokens = self._tokenize(prompt)
         params = params if params is not None else self.default_params(len(tokens))
         if params.n > self.max_batch:
             raise ValueError(f"n={params.n} samples need {params.n} batch rows; this engine "

@@ -107,20 +107,24 @@ class Guard:
         if scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, response.send)
             return
-        refusal = self._refusal(scope)
+        headers = dict(scope["headers"])
+        tenant = _tenant(headers, self.state.api_keys) if self.state.api_keys else ""
+        refusal = self._refusal(scope, headers, tenant)
         if refusal is not None:
             await _refuse(response.send, refusal)
             return
-        scope.setdefault("state", {})[TENANT_STATE] = _tenant(dict(scope["headers"]),
-                                                              self.state.api_keys) or ""
+        scope.setdefault("state", {})[TENANT_STATE] = tenant
         if scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, response.send)
             return
         await self._call_counted(scope, receive, response)
 
-    def _refusal(self, scope: Scope) -> _Refusal | None:
-        state, headers = self.state, dict(scope["headers"])
-        if state.api_keys and _tenant(headers, state.api_keys) is None:
+    def _refusal(self, scope: Scope, headers: dict[bytes, bytes],
+                 tenant: str | None) -> _Refusal | None:
+        """Why the request is refused, or None; `tenant` is its key's (None: no key that
+        the server takes)."""
+        state = self.state
+        if tenant is None:
             return _Refusal(401, "Incorrect or missing API key: send 'Authorization: Bearer "
                                  "KEY'.")
         if state.draining:

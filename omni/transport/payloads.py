@@ -35,6 +35,7 @@ default ``1GiB``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -329,10 +330,9 @@ class PayloadMover:
     def _unlink(self, segment: _Segment) -> None:
         del self._segments[segment.name]
         if segment.mapping is not None:
-            try:
+            # a copy into it still running (BufferError): unmapped when that ends
+            with contextlib.suppress(BufferError):
                 segment.mapping.close()
-            except BufferError:  # a copy into it is still running: unmapped when it ends
-                pass
         try:
             os.unlink(shm_directory() / segment.name)
         except FileNotFoundError:

@@ -112,7 +112,6 @@ def worker_payloads(pid: int) -> tuple[list[str], int]:
     return own, mapped
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/PID/maps")
 async def test_a_worker_lets_go_of_the_payloads_of_drivers_that_finished(cluster: Cluster
                                                                           ) -> None:
     """Each driver sends and gets back 1 MiB arrays through shared memory and keeps the last
