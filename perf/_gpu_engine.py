@@ -4,7 +4,7 @@ heads of 128, vocabulary 151,936, tied embeddings: ~0.6 B parameters), saved in 
 transformers' `save_pretrained` and loaded by both sides.
 
 - `decode`: bfloat16, greedy, prompts of 64 random tokens, 128 new; decode tokens/s =
-  batch x (N - 1) / (T(N) - T(1)) per round, median over rounds, rounds in alternating order
+  batch x (N - 1) / (T(N) - min T(1)) per round, median over rounds, rounds in alternating order
   (as perf/decode.py). Ours: concurrent `generate` calls, no store; theirs: one left-padded
   `generate` batch.
 - `exact`: greedy tokens of ours and transformers' in float32 on the GPU (where both round
