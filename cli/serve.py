@@ -6,6 +6,7 @@ import functools
 import hashlib
 import sys
 import tempfile
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,12 +30,20 @@ from cli._options import (
 from cli._signals import stopped_by_signals
 from cli.run import FILE_HELP
 from omni import Graph, NodeError, Runtime
-from omni.serve import DRAIN_TIMEOUT_S, FilePolicy, GuardState, MediaPolicy
+from omni.serve import DRAIN_TIMEOUT_S, ChatPolicy, FilePolicy, GuardState, MediaPolicy
 from omni.serve import serve as serve_app
 
 __all__ = ["serve"]
 
 MAX_BODY_MIB = 32
+
+
+class JsonWhitespace(StrEnum):
+    """``--json-whitespace``'s choices (`ChatPolicy.json_whitespace`)."""
+
+    any = "any"
+    compact = "compact"
+
 MEDIA = MediaPolicy()  # the defaults of the media options
 
 
@@ -79,6 +88,12 @@ def serve(
         "--system-prompt", metavar="TEXT", show_default=False,
         help="The system message of a /v1/chat/completions conversation that has none "
              "(default: none; a checkpoint's chat template may add its own).")] = None,
+    json_whitespace: Annotated[JsonWhitespace, typer.Option(
+        "--json-whitespace", case_sensitive=False,
+        help="Whitespace a response_format JSON reply may hold between its tokens: 'any' "
+             "(SGLang's default) or 'compact' (none beyond one space after ',' and ':'; a "
+             "small model then cannot write blanks until max_tokens).")
+    ] = JsonWhitespace.any,
     allow_path: Annotated[list[str] | None, typer.Option(
         "--allow-path", metavar="DIR", show_default=False,
         help="Let clients name input files (a graph's omni.InputFile inputs) under DIR; "
@@ -115,8 +130,9 @@ def serve(
         # the requests' output files live in a folder of this server's, gone when it exits
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
             files = _file_policy(allow_path or [], outputs)
-            app = {"files": files, "system_prompt": system_prompt, "media": MediaPolicy(
-                allow_remote_media, max_image_pixels, max_media_mib << 20)}
+            app = {"files": files, "chat": ChatPolicy(system_prompt, json_whitespace.value),
+                   "media": MediaPolicy(allow_remote_media, max_image_pixels,
+                                        max_media_mib << 20)}
             try:
                 trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
                                            drain_timeout, app))
@@ -185,7 +201,7 @@ def _drained(state: GuardState, timeout: float) -> str:
 async def _serve(graphs: dict[str, Graph], state: GuardState, runtime: dict[str, Any],
                  host: str, port: int, drain_timeout: float, app: dict[str, Any]) -> None:
     """Serve until a signal; `runtime` holds `omni.Runtime`'s options, `app` `serve`'s
-    (the media and file policies, the system prompt)."""
+    (the media, file and chat policies)."""
     stop = trio.Event()
     names = ", ".join(graphs)
 

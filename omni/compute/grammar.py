@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import xgrammar
 
 __all__ = ["GRAMMAR_CACHE_SIZE", "INSTALL_HINT", "GrammarBackend", "GrammarConstraint",
-           "GrammarKind", "GrammarStats", "grammar_spec"]
+           "GrammarKind", "GrammarStats", "grammar_spec", "json_schema_ebnf"]
 
 log = logging.getLogger("omni.compute")
 
@@ -249,19 +249,8 @@ class GrammarBackend:
             return _first_line(str(exc))
 
     def _compile_json(self, text: str) -> Any:
-        if text == ANY_JSON:
-            text = "{}"  # the empty schema: any JSON value
-        schema = json.loads(text)  # JSONDecodeError is a ValueError
-        if "\x00" in json.dumps(schema):
-            raise ValueError("NUL characters are not allowed")
-        for pointer, problem in _unenforced(schema, "#"):
-            raise ValueError(f"the schema at {pointer} uses {problem}, which xgrammar "
-                             "does not enforce")
-        grammar = str(_xgrammar().Grammar.from_json_schema(
-            text, any_whitespace=self.any_whitespace))
-        for loose, strict in _STRING_CHAR_FIXES:
-            grammar = grammar.replace(loose, strict)
-        return self._compiler.compile_grammar(grammar)
+        return self._compiler.compile_grammar(
+            json_schema_ebnf(text, any_whitespace=self.any_whitespace))
 
     def _compile_structural_tag(self, text: str) -> Any:
         tag = json.loads(text)
@@ -276,6 +265,36 @@ class GrammarBackend:
         legacy = xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"])
         legacy.format.at_least_one = bool(tag.get("at_least_one", False))
         return self._compiler.compile_structural_tag(legacy)
+
+
+def json_schema_ebnf(text: str, *, any_whitespace: bool = True) -> str:
+    """The EBNF grammar a `json_schema` compiles to, with this module's fixes to strings.
+
+    `any_whitespace` False: no whitespace between tokens, beyond one space after ``,`` and
+    ``:`` (SGLang's ``--constrained-json-disable-any-whitespace``): a small model then cannot
+    write blanks until it runs out of tokens. Blocking (xgrammar works through the schema):
+    call it in a worker thread for a schema a client sent.
+
+    Raises:
+        ImportError: xgrammar is not installed.
+        ValueError: `text` is not JSON, holds NUL characters, uses a keyword xgrammar does not
+            enforce (named with its JSON pointer), or is not a schema xgrammar takes.
+    """
+    if text == ANY_JSON:
+        text = "{}"  # the empty schema: any JSON value
+    schema = json.loads(text)  # JSONDecodeError is a ValueError
+    if "\x00" in json.dumps(schema):
+        raise ValueError("NUL characters are not allowed")
+    for pointer, problem in _unenforced(schema, "#"):
+        raise ValueError(f"the schema at {pointer} uses {problem}, which xgrammar "
+                         "does not enforce")
+    try:
+        grammar = str(_xgrammar().Grammar.from_json_schema(text, any_whitespace=any_whitespace))
+    except (RuntimeError, KeyError, TypeError) as exc:
+        raise ValueError(_first_line(str(exc))) from None
+    for loose, strict in _STRING_CHAR_FIXES:
+        grammar = grammar.replace(loose, strict)
+    return grammar
 
 
 def _first_line(message: str) -> str:

@@ -10,8 +10,8 @@ from omni.serve._errors import ApiError
 from omni.serve._files import FilePolicy
 from omni.serve._guard import GuardState
 from omni.serve.app import build_app
-from omni.serve.openai import MediaPolicy
+from omni.serve.openai import ChatPolicy, MediaPolicy
 from omni.serve.server import DRAIN_TIMEOUT_S, serve
 
-__all__ = ["DRAIN_TIMEOUT_S", "ApiError", "FilePolicy", "GuardState", "MediaPolicy",
-           "build_app", "serve"]
+__all__ = ["DRAIN_TIMEOUT_S", "ApiError", "ChatPolicy", "FilePolicy", "GuardState",
+           "MediaPolicy", "build_app", "serve"]

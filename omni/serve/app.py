@@ -57,7 +57,7 @@ from omni.serve._guard import Guard, GuardState
 from omni.serve._tenants import cache_salt, requested_salt, tenant_of
 
 if TYPE_CHECKING:
-    from omni.serve.openai import MediaPolicy
+    from omni.serve.openai import ChatPolicy, MediaPolicy
 
 __all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
 
@@ -70,7 +70,7 @@ PARSE_IN_THREAD_BYTES = 1 << 20
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
               *, metrics_app: Any = None, media: MediaPolicy | None = None,
-              files: FilePolicy | None = None, system_prompt: str | None = None) -> Any:
+              files: FilePolicy | None = None, chat: ChatPolicy | None = None) -> Any:
     """The ASGI app serving `graphs` (by name) on a started `runtime`.
 
     Args:
@@ -84,8 +84,8 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
             URLs only, the default limits.
         files: the policy for graphs' file inputs (`FilePolicy`); default: clients name no
             input file, output files go to the system's temporary folder.
-        system_prompt: the system message the chat endpoint puts first in a conversation
-            without one (None: none).
+        chat: the chat endpoint's system prompt and JSON whitespace
+            (`omni.serve.openai.ChatPolicy`); default: none, any.
 
     Raises:
         ValueError: a graph with output files and an output named like the answer's
@@ -139,7 +139,7 @@ def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | Non
 
     from omni.serve.openai import add_openai_routes  # imported here: it uses this module
 
-    add_openai_routes(app, runtime, graphs, media=media, system_prompt=system_prompt)
+    add_openai_routes(app, runtime, graphs, media=media, chat=chat)
 
     @app.post("/v1/graphs/{name}", include_in_schema=False)
     async def unknown_graph(name: str) -> Response:

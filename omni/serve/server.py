@@ -23,7 +23,7 @@ from omni.serve._files import FilePolicy
 from omni.serve._guard import GuardState
 from omni.serve._http import http_server
 from omni.serve.app import build_app
-from omni.serve.openai import MediaPolicy
+from omni.serve.openai import ChatPolicy, MediaPolicy
 
 __all__ = ["DRAIN_TIMEOUT_S", "serve"]
 
@@ -35,7 +35,7 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
                 drain_timeout: float = DRAIN_TIMEOUT_S, metrics_app: Any = None,
                 on_ready: Callable[[str], None] | None = None,
                 media: MediaPolicy | None = None, files: FilePolicy | None = None,
-                system_prompt: str | None = None) -> None:
+                chat: ChatPolicy | None = None) -> None:
     """Serve `graphs` on `runtime` at ``http://host:port`` until `stop` is set, then drain.
 
     Args:
@@ -45,14 +45,14 @@ async def serve(runtime: Any, graphs: Mapping[str, Graph], stop: trio.Event, *,
         drain_timeout: seconds in-flight requests get to finish once `stop` is set.
         media: what the OpenAI chat endpoint takes of a message's media (`MediaPolicy`).
         files: the policy for graphs' file inputs (see `FilePolicy`).
-        system_prompt: the chat endpoint's system message for conversations without one.
+        chat: the chat endpoint's system prompt and JSON whitespace (`ChatPolicy`).
 
     Raises:
         OSError: the address cannot be bound (in use, not this machine's).
     """
     state = state or GuardState()
     app = build_app(runtime, graphs, state, metrics_app=metrics_app,
-                    media=media, files=files, system_prompt=system_prompt)
+                    media=media, files=files, chat=chat)
     async with http_server(app, _config(host, port)) as server:
         if on_ready is not None:
             on_ready(server.urls[0])

@@ -11,6 +11,7 @@ import wave
 
 import numpy as np
 import pytest
+import trio
 
 import omni
 from cli._load import load_module, select_graph
@@ -25,7 +26,7 @@ from omni.serve.openai import (
 )
 from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
-from omni.serve.openai._chat_request import sampling_params
+from omni.serve.openai._chat_request import ChatPolicy, chat_request
 from omni.serve.openai._media import decode_audio
 from tests.serve._server import ROOT
 
@@ -83,6 +84,11 @@ def chat_body(**fields: object) -> ChatCompletionRequest:
     return validated(ChatCompletionRequest, body, "chat completions")
 
 
+def sampling_params(body: ChatCompletionRequest, policy: ChatPolicy = ChatPolicy()) -> object:
+    """The `SamplingParams` the chat endpoint hands its graph for `body`."""
+    return trio.run(chat_request, body, MediaPolicy(), "", policy).params
+
+
 def test_openai_fields_become_sampling_params() -> None:
     params = sampling_params(chat_body(seed=7, max_tokens=5, max_completion_tokens=9,
                                        stop="\n", n=2, temperature=0.5, top_p=0.9,
@@ -98,6 +104,34 @@ def test_openai_fields_become_sampling_params() -> None:
     assert json.loads(as_schema.json_schema) == schema
     as_object = sampling_params(chat_body(response_format={"type": "json_object"}))
     assert json.loads(as_object.json_schema) == {"type": "object"}
+
+
+def test_compact_json_whitespace_sends_the_schema_as_its_grammar_without_blanks() -> None:
+    """--json-whitespace compact: the schema reaches the graph as the EBNF it compiles to,
+    with no free whitespace; a schema that does not compile is the client's 400."""
+    from omni.compute.grammar import json_schema_ebnf
+
+    compact = ChatPolicy(json_whitespace="compact")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = sampling_params(chat_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}), compact)
+    assert params.json_schema is None
+    assert params.ebnf == json_schema_ebnf(json.dumps(schema), any_whitespace=False)
+    blanks = "[ \\n\\r\\t]*"  # what the default grammar allows between tokens
+
+    def root(grammar: str) -> str:
+        return next(line for line in grammar.splitlines() if line.startswith("root ::="))
+
+    assert blanks in root(json_schema_ebnf(json.dumps(schema)))
+    assert blanks not in root(params.ebnf)
+    assert sampling_params(chat_body(), compact).ebnf is None
+    with pytest.raises(ApiError) as caught:
+        sampling_params(chat_body(response_format={"type": "json_schema", "json_schema": {
+            "name": "a", "schema": {"type": "integer", "multipleOf": 2}}}), compact)
+    assert (caught.value.status, caught.value.param) == (400, "response_format")
+    assert "multipleOf" in caught.value.message
+    with pytest.raises(ValueError, match="'any' or 'compact'"):
+        ChatPolicy(json_whitespace="tight")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("fields", "param", "says"), [

@@ -22,7 +22,7 @@ from omni.serve.app import DONE, graph_error, json_body, until_disconnected
 from omni.serve.openai import _audio
 from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
-from omni.serve.openai._chat_request import chat_request
+from omni.serve.openai._chat_request import ChatPolicy, chat_request
 from omni.serve.openai._declare import ChatAudio, ChatEnd, ChatRequest, ChatStart, ChatText
 from omni.serve.openai._media import MediaPolicy
 
@@ -30,17 +30,17 @@ __all__ = ["chat_route"]
 
 
 def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], Any],
-               media: MediaPolicy, system_prompt: str | None = None
+               media: MediaPolicy, policy: ChatPolicy = ChatPolicy()
                ) -> Callable[[Request], Awaitable[Response]]:
     """The route's handler; `find(model)` is the chat graph serving `model` (or `ApiError`
-    404); messages' media are taken under `media`; `system_prompt` (the operator's) goes
-    first into a conversation without a system message."""
+    404); messages' media are taken under `media`, the operator's system prompt and JSON
+    whitespace from `policy`."""
 
     async def chat_completions(request: Request) -> Response:
         body = validated(ChatCompletionRequest, await json_body(request),
                          "chat completions")
         graph = find(body.model)
-        chat = await chat_request(body, media, tenant_of(request), system_prompt)
+        chat = await chat_request(body, media, tenant_of(request), policy)
         reply = _Reply(body.model, chat.audio, body.audio.format if body.audio else "wav")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import trio
 
 from omni.serve._errors import ApiError
 from omni.serve._tenants import cache_salt
@@ -12,22 +15,46 @@ from omni.serve.openai._chat_models import ChatCompletionRequest, Message
 from omni.serve.openai._declare import ChatMessage, ChatRequest
 from omni.serve.openai._media import MediaPolicy, decode_audio, decode_image
 
-__all__ = ["DEFAULT_MAX_TOKENS", "chat_request", "given_sampling", "sampling_params"]
+__all__ = ["DEFAULT_MAX_TOKENS", "ChatPolicy", "chat_request", "given_sampling",
+           "sampling_params"]
 
 DEFAULT_MAX_TOKENS = 128
 # SamplingParams' names as the request spells them, for errors that name the field.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "sampling_seed": "seed",
-                 "json_schema": "response_format"}
+                 "json_schema": "response_format", "ebnf": "response_format"}
 _SAMPLING = ("temperature", "top_p", "n", "stop", "frequency_penalty", "presence_penalty",
              "logit_bias", "top_k", "min_p", "repetition_penalty")
 
 
-async def chat_request(body: ChatCompletionRequest, media: MediaPolicy,
-                       tenant: str = "", system_prompt: str | None = None) -> ChatRequest:
+@dataclass(frozen=True)
+class ChatPolicy:
+    """What the operator sets for every chat completion (``omni serve``'s options).
+
+    Args:
+        system_prompt: the system message of a conversation that has none (None: none is
+            added; a chat template may add its own, as transformers renders it).
+        json_whitespace: the whitespace a ``response_format`` JSON reply may hold between
+            its tokens: "any" (SGLang's default) or "compact" (none, beyond one space after
+            ``,`` and ``:``; SGLang's ``--constrained-json-disable-any-whitespace``), which
+            keeps a small model from writing blanks until ``max_tokens``. The schema then
+            travels to the graph as the EBNF grammar it compiles to (`ebnf`).
+    """
+
+    system_prompt: str | None = None
+    json_whitespace: Literal["any", "compact"] = "any"
+
+    def __post_init__(self) -> None:
+        if self.json_whitespace not in ("any", "compact"):
+            raise ValueError(f"json_whitespace must be 'any' or 'compact', got "
+                             f"{self.json_whitespace!r}")
+
+
+async def chat_request(body: ChatCompletionRequest, media: MediaPolicy, tenant: str = "",
+                       policy: ChatPolicy = ChatPolicy()) -> ChatRequest:
     """The graph's input for a checked body of `tenant`, its media decoded under `media` (in
-    worker threads), its cache salt the tenant's and the body's, `system_prompt` (the
-    operator's) first when the conversation has no system message; `ApiError` 400 for values
-    out of range."""
+    worker threads), its cache salt the tenant's and the body's, the operator's system prompt
+    first when the conversation has no system message, a JSON reply's whitespace as `policy`
+    says; `ApiError` 400 for values out of range."""
     audio = "audio" in (body.modalities or ["text"])
     if audio and body.audio is None:
         raise ApiError(400, 'audio: modalities ["text", "audio"] needs audio: {"voice": '
@@ -37,10 +64,13 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy,
                        param="n")
     messages = tuple([await _message(m, f"messages.{i}", media)
                       for i, m in enumerate(body.messages)])
-    if system_prompt and not any(m.role == "system" for m in messages):
-        messages = (ChatMessage("system", (system_prompt,)), *messages)
-    return ChatRequest(body.model, messages, sampling_params(body), audio,
-                       cache_salt(tenant, body.cache_salt or ""), given_sampling(body))
+    if policy.system_prompt and not any(m.role == "system" for m in messages):
+        messages = (ChatMessage("system", (policy.system_prompt,)), *messages)
+    given = given_sampling(body)
+    if policy.json_whitespace == "compact" and "json_schema" in given:
+        given["ebnf"] = await _compact_json(given.pop("json_schema"))
+    return ChatRequest(body.model, messages, sampling_params(given), audio,
+                       cache_salt(tenant, body.cache_salt or ""), given)
 
 
 def given_sampling(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -60,13 +90,13 @@ def given_sampling(body: ChatCompletionRequest) -> dict[str, Any]:
     return fields
 
 
-def sampling_params(body: ChatCompletionRequest) -> Any:
-    """The request's `SamplingParams` (its fields over SGLang's defaults, at most
-    `DEFAULT_MAX_TOKENS` new tokens unless it says); `ApiError` 400 naming the field out of
-    range."""
+def sampling_params(given: dict[str, Any]) -> Any:
+    """The `SamplingParams` of a request that set `given` (`given_sampling`: its fields over
+    SGLang's defaults, at most `DEFAULT_MAX_TOKENS` new tokens unless it says); `ApiError`
+    400 naming the field out of range."""
     from omni.compute.sampling_params import SamplingParams
 
-    fields = {"max_new_tokens": DEFAULT_MAX_TOKENS, **given_sampling(body)}
+    fields = {"max_new_tokens": DEFAULT_MAX_TOKENS, **given}
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
@@ -90,6 +120,19 @@ def _json_schema(body: ChatCompletionRequest) -> str | None:
         raise ApiError(400, "response_format.json_schema.schema: required for type "
                             "json_schema", param="response_format.json_schema.schema")
     return json.dumps(fmt.json_schema.schema_)
+
+
+async def _compact_json(schema: str) -> str:
+    """The EBNF grammar of `schema` without free whitespace, worked out in a worker thread
+    (a schema is the client's: its size is bounded by the body's only)."""
+    from omni.compute.grammar import json_schema_ebnf
+
+    try:
+        return await trio.to_thread.run_sync(
+            lambda: json_schema_ebnf(schema, any_whitespace=False))
+    except ValueError as exc:
+        raise ApiError(400, f"response_format: invalid json_schema: {exc}",
+                       param="response_format") from None
 
 
 async def _message(message: Message, where: str, media: MediaPolicy) -> ChatMessage:

@@ -8,6 +8,7 @@ from typing import Any
 from omni.serve._errors import ApiError
 from omni.serve.openai._chat import chat_route, unknown_model
 from omni.serve.openai._chat_models import ChatCompletionRequest
+from omni.serve.openai._chat_request import ChatPolicy
 from omni.serve.openai._declare import CHAT_COMPLETIONS, IMAGE_GENERATIONS, endpoint_of
 from omni.serve.openai._images import ImageRequest, images_route
 from omni.serve.openai._media import MediaPolicy
@@ -17,7 +18,7 @@ __all__ = ["add_openai_routes"]
 
 def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
                       media: MediaPolicy | None = None,
-                      system_prompt: str | None = None) -> None:
+                      chat: ChatPolicy | None = None) -> None:
     """Add ``POST /v1/chat/completions`` when a graph of `graphs` is marked
     `chat_completions`, ``POST /v1/images/generations`` when one is marked
     `image_generations`; the `model` of a request is the graph's name in `graphs`.
@@ -25,18 +26,18 @@ def add_openai_routes(app: Any, runtime: Any, graphs: Mapping[str, Any], *,
     Args:
         media: what a message's images and audio may be (`MediaPolicy`: remote URLs,
             pixels, bytes); default: data URLs only, the default limits.
-        system_prompt: the system message of a conversation that has none (None: none is
-            added; a chat template may add its own, as transformers renders it).
+        chat: the operator's system prompt and JSON whitespace (`ChatPolicy`); default:
+            no system prompt, any whitespace.
     """
-    chat = _marked(graphs, CHAT_COMPLETIONS)
-    if chat:
+    chats = _marked(graphs, CHAT_COMPLETIONS)
+    if chats:
         def find_chat(model: str) -> Any:
-            if model not in chat:
-                raise unknown_model(model, list(chat), "/v1/chat/completions")
-            return chat[model]
+            if model not in chats:
+                raise unknown_model(model, list(chats), "/v1/chat/completions")
+            return chats[model]
 
         app.add_api_route("/v1/chat/completions", chat_route(
-            runtime, chat, find_chat, media or MediaPolicy(), system_prompt),
+            runtime, chats, find_chat, media or MediaPolicy(), chat or ChatPolicy()),
             methods=["POST"],
             summary="OpenAI chat completions (JSON, or SSE with stream: true)",
             response_model=None, openapi_extra=_body_schema(ChatCompletionRequest))
