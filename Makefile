@@ -53,10 +53,10 @@ test: $(STAMP) $(BROWSER_STAMP)
 
 BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve stop_window cpu_linear
 
-# The benchmarks' own extra (Ray, perf/payloads.py's baseline), on top of the dev install.
+# The benchmarks' own extra (their baselines: Ray, transformers serve), on top of the dev install.
 $(BENCH_STAMP): $(STAMP)
 	@$(PIP) install -e ".[dev,bench]" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(BIN)/python -c "import ray" || { echo "install failed: see the pip output above"; exit 1; }
+	@$(BIN)/python -c "import ray, uvicorn" || { echo "install failed: see the pip output above"; exit 1; }
 	@touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

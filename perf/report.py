@@ -125,6 +125,13 @@ def _case(k: Ctx) -> tuple[dict[str, Any], dict[str, Any]]:
     return k.d["models"][k.i[0]], k.c["decode_tokens_per_s"]
 
 
+def _one_session(c: dict[str, Any], side: str) -> str:
+    """A multi-turn claim's one-session figures of `side`."""
+    one = c["cases"][0]
+    return (f"{fig(med(one['output_tokens_per_s'][side]))} tokens/s, TTFT p50 "
+            f"{fig(one['ttft_p50_ms'][side] or 0)} ms")
+
+
 def _handoff_sizes(c: dict[str, Any]) -> str:
     at, sizes = c["at_mib"], c["sizes"]
     largest = max(sizes, key=lambda s: sizes[s]["pages"])
@@ -547,6 +554,20 @@ KNOWN: tuple[Known, ...] = (
                      f"{k.c['refused']} of {k.c['hostile_requests']} refused (400)"),
           lambda k: (f"/health alone: p99 {fig(k.c['baseline']['p99'])} ms "
                      f"({k.c['baseline']['polls']} polls)")),
+    Known("serve", "turns",
+          lambda k: (f"`omni serve` vs `transformers serve --continuous-batching`, the same "
+                     f"{k.c['parameters'] / 1e6:.2g} M instruct checkpoint: {k.c['sessions']} "
+                     f"chats at once ({k.c['turns']} turns, {k.c['reply_tokens']}-token "
+                     "replies), output tokens/s"),
+          lambda k: f"≥ {k.c['target']:g}× transformers serve's",
+          lambda k: (f"{x(k.c['ratio']) if k.c['ratio'] else 'no baseline'} "
+                     f"({fig(med(k.c['measured']))} tokens/s, TTFT p50 "
+                     f"{fig(k.c['cases'][-1]['ttft_p50_ms']['omni'] or 0)} ms); 1 session: "
+                     f"{_one_session(k.c, 'omni')}"),
+          lambda k: (f"{fig(med(k.c['baseline']))} tokens/s, TTFT p50 "
+                     f"{fig(k.c['cases'][-1]['ttft_p50_ms']['transformers'] or 0)} ms; 1 "
+                     f"session: {_one_session(k.c, 'transformers')}" if k.c['baseline']
+                     else k.c['error'])),
     Known("serve", "claim",
           "`omni serve`: requests/s through POST /v1/graphs/NAME on a no-op graph",
           lambda k: f"≥ {k.c['target']:g}× the bare server stack's",
@@ -680,7 +701,8 @@ PLOTS = {  # what each benchmark's --plot draws
     "cluster": "hit rate and throughput, KV-aware vs round-robin routing",
     "payloads": "payload calls, TCP path, call and pipeline latency, throughput: Omni vs Ray "
                 "(and vs one copy, raw pyzmq); peak RSS with 1 GiB payloads",
-    "serve": "requests/s through /v1/graphs on a no-op graph vs the bare server stack",
+    "serve": "requests/s through /v1/graphs on a no-op graph vs the bare server stack; "
+             "multi-turn chats vs transformers serve",
     "stop_window": "µs per stop check at the longest output: SGLang's tail window vs the "
                    "whole output",
     "cpu_linear": "ms per whole-model call (reusing prefill, full prefill, decode step): "

@@ -23,9 +23,16 @@ baseline. Every hostile request must be refused (400), and /health's p99 latency
 `HEALTH_P99_TARGET_MS` (an absolute target: a load balancer's health check must not time
 out while the server refuses abuse).
 
+Multi-turn chats (`turns`): ``omni serve`` against ``transformers serve
+--continuous-batching`` on the same ~25 M instruct checkpoint, 6-turn conversations at 1 and
+8 sessions at once: TTFT p50 and output tokens/s (perf/_serve_turns.py). transformers serve
+needs its serving extra, which ``make bench`` installs (``.[bench]``); without it the claim
+records Omni's figures only and does not pass.
+
 Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
 rounds of the paired ratio), with 0 errors; /health's p99 under hostile requests <= 100 ms
-with every one refused. Both servers and the client share this machine's cores, which bounds
+with every one refused; multi-turn output tokens/s at 8 sessions >= 1.3 x transformers
+serve's. Both servers and the client share this machine's cores, which bounds
 the absolute figures, not the ratio.
 
 Usage: ``python perf/serve.py [--quick] [--out PATH.json] [--plot PATH.png] [--repeats N]``
@@ -62,6 +69,7 @@ from perf._common import (
     plot_bars,
     write_json,
 )
+from perf._serve_turns import measure_turns
 
 __all__ = ["Params", "main", "measure"]
 
@@ -87,13 +95,18 @@ class Params:
     reply_tokens: int = 32
     hostile_requests: int = 8  # half decompression bombs, half 30 MB messages, at once
     health_polls: int = 100  # of the baseline (no hostile request)
+    sessions: tuple[int, ...] = (1, 8)  # multi-turn conversations at once
+    turns: int = 6
+    turn_tokens: int = 32  # tokens of each reply
+    turn_repeats: int = 3  # rounds per server and session count
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (a few seconds)."""
         return cls(seed=seed, repeats=1, seconds=0.5, concurrency=4, chats=4, reply_tokens=4,
-                   hostile_requests=2, health_polls=20, quick=True)
+                   hostile_requests=2, health_polls=20, sessions=(1, 2), turns=2,
+                   turn_tokens=4, turn_repeats=1, quick=True)
 
 
 def start(kind: str, folder: Path) -> tuple[subprocess.Popen, str]:
@@ -276,6 +289,8 @@ def measure(params: Params) -> dict[str, Any]:
 
 def _measure(params: Params, folder: Path) -> dict[str, Any]:
     chat, hostile = measure_chat(params, folder)
+    turns = measure_turns(params.sessions, params.turns, params.turn_tokens,
+                          params.turn_repeats, params.quick, folder)
     servers = {kind: start(kind, folder) for kind in ("omni", "constant")}
     rates: dict[str, list[float]] = {kind: [] for kind in servers}
     errors = 0
@@ -294,7 +309,7 @@ def _measure(params: Params, folder: Path) -> dict[str, Any]:
                                                     strict=True))
     return {
         "benchmark": "serve", "env": environment(), "params": asdict(params), "chat": chat,
-        "hostile": hostile,
+        "hostile": hostile, "turns": turns,
         "claim": claim(unit="requests per second", target=TARGET, measured=omni_rate,
                        baseline=constant, ratio=ratio,
                        passed=ratio >= TARGET and errors == 0, errors=errors,

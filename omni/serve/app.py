@@ -37,7 +37,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -46,26 +45,23 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
-from omni.graph.balance import NoLiveReplica
 from omni.graph.dsl import Graph, Ref
-from omni.graph.errors import InputError, NodeError, RouteError
+from omni.graph.errors import InputError, NodeError
 from omni.graph.jsonable import to_jsonable
 from omni.graph.marks import OutputFile, file_role, is_cache_salt
 from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
 from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
+from omni.serve._requests import DONE, graph_error, json_body, until_disconnected
 from omni.serve._tenants import cache_salt, requested_salt, tenant_of
 
 if TYPE_CHECKING:
     from omni.serve.openai import ChatPolicy, MediaPolicy
 
-__all__ = ["build_app", "error_response", "graph_error", "json_body", "until_disconnected"]
+__all__ = ["build_app", "error_response"]
 
-DONE = "[DONE]"
 PLAYGROUND = Path(__file__).with_name("static") / "index.html"  # the page at /
 SCHEMA_REF = "#/components/schemas/{name}"
-# a body larger than this is parsed in a worker thread (1 MiB of JSON: ~5 ms to parse)
-PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 def build_app(runtime: Any, graphs: Mapping[str, Graph], state: GuardState | None = None,
@@ -276,67 +272,6 @@ def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:
         return graph.convert_inputs(inputs)
     except InputError as exc:
         raise ApiError(400, str(exc), param="inputs") from None
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object; `ApiError` 400 naming what is wrong.
-
-    Parsed by msgspec (2.4x the speed of json on a 30 MB body), in a worker thread when it is
-    large. The parser holds the GIL, so the event loop still waits for it, but once per body
-    and for ~25 ms at 30 MB."""
-    raw = await request.body()
-    try:
-        if len(raw) > PARSE_IN_THREAD_BYTES:
-            body = await anyio.to_thread.run_sync(msgspec.json.decode, raw)
-        else:
-            body = msgspec.json.decode(raw) if raw else {}
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "the body's JSON is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]]) -> Any:
-    """`work()`'s result, or None once the client disconnected (the work is then cancelled,
-    which releases whatever it held). Raises `ApiError` for a node's failure, and what
-    `work` raised otherwise."""
-    result, failure = None, None
-    async with anyio.create_task_group() as group:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            group.cancel_scope.cancel()
-
-        group.start_soon(watch)
-        try:
-            result = await work()
-        except Exception as exc:  # raised below, outside the task group's exception group
-            failure = exc
-        group.cancel_scope.cancel()
-    if isinstance(failure, NodeError):
-        raise graph_error(failure) from None
-    if failure is not None:
-        raise failure
-    return result
-
-
-def graph_error(exc: NodeError) -> ApiError:
-    """A failed request as an API error: a node refusing its input (a ValueError, a switch
-    without the route) is the client's 400, a node with no live replica left (its workers
-    gone, none placed again within the replace timeout) a 503 to retry later, anything else
-    the server's 500."""
-    cause = exc.cause
-    text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-    if isinstance(cause, NoLiveReplica):
-        return ApiError(503, f"node '{exc.node}' failed: {text}", code="no_live_replica",
-                        headers={"retry-after": "5"})
-    client = isinstance(cause, ValueError) or isinstance(exc, RouteError)
-    return ApiError(400 if client else 500, f"node '{exc.node}' failed: {text}",
-                    code="node_failed")
 
 
 async def _graph_events(runtime: Any, graph: Graph, inputs: dict[str, Any],

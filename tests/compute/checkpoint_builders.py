@@ -58,15 +58,17 @@ def save_tokenizer(directory: Path, template: Any = CHATML, **special: Any) -> P
 
 
 def save_checkpoint(directory: Path, arch: str, generation: dict[str, Any] | None = None,
-                    seed: int = 0) -> Path:
+                    seed: int = 0, **sizes: Any) -> Path:
     """Random tiny `arch` weights (every parameter perturbed), the tokenizer, and
-    generation_config.json (`generation`, or greedy with <|im_end|> as EOS)."""
+    generation_config.json (`generation`, or greedy with <|im_end|> as EOS); `sizes` are
+    config fields over the tiny ones (hidden_size=512, ...: a larger model)."""
     config_cls, model_cls = HF_MODELS[arch]
     extra = {"head_dim": 16} if arch == "qwen3" else {}  # not hidden / heads (8)
-    config = config_cls(vocab_size=384, hidden_size=32, intermediate_size=64,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=256, tie_word_embeddings=arch == "qwen2",
-                        eos_token_id=2, **extra)
+    dims = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, **extra, **sizes}
+    config = config_cls(vocab_size=384, tie_word_embeddings=arch == "qwen2", eos_token_id=2,
+                        **dims)
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():

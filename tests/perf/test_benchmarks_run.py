@@ -1,8 +1,11 @@
 """The benchmarks in perf/ keep working: each runs in its quick mode and reports its targets."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+
+import pytest
 
 from tests.perf._run import ROOT, run_quick
 
@@ -161,7 +164,7 @@ def test_cli_output_benchmark_quick_mode_counts_every_item(tmp_path):
 def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
     """perf/serve.py --quick: both server processes answer every request (0 errors), both
     exit 0 on SIGTERM, and the claim reports the two rates and their ratio."""
-    report = run_quick("perf/serve.py", tmp_path, timeout=180, plot=True)
+    report = run_quick("perf/serve.py", tmp_path, timeout=300, plot=True)
     claim = report["claim"]
     assert claim["errors"] == 0 and claim["exit_codes"] == {"omni": 0, "constant": 0}
     assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
@@ -170,6 +173,18 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
     assert hostile["refused"] == hostile["hostile_requests"] == report["params"][
         "hostile_requests"]
     assert hostile["measured"]["polls"] > 0 and hostile["baseline"]["polls"] > 0
+    # multi-turn chats: both servers (transformers serve where its extra is installed)
+    turns = report["turns"]
+    assert [c["sessions"] for c in turns["cases"]] == list(report["params"]["sessions"])
+    assert turns["errors"] == 0 and turns["exit_codes"]["omni"] == 0, turns
+    assert turns["measured"]["median"] > 0 and turns["cases"][0]["ttft_p50_ms"]["omni"] > 0
+    if importlib.util.find_spec("uvicorn") is None:
+        assert turns["baseline"] is None and turns["pass"] is False
+        assert "pip install" in turns["error"]
+    else:
+        assert turns["baseline"]["median"] > 0 and turns["error"] is None
+        assert turns["ratio"] == pytest.approx(
+            turns["measured"]["median"] / turns["baseline"]["median"], abs=0.01)
 
 
 def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):

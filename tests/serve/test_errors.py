@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omni.graph.balance import NoLiveReplica
 from omni.graph.errors import NodeError, RouteError
-from omni.serve.app import graph_error
+from omni.serve._requests import graph_error
 
 
 def test_a_node_without_a_live_replica_is_a_503_to_retry_later() -> None:

@@ -84,9 +84,9 @@ def chat_body(**fields: object) -> ChatCompletionRequest:
     return validated(ChatCompletionRequest, body, "chat completions")
 
 
-def sampling_params(body: ChatCompletionRequest, policy: ChatPolicy = ChatPolicy()) -> object:
+def sampling_params(body: ChatCompletionRequest, policy: ChatPolicy | None = None) -> object:
     """The `SamplingParams` the chat endpoint hands its graph for `body`."""
-    return trio.run(chat_request, body, MediaPolicy(), "", policy).params
+    return trio.run(chat_request, body, MediaPolicy(), "", policy or ChatPolicy()).params
 
 
 def test_openai_fields_become_sampling_params() -> None:

@@ -7,6 +7,7 @@ applications reach it with the official ``openai`` client. Importing this packag
 import torch.
 """
 
+from omni.serve.openai._chat_request import ChatPolicy
 from omni.serve.openai._declare import (
     CHAT_COMPLETIONS,
     IMAGE_GENERATIONS,
@@ -22,11 +23,10 @@ from omni.serve.openai._declare import (
     endpoint_of,
     image_generations,
 )
-from omni.serve.openai._chat_request import ChatPolicy
 from omni.serve.openai._media import MediaPolicy
 from omni.serve.openai._routes import add_openai_routes
 
 __all__ = ["CHAT_COMPLETIONS", "IMAGE_GENERATIONS", "AudioPart", "ChatAudio", "ChatEnd",
-           "ChatPolicy",
-           "ChatMessage", "ChatRequest", "ChatStart", "ChatText", "ImagePart", "MediaPolicy",
-           "add_openai_routes", "chat_completions", "endpoint_of", "image_generations"]
+           "ChatMessage", "ChatPolicy", "ChatRequest", "ChatStart", "ChatText", "ImagePart",
+           "MediaPolicy", "add_openai_routes", "chat_completions", "endpoint_of",
+           "image_generations"]

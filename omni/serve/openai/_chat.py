@@ -17,8 +17,8 @@ from starlette.responses import JSONResponse, Response
 
 from omni.graph.errors import NodeError
 from omni.serve._errors import ApiError, error_body
+from omni.serve._requests import DONE, graph_error, json_body, until_disconnected
 from omni.serve._tenants import tenant_of
-from omni.serve.app import DONE, graph_error, json_body, until_disconnected
 from omni.serve.openai import _audio
 from omni.serve.openai._body import validated
 from omni.serve.openai._chat_models import ChatCompletionRequest
@@ -30,7 +30,7 @@ __all__ = ["chat_route"]
 
 
 def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], Any],
-               media: MediaPolicy, policy: ChatPolicy = ChatPolicy()
+               media: MediaPolicy, policy: ChatPolicy
                ) -> Callable[[Request], Awaitable[Response]]:
     """The route's handler; `find(model)` is the chat graph serving `model` (or `ApiError`
     404); messages' media are taken under `media`, the operator's system prompt and JSON

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from omni.serve._errors import ApiError
-from omni.serve.app import json_body, until_disconnected
+from omni.serve._requests import json_body, until_disconnected
 from omni.serve.openai._body import validated
 
 __all__ = ["MAX_IMAGES", "ImageRequest", "images_route"]
