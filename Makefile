@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@# The grammar extra without triton (xgrammar needs it only for GPU kernels; ~1 GB on disk)
 	@$(PIP) install apache-tvm-ffi pydantic 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PIP) install --no-deps "xgrammar>=0.1.25" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, pytest_trio, xgrammar" || \
+	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, pytest_trio, xdist, xgrammar" || \
 		{ echo "install failed: see the pip output above"; exit 1; }
 	@touch $(STAMP)
 
@@ -48,8 +48,12 @@ $(BROWSER_STAMP):
 	else echo "no chromium (and not root with apt): the browser test will be skipped"; fi
 	@touch $@
 
+# The suite on parallel workers (each test isolated: its own tmp dirs, shared-memory and socket
+# folders, ports the OS picks); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 4
+
 test: $(STAMP) $(BROWSER_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve stop_window cpu_linear
 

@@ -157,7 +157,7 @@ def iter_inputs_json(path: str) -> Iterator[RequestInputs]:
         CliError: the file cannot be read, or its content is not valid (see above).
     """
     if path == "-":
-        yield from _parse_lines(_lines(_Unbuffered(sys.stdin.fileno()), "<stdin>"), "<stdin>")
+        yield from _parse_lines(_lines(_stdin(), "<stdin>"), "<stdin>")
         return
     try:
         with open(path, "rb") as file:
@@ -168,6 +168,15 @@ def iter_inputs_json(path: str) -> Iterator[RequestInputs]:
         raise CliError(f"--inputs-json: not a file: {path}") from None
     except OSError as exc:
         raise CliError(f"--inputs-json: cannot read {path}: {exc.strerror}") from exc
+
+
+def _stdin() -> BinaryIO | _Unbuffered:
+    """stdin, read from its file descriptor; where it has none (the command invoked inside
+    another program that replaced ``sys.stdin``, as click's test runner does), its buffer."""
+    try:
+        return _Unbuffered(sys.stdin.fileno())
+    except (AttributeError, OSError):  # io.UnsupportedOperation is an OSError
+        return sys.stdin.buffer
 
 
 class _Unbuffered:

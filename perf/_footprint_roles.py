@@ -1,18 +1,15 @@
-"""The processes perf/footprint.py measures: the examples as Omni runs them, and their roles as
+"""The processes perf/footprint.py measures: the image example as Omni runs it, and its roles as
 separate services would run them. Each function here is the whole life of one child process
 (spawned, so nothing of the parent's memory is in it) and returns one `RoleRun` record.
 
-- `omni_image`, `omni_dialogue`: the example's graph (examples/image_generation.py,
-  examples/omni_dialogue.py, loaded from its file with ``OMNI_MODEL`` set) on an
-  `omni.Runtime` whose KV store this process builds: every role of the graph on one engine
-  (one copy of the weights) and one store (one copy of the prompt's KV).
+- `omni_image`: the example's graph (examples/image_generation.py, loaded from its file with
+  ``OMNI_MODEL`` set) on an `omni.Runtime` whose KV store this process builds: every role of
+  the graph on one engine (one copy of the weights) and one store (one copy of the prompt's
+  KV).
 - `llm_image_service`, `diffusion_service`: the image pipeline's two roles as two services,
   each loading its own copy of the weights and keeping its own store (the prefix cache an LLM
   server and a diffusion server each keep). The diffusion service computes the prompt's KV
   itself (its store starts empty) and caches it there.
-- `llm_dialogue_service`, `speech_service`: the dialogue's LLM with its own store (prefix
-  caching across turns and sessions, as an LLM server has by default), and the speech decoder
-  as a service of its own fed the reply tokens.
 
 Every store is built here with explicit tiers and passed explicitly (`store=`), so what each
 variant keeps does not depend on the engine's defaults.
@@ -37,16 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 PAGE_SIZE = 16  # the examples' page size
 
-__all__ = ["DialogueTurn", "RoleRun", "Spec", "diffusion_service", "llm_dialogue_service",
-           "llm_image_service", "omni_dialogue", "omni_image", "proc_status", "speech_service"]
-
-
-@dataclass(frozen=True, slots=True)
-class DialogueTurn:
-    """One request of the dialogue: a session's next user message."""
-
-    session: str
-    text: str
+__all__ = ["RoleRun", "Spec", "diffusion_service", "llm_image_service", "omni_image",
+           "proc_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +44,13 @@ class Spec:
     Why one record: every variant must run the very same requests on the very same model."""
 
     model_dir: str  # a Hugging Face folder (config.json, model.safetensors, tokenizer.json)
-    prompt: str  # the image pipeline's text prompt
+    prompt: str  # the image's text prompt
     width: int  # pixels
     height: int
     steps: int
     guidance: float
     seed: int
     expand: int  # tokens the LLM role writes before the image
-    turns: tuple[DialogueTurn, ...]
-    max_tokens: int  # per dialogue reply
     store_capacity: str  # each store's device tier
     threads: int  # torch intra-op threads in each child
 
@@ -239,105 +226,3 @@ def diffusion_service(spec: Spec, expansion: list[int]) -> RoleRun:
         "png_sha256": _digest(to_png(result.image)), "pixels": result.image,
         "diffusion_prompt_tokens": result.prompt_tokens,
         "diffusion_tokens_reused": result.prompt_tokens_reused})
-
-
-# -- the dialogue ----------------------------------------------------------------------------
-
-
-def omni_dialogue(spec: Spec) -> RoleRun:
-    """examples/omni_dialogue.py's graph on one runtime: the LLM (`Dialogue`) on the runtime's
-    store, the speech decoder (`Speech`) beside it in the same process."""
-    import trio
-
-    import omni
-
-    with tempfile.TemporaryDirectory(prefix="omni-footprint-") as folder:
-        os.environ["OMNI_DIALOGUE_OUT"] = folder
-        example = _load_example("omni_dialogue", spec)
-        started = _start(spec)
-        store = _store(spec)
-        assert store.layout == example.KV_LAYOUT
-
-        async def run() -> list[dict[str, Any]]:
-            async with omni.Runtime(kv=store, graphs=[example.dialogue]) as rt:
-                return [await rt.run(example.dialogue, session=turn.session, text=turn.text,
-                                     out=str(Path(folder) / f"{i}.wav"),
-                                     max_tokens=spec.max_tokens)
-                        for i, turn in enumerate(spec.turns)]
-
-        results = trio.run(run)
-        wavs = [_digest(Path(r["wav"]).read_bytes()) for r in results]
-    return _finish("omni", started, [store], {
-        "token_ids": [r["token_ids"] for r in results], "wav_sha256": wavs,
-        "prompt_tokens": [r["prompt_tokens"] for r in results],
-        "cached_tokens": [r["cached_tokens"] for r in results],
-        "trimmed_turns": sum(r["trimmed_turns"] for r in results)})
-
-
-def _constant(example: str, name: str) -> Any:
-    """A literal module-level constant of examples/<example>.py, read without importing it
-    (a separate service does not load the graph)."""
-    import ast
-
-    tree = ast.parse((EXAMPLES / f"{example}.py").read_text())
-    for node in tree.body:
-        if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                and isinstance(node.targets[0], ast.Name) and node.targets[0].id == name):
-            return ast.literal_eval(node.value)
-    raise ValueError(f"examples/{example}.py has no literal {name}")
-
-
-def llm_dialogue_service(spec: Spec) -> RoleRun:
-    """The dialogue's LLM as its own service with its own store; the client keeps each
-    session's transcript as `Dialogue` does (system prompt, "User: ... Assistant:" turns, the
-    replies as generated ids)."""
-    import trio
-
-    from omni.compute import Prompt, SamplingParams, Text, TorchEngine
-
-    system_text = _constant("omni_dialogue", "SYSTEM")
-    started = _start(spec)
-    store = _store(spec)
-    engine = TorchEngine.from_pretrained(spec.model_dir, page_size=PAGE_SIZE, store=store)
-    encode = engine.tokenizer.encode
-    system = Text(encode(system_text))
-    params = SamplingParams(max_new_tokens=spec.max_tokens, temperature=0)
-
-    async def converse() -> list[Any]:
-        history: dict[str, list[Any]] = {}
-        results = []
-        for turn in spec.turns:
-            earlier = history.setdefault(turn.session, [])
-            message = [Text(encode("\nUser: " if earlier else "User: ")),
-                       Text(encode(f"{turn.text}\nAssistant:"))]
-            result = await engine.generate(Prompt([system, *earlier, *message]), params)
-            earlier.extend([*message, Text(result.token_ids)] if result.token_ids else message)
-            results.append(result)
-        return results
-
-    results = trio.run(converse)
-    return _finish("llm", started, [store], {
-        "token_ids": [list(r.token_ids) for r in results],
-        "prompt_tokens": [r.prompt_tokens for r in results],
-        "cached_tokens": [r.cached_tokens for r in results]})
-
-
-def speech_service(spec: Spec, replies: list[list[int]]) -> RoleRun:
-    """The speech decoder as its own service: the reply tokens in, a WAV per reply out, in
-    chunks of the example's `TOKENS_PER_CHUNK` tokens. It keeps no KV."""
-    from omni.compute.models import DecoderConfig
-    from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter
-
-    chunk = _constant("omni_dialogue", "TOKENS_PER_CHUNK")
-    config = DecoderConfig.from_hf(json.loads((Path(spec.model_dir) / "config.json").read_text()))
-    started = _start(spec)
-    decoder = SpeechDecoder(config.vocab_size, sample_rate=SAMPLE_RATE, seed=0)
-    wavs = []
-    with tempfile.TemporaryDirectory(prefix="omni-footprint-") as folder:
-        for i, reply in enumerate(replies):
-            path = Path(folder) / f"{i}.wav"
-            with WavWriter(path, SAMPLE_RATE) as writer:
-                for start in range(0, len(reply), chunk):
-                    writer.write(decoder.decode_chunk(reply[start:start + chunk]))
-            wavs.append(_digest(path.read_bytes()))
-    return _finish("speech", started, [], {"wav_sha256": wavs})

@@ -1,41 +1,39 @@
-"""Footprint: the examples as Omni runs them (roles sharing one KV copy) vs separate services.
+"""Footprint: the image example as Omni runs it (roles sharing one KV copy) vs separate services.
 
 The design's headline claim: a language model, its diffusion model and its speech decoder run
 as nodes of one graph sharing one paged KV cache, instead of as separate services that each
-keep their own copy. Two pipelines, each run two ways, with the same requests and outputs:
+keep their own copy. The image pipeline (examples/image_generation.py), run two ways with the
+same request and outputs: the LLM role reads a long text prompt and writes a short expansion;
+the diffusion role paints against prompt + expansion. **Omni**: the example's graph on one
+`omni.Runtime`, both roles on one engine (one copy of the weights) and one store: the
+diffusion role leases the LLM role's pages. **Separate**: an LLM service and a diffusion
+service, each its own process loading its own copy of the weights and keeping its own store
+(each server's prefix cache); the diffusion service computes the prompt's KV itself and
+caches it. k = 2 roles hold the prompt's KV.
 
-- image (examples/image_generation.py): the LLM role reads a long text prompt and writes a
-  short expansion; the diffusion role paints against prompt + expansion. **Omni**: the
-  example's graph on one `omni.Runtime`, both roles on one engine (one copy of the weights)
-  and one store: the diffusion role leases the LLM role's pages. **Separate**: an LLM service
-  and a diffusion service, each its own process loading its own copy of the weights and
-  keeping its own store (each server's prefix cache); the diffusion service computes the
-  prompt's KV itself and caches it. k = 2 roles hold the prompt's KV.
-- dialogue (examples/omni_dialogue.py): sessions of several turns; the LLM (`Dialogue`)
-  streams each reply to the speech decoder (`Speech`). Only the LLM attends to the prompt's
-  KV: the speech decoder turns token ids into audio and keeps none, so k = 1 and both designs
-  keep one copy (the turns and sessions share prefixes within the LLM's one store either
-  way). **Omni**: the example's graph on one runtime. **Separate**: an LLM service (its own
-  store, prefix caching on) and a speech service fed the reply tokens.
+The dialogue (examples/omni_dialogue.py) is not measured: only its LLM attends to the
+prompt's KV (the speech decoder turns token ids into audio and keeps none), so k = 1 and both
+designs keep one copy by construction. "Omni's KV <= 1/1 of the separate services'" could not
+fail, and a claim that cannot fail is not made.
 
-Every variant's process is spawned (nothing of this process's memory in it) and runs one
-pipeline's requests once; the separate services run one after the other, each in its own
-process, and their figures add up (run side by side, as services are, they hold the same at
-once). Per variant: resident KV bytes (pages in the stores at the end x page bytes, from
+Every variant's process is spawned (nothing of this process's memory in it) and runs the
+request once; the separate services run one after the other, each in its own process, and
+their figures add up (run side by side, as services are, they hold the same at once). Per
+variant: resident KV bytes (pages in the stores at the end x page bytes, from
 `KVStore.stats()`) and peak RSS (each process's VmHWM, summed): VmHWM, not ``ru_maxrss``,
 because a spawned child's ``ru_maxrss`` starts from its parent's RSS at the fork before exec.
 Also reported: RSS above each process's RSS right after its imports (the interpreter, torch
 and the libraries a separate service pays again), so the saving of the copies themselves
-shows apart from the processes'. Outputs must be equal (`outputs_equal`): every reply's
-tokens and WAV bytes exactly; the expansion exactly and the image's pixels within one level
-of 8 bits (the separate diffusion service computes the prompt's KV in another order of float
-sums than the LLM role's prefill; `compare_outputs`), the PNG's bytes reported as they are.
+shows apart from the processes'. Outputs must be equal (`outputs_equal`): the expansion
+exactly and the image's pixels within one level of 8 bits (the separate diffusion service
+computes the prompt's KV in another order of float sums than the LLM role's prefill;
+`compare_outputs`), the PNG's bytes reported as they are.
 
-Claims: KV bytes of Omni <= 1/k of the separate services' (k = the roles that hold the
+Claims: KV bytes of Omni <= 1/k of the separate services' (k = 2, the roles that hold the
 prompt's KV), and Omni's peak RSS below theirs. Order alternates over the repeats; one
 untimed round first (not in --quick). Model: a random Llama (hidden 512, 8 layers, 8 heads,
 4 KV heads, MLP 1536, vocab 512: ~26 M parameters, 16 KiB of KV per token) saved as a
-Hugging Face folder with a byte-level tokenizer.json, which the examples load through
+Hugging Face folder with a byte-level tokenizer.json, which the example loads through
 ``OMNI_MODEL``. Torch threads: 1 per process.
 
 Usage: ``python perf/footprint.py [--quick] [--repeats N] [--out PATH.json] [--plot PATH.png]``
@@ -63,7 +61,7 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
 
 from perf import _footprint_roles as roles
 from perf._common import Samples, claim, environment, plot_bars, write_json
-from perf._footprint_roles import DialogueTurn, RoleRun, Spec
+from perf._footprint_roles import RoleRun, Spec
 
 __all__ = ["Params", "main", "measure"]
 
@@ -71,9 +69,9 @@ MIB = 1 << 20
 WORDS = ("a red fox in deep snow under pale light near the old stone wall where the river "
          "bends past tall pines while crows circle above quiet fields of frost and amber "
          "grass at dusk").split()
-PIPELINES = {"image": 2, "dialogue": 1}  # k: the roles that hold the prompt's KV
+K = 2  # the roles that hold the prompt's KV: the LLM role and the diffusion role
 PIXEL_TOLERANCE = 1  # levels of an 8-bit pixel (see `compare_outputs`)
-COMPARED_ONLY = ("png_sha256", "pixels", "wav_sha256", "token_ids", "expansion",
+COMPARED_ONLY = ("png_sha256", "pixels", "expansion",
                  "expansion_text")  # outputs compared, not reported
 
 
@@ -96,20 +94,15 @@ class Params:
     steps: int = 8
     guidance: float = 3.0
     expand: int = 8
-    sessions: int = 4
-    turns_per_session: int = 3
-    user_tokens: int = 200  # characters of each user message
-    max_tokens: int = 32
     store_capacity: str = "256MiB"
     threads: int = 1
     quick: bool = False
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
-        """Sizes for a smoke run: the tiny model, short prompts, one round, no warm-up."""
+        """Sizes for a smoke run: the tiny model, a short prompt, one round, no warm-up."""
         return cls(seed=seed, repeats=1, warmup=False, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, prompt_tokens=256, steps=2,
-                   sessions=2, turns_per_session=2, user_tokens=40, max_tokens=8,
                    store_capacity="16MiB", quick=True)
 
     def model_overrides(self) -> dict[str, int]:
@@ -131,15 +124,11 @@ def _text(rng: random.Random, length: int) -> str:
 
 
 def make_spec(params: Params, model_dir: str) -> Spec:
-    """The requests of a run, seeded: the image prompt and the dialogue's turns (sessions
-    interleaved, as several users speaking)."""
+    """The request of a run, seeded: the image prompt and its sizes."""
     rng = random.Random(params.seed)
-    turns = tuple(DialogueTurn(f"user{s}", _text(rng, params.user_tokens))
-                  for _ in range(params.turns_per_session) for s in range(params.sessions))
     return Spec(model_dir=model_dir, prompt=_text(rng, params.prompt_tokens), width=params.width,
                 height=params.height, steps=params.steps, guidance=params.guidance,
-                seed=params.seed, expand=params.expand, turns=turns,
-                max_tokens=params.max_tokens, store_capacity=params.store_capacity,
+                seed=params.seed, expand=params.expand, store_capacity=params.store_capacity,
                 threads=params.threads)
 
 
@@ -156,8 +145,8 @@ def write_model(params: Params, folder: Path) -> dict[str, Any]:
     save_pretrained(model, config, folder)
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     vocab = {c: i + 3 for i, c in enumerate(sorted(byte_level.alphabet()))}
-    # Every other id gets a text of its own, so that a reply's text stands for its ids (the
-    # image graph's result gives the expansion as text only).
+    # Every other id gets a text of its own, so that the expansion's text stands for its ids
+    # (the image graph's result gives the expansion as text only).
     vocab.update({f"<|{i}|>": i for i in (*range(3), *range(3 + len(vocab), config.vocab_size))})
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = byte_level(add_prefix_space=False, use_regex=False)
@@ -183,15 +172,12 @@ def _child(fn: Callable[..., RoleRun], *args: Any) -> RoleRun:
         return pool.submit(fn, *args).result()
 
 
-def run_variant(pipeline: str, variant: str, spec: Spec) -> list[RoleRun]:
-    """One variant of one pipeline: its processes' records."""
+def run_variant(variant: str, spec: Spec) -> list[RoleRun]:
+    """One variant: its processes' records."""
     if variant == "omni":
-        return [_child(roles.omni_image if pipeline == "image" else roles.omni_dialogue, spec)]
-    if pipeline == "image":
-        llm = _child(roles.llm_image_service, spec)
-        return [llm, _child(roles.diffusion_service, spec, llm.outputs["expansion"])]
-    llm = _child(roles.llm_dialogue_service, spec)
-    return [llm, _child(roles.speech_service, spec, llm.outputs["token_ids"])]
+        return [_child(roles.omni_image, spec)]
+    llm = _child(roles.llm_image_service, spec)
+    return [llm, _child(roles.diffusion_service, spec, llm.outputs["expansion"])]
 
 
 def _outputs(runs: list[RoleRun]) -> dict[str, Any]:
@@ -199,21 +185,14 @@ def _outputs(runs: list[RoleRun]) -> dict[str, Any]:
     return {k: v for r in runs for k, v in r.outputs.items()}
 
 
-def compare_outputs(pipeline: str, reps: list[list[RoleRun]]) -> dict[str, Any]:
-    """Every repeat of both variants against the first: the dialogue's reply tokens and WAV
-    bytes exactly; the image's expansion exactly (its text: every id has its own, see
-    `write_model`) and its pixels within `PIXEL_TOLERANCE` levels. Why a tolerance: the LLM
-    role's pages come from the engine's prefill and decode steps, the separate diffusion
-    service computes the same KV in one forward pass; float32 sums in another order move a
-    latent by ~1e-6, which can cross a rounding boundary of an 8-bit pixel. Wrong KV would
-    change the whole image."""
+def compare_outputs(reps: list[list[RoleRun]]) -> dict[str, Any]:
+    """Every repeat of both variants against the first: the expansion exactly (its text: every
+    id has its own, see `write_model`) and the image's pixels within `PIXEL_TOLERANCE` levels.
+    Why a tolerance: the LLM role's pages come from the engine's prefill and decode steps, the
+    separate diffusion service computes the same KV in one forward pass; float32 sums in
+    another order move a latent by ~1e-6, which can cross a rounding boundary of an 8-bit
+    pixel. Wrong KV would change the whole image."""
     ref, others = _outputs(reps[0]), [_outputs(rep) for rep in reps[1:]]
-    if pipeline == "dialogue":
-        equal = all(o["token_ids"] == ref["token_ids"] and o["wav_sha256"] == ref["wav_sha256"]
-                    for o in others)
-        return {"equal": equal, "compared": "every reply's token ids and WAV bytes, exactly",
-                "replies": len(ref["token_ids"]),
-                "tokens": sum(len(t) for t in ref["token_ids"])}
     diffs = [np.abs(o["pixels"].astype(np.int16) - ref["pixels"].astype(np.int16))
              for o in others]
     max_diff = max((int(d.max()) for d in diffs), default=0)
@@ -229,21 +208,19 @@ def compare_outputs(pipeline: str, reps: list[list[RoleRun]]) -> dict[str, Any]:
             "max_pixel_diff": max_diff}
 
 
-def collect(params: Params, spec: Spec) -> dict[str, dict[str, list[list[RoleRun]]]]:
-    """Every pipeline's variants over the repeats (after an untimed round 0), the order of the
-    two variants reversed every round; each variant's time on stderr."""
-    runs: dict[str, dict[str, list[list[RoleRun]]]] = {
-        p: {"omni": [], "separate": []} for p in PIPELINES}
+def collect(params: Params, spec: Spec) -> dict[str, list[list[RoleRun]]]:
+    """Both variants over the repeats (after an untimed round 0), their order reversed every
+    round; each variant's time on stderr."""
+    runs: dict[str, list[list[RoleRun]]] = {"omni": [], "separate": []}
     for r in range(-1 if params.warmup else 0, params.repeats):
-        for pipeline in PIPELINES:
-            order = ["omni", "separate"] if r % 2 == 0 else ["separate", "omni"]
-            for variant in order:
-                started = time.perf_counter()
-                result = run_variant(pipeline, variant, spec)
-                print(f"round {r + 1}/{params.repeats} {pipeline} {variant}: "
-                      f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-                if r >= 0:
-                    runs[pipeline][variant].append(result)
+        order = ["omni", "separate"] if r % 2 == 0 else ["separate", "omni"]
+        for variant in order:
+            started = time.perf_counter()
+            result = run_variant(variant, spec)
+            print(f"round {r + 1}/{params.repeats} image {variant}: "
+                  f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            if r >= 0:
+                runs[variant].append(result)
     return runs
 
 
@@ -312,26 +289,21 @@ def _rss_claim(runs: dict[str, list[list[RoleRun]]], equal: bool,
                   f"~{imports:.0f} MiB once it has imported torch and Omni; above that, Omni's "
                   f"process peaks at {above['omni'].median:.0f} MiB and the services' at "
                   f"{above['separate'].median:.0f} MiB together ({above_ratio:.2f}x; "
-                  + (f"a copy of the weights is {extra['weights_mib']:.0f} MiB and of the "
-                     f"prompts' KV {extra['kv_mib']:.0f} MiB, which the services hold twice)"
-                     if extra["kv_mib"] > 0 else
-                     "the services hold the weights and the KV once as well: the second "
-                     "process is the whole difference)")
+                  f"a copy of the weights is {extra['weights_mib']:.0f} MiB and of the "
+                  f"prompt's KV {extra['kv_mib']:.0f} MiB, which the services hold twice)"
                   + ("" if equal else "; the outputs differ, so the claim does not hold"))
     return out
 
 
-def summarise(pipeline: str, runs: dict[str, list[list[RoleRun]]],
-              model: dict[str, Any]) -> dict[str, Any]:
-    """One pipeline's claims, figures and output check."""
-    k = PIPELINES[pipeline]
-    outputs = compare_outputs(pipeline, [*runs["omni"], *runs["separate"]])
+def summarise(runs: dict[str, list[list[RoleRun]]], model: dict[str, Any]) -> dict[str, Any]:
+    """The image pipeline's claims, figures and output check."""
+    outputs = compare_outputs([*runs["omni"], *runs["separate"]])
     equal = outputs.pop("equal")
     kv = {v: _samples(runs[v], lambda p: p.kv_bytes) for v in runs}
     extra = {"weights_mib": model["weight_bytes"] / MIB,
              "kv_mib": kv["separate"].median - kv["omni"].median}
-    return {"k": k, "outputs_equal": equal, "outputs": outputs,
-            "kv_bytes": _kv_claim(k, kv, equal),
+    return {"k": K, "outputs_equal": equal, "outputs": outputs,
+            "kv_bytes": _kv_claim(K, kv, equal),
             "peak_rss": _rss_claim(runs, equal, extra),
             "processes": {v: _processes(runs[v]) for v in runs}}
 
@@ -348,14 +320,11 @@ def measure(params: Params) -> dict[str, Any]:
         "benchmark": "footprint",
         "env": {**environment(), "torch": torch.__version__, "torch_threads": params.threads},
         "params": asdict(params), "model": model,
-        "requests": {"image_prompt_chars": len(spec.prompt), "dialogue_turns": len(spec.turns),
-                     "sessions": params.sessions},
+        "requests": {"image_prompt_chars": len(spec.prompt)},
+        "image": summarise(runs, model),
     }
-    for pipeline in PIPELINES:
-        result[pipeline] = summarise(pipeline, runs[pipeline], model)
-    result["outputs_equal"] = all(result[p]["outputs_equal"] for p in PIPELINES)
-    result["all_pass"] = all(result[p][c]["pass"] for p in PIPELINES
-                             for c in ("kv_bytes", "peak_rss"))
+    result["outputs_equal"] = result["image"]["outputs_equal"]
+    result["all_pass"] = all(result["image"][c]["pass"] for c in ("kv_bytes", "peak_rss"))
     return result
 
 
@@ -364,11 +333,11 @@ def _plot(result: dict[str, Any], path: str) -> None:
         return {"Omni": Samples(tuple(c["measured"]["runs"])),
                 "separate": Samples(tuple(c["baseline"]["runs"]))}
 
+    image = result["image"]
     plot_bars(path, "Footprint: roles sharing one KV copy (Omni) vs separate services", [
-        (f"{p}: resident KV (k = {result[p]['k']})", "MiB (lower is better)",
-         bars(result[p]["kv_bytes"])) for p in PIPELINES] + [
-        (f"{p}: peak RSS, all processes", "MiB (lower is better)", bars(result[p]["peak_rss"]))
-        for p in PIPELINES])
+        (f"image: resident KV (k = {image['k']})", "MiB (lower is better)",
+         bars(image["kv_bytes"])),
+        ("image: peak RSS, all processes", "MiB (lower is better)", bars(image["peak_rss"]))])
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -10,9 +10,10 @@ lowercase letters (no match, so every step pays the full check), for L in `lengt
 Tokenizers: "byte" (`ByteTokenizer`) and "bpe" (a byte-level BPE of 1,000 tokens trained by the
 `tokenizers` library on generated text, read through `HFTokenizer`, as a checkpoint's is).
 
-Claim: the tail window's check costs the same at the longest output as at the shortest
-(ratio <= 1.5, target), where the whole-output check grows with L; the whole-output cost at
-the longest L over the window's is reported as the speed-up.
+Claim: at the longest output (16,384 tokens) the whole-output check costs at least 50x the tail
+window's (ratio = whole / window, target >= 50), which a window that grew with L would break.
+How flat the window's cost is (its cost at the longest L over the shortest) is reported beside
+it as `flatness`.
 
 Usage: ``python perf/stop_window.py [--quick] [--seed N] [--repeats N] [--out PATH.json]``
 """
@@ -45,7 +46,7 @@ from perf._common import (
 
 __all__ = ["Params", "main", "measure"]
 
-TARGET = 1.5  # the window's step cost at the longest output / at the shortest, at most
+TARGET = 50.0  # whole-output check / tail window's, at the longest output, at least
 STOPS = SamplingParams(max_new_tokens=None, stop=["\n\n", "</answer>"], stop_regex=["[0-9]{3}"])
 
 
@@ -118,20 +119,22 @@ def measure(params: Params, tokenizers: dict[str, Any]) -> dict[str, Any]:
 
 
 def claims(measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """One claim per tokenizer: the window's cost is flat in the output's length."""
+    """One claim per tokenizer: at the longest output, the whole-output check costs at
+    least `TARGET` times the window's."""
     out = []
     for name, cases in measured.items():
         first, last = cases[0], cases[-1]
-        ratio = last["window"].median / first["window"].median
+        ratio = last["whole"].median / last["window"].median
         out.append({"tokenizer": name, **claim(
             unit="us per check", target=TARGET, measured=last["window"],
-            baseline=last["whole"], ratio=ratio, passed=ratio <= TARGET, digits=2,
+            baseline=last["whole"], ratio=ratio, passed=ratio >= TARGET, digits=2,
             window_at_shortest=first["window"].to_json(2),
-            speedup_at_longest=round(last["whole"].median / last["window"].median, 1),
+            flatness=round(last["window"].median / first["window"].median, 3),
             cases=[{"length": c["length"], "window": c["window"].to_json(2),
                     "whole": c["whole"].to_json(2)} for c in cases],
-            note=(f"ratio: window cost at {last['length']} tokens / at {first['length']}; "
-                  f"baseline: the whole output decoded and searched at {last['length']}"))})
+            note=(f"ratio: the whole output decoded and searched at {last['length']} tokens / "
+                  f"the tail window at {last['length']}; flatness: the window at "
+                  f"{last['length']} / at {first['length']}"))})
     return out
 
 

@@ -1,4 +1,6 @@
-"""Fixtures for the CLI tests: run ``python -m cli`` in a subprocess, write graph files."""
+"""Fixtures for the CLI tests: run the ``omni`` command in this process (typer's `CliRunner`),
+write graph files. Tests whose behaviour is the operating system's (signals, a pipe read as it
+fills) start ``python -m cli`` as a real process themselves and are marked ``proc``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,13 +127,26 @@ def graphs(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def omni_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Run ``python -m cli ARGS`` (cwd: the repo root unless given); capture text output."""
+def omni_cli(monkeypatch: pytest.MonkeyPatch) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run ``omni ARGS`` in this process (cwd: the repo root unless given); its exit code and
+    text output as a `CompletedProcess`. What a graph file adds to ``sys.path`` and
+    ``sys.modules`` is undone after each run, as a new process would start without it."""
 
     def run(*args: str, cwd: Path = REPO_ROOT, stdin: str | None = None
             ) -> subprocess.CompletedProcess[str]:
-        feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
-        return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, **feed,
-                              capture_output=True, text=True, env=cli_env(), timeout=60)
+        path, modules = list(sys.path), set(sys.modules)
+        with monkeypatch.context() as patch:
+            patch.chdir(cwd)
+            result = CliRunner().invoke(app, list(args), input=stdin or "", env=cli_env(),
+                                        catch_exceptions=False, prog_name="omni")
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            if name.startswith("_omni_file_") or name in GRAPH_FILES_MODULES:
+                del sys.modules[name]
+        return subprocess.CompletedProcess(["omni", *args], result.exit_code, result.stdout,
+                                           result.stderr)
 
     return run
+
+
+GRAPH_FILES_MODULES = {name.removesuffix(".py") for name in GRAPH_FILES}

@@ -8,6 +8,7 @@ import torch
 import trio
 
 import omni
+from omni._shm import shm_directory
 from omni.kv import KVConfig, KVLayout, KVStore, TierConfig, block_keys
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
@@ -29,8 +30,8 @@ async def test_runtime_builds_serves_and_closes_a_configured_store():
         store = await rt.run(which_store, x=1)
         assert isinstance(store, KVStore) and store is rt.kv
         arena = f"omni-{store.store_id}-host"
-        assert arena in os.listdir("/dev/shm")
-    assert arena not in os.listdir("/dev/shm")  # the runtime built it, the runtime closed it
+        assert arena in os.listdir(shm_directory())
+    assert arena not in os.listdir(shm_directory())  # the runtime built it, the runtime closed it
 
 
 async def test_a_store_passed_in_stays_open_after_the_runtime():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import trio
 
+from omni._shm import shm_directory
 from omni.kv import (
     KVCapacityError,
     KVError,
@@ -300,10 +301,10 @@ def test_disk_files_are_private_and_removed_on_close(tmp_path):
 def test_shared_memory_is_removed_on_close(tmp_path):
     store = make_store(tmp_path)
     names = [f"omni-{store.store_id}-{t}" for t in ("device", "host", "leases")]
-    shm = set(os.listdir("/dev/shm"))
+    shm = set(os.listdir(shm_directory()))
     assert all(n in shm for n in names)
     store.close()
-    assert not set(names) & set(os.listdir("/dev/shm"))
+    assert not set(names) & set(os.listdir(shm_directory()))
 
 
 async def test_trio_can_wait_for_prefetch_while_other_tasks_run(tmp_path):

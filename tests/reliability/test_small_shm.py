@@ -45,8 +45,9 @@ def _small_shm() -> tuple[str, ...]:
 
 def _run_small(args: list[str], env: dict[str, str] | None = None, timeout: float = 300
                ) -> subprocess.CompletedProcess[str]:
+    inherited = {k: v for k, v in os.environ.items() if k != "OMNI_SHM_DIR"}  # /dev/shm itself
     result = subprocess.run([*_small_shm(), *args], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, **(env or {})}, timeout=timeout)
+                            env={**inherited, **(env or {})}, timeout=timeout)
     assert result.returncode != -signal.SIGBUS, f"died of SIGBUS:\n{result.stderr[-3000:]}"
     assert result.returncode == 0, result.stderr[-3000:]
     return result
