@@ -6,7 +6,12 @@ counts as a module that imports what it imports)."""
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,3 +119,27 @@ def test_no_package_has_an_import_cycle() -> None:
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+# What a light entry point must not load, checked in order in one fresh interpreter (each
+# check before any later import could load it): `omni run` and a cluster head start without
+# torch, the OpenAI marks are importable by a graph file without it, and xgrammar loads only
+# when a request is constrained.
+LIGHT_IMPORTS = [("omni", "torch"), ("omni.transport", "torch"),
+                 ("omni.transport.kv_directory", "torch"), ("omni.transport.kv_events", "torch"),
+                 ("omni.serve.openai", "torch"), ("omni.compute", "xgrammar")]
+
+
+@pytest.mark.proc  # a fresh interpreter's sys.modules: nothing imported before the check
+def test_light_entry_points_import_no_heavy_library() -> None:
+    code = ("import importlib, json, sys\n"
+            f"checks = {LIGHT_IMPORTS!r}\n"
+            "loaded = []\n"
+            "for module, heavy in checks:\n"
+            "    importlib.import_module(module)\n"
+            "    loaded.append([module, heavy, heavy in sys.modules])\n"
+            "print(json.dumps(loaded))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [[module, heavy, False] for module, heavy in LIGHT_IMPORTS]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 import trio
 
@@ -15,7 +16,7 @@ from omni import _openmp
 from omni.compute.engine import TorchEngine
 from omni.compute.models import tiny_model
 from omni.compute.sampling import SamplingParams
-from tests.perf._run import ROOT
+from tests._cli import ROOT
 
 # A joined thread can stay listed in /proc/self/task for a moment after pthread_join returns
 # (the kernel reaps it just after waking the joiner), so counts are read once they settle.
@@ -43,6 +44,7 @@ print(base, with_pool, released, after, release_openmp_pool(), threads(expected=
 """
 
 
+@pytest.mark.proc  # a fresh process: its threads, counted in /proc
 def test_release_frees_the_calling_threads_openmp_workers_and_nothing_else() -> None:
     """In a fresh process (2 torch threads): the main thread's parallel op starts one worker
     thread; releasing frees it; releasing again, with no pool, changes nothing."""
@@ -71,6 +73,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.proc  # a fresh process: its threads, counted in /proc
 def test_a_worker_gives_its_own_pool_back_only_when_asked() -> None:
     """keep_pool=False (the KV store's prefetch): the idle worker thread keeps no OpenMP
     workers; the default (an engine's steps): it keeps them for the next step."""

@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import threading
-import time
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import torch
 from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 from omni.kv.layout import KVLayout, LayoutSpec
-from omni.kv.leases import LeaseTable, table_name
+from omni.kv.leases import LeaseTable, now_ns, table_name
 
 if TYPE_CHECKING:
     from omni.kv.store import KVStore
@@ -157,7 +156,7 @@ class OpenedPages:
 
         Raises KVLeaseError when it has already ended."""
         d = self.descriptor
-        self._table.renew(d.lease_slot, d.lease_id, time.monotonic_ns() + int(ttl * 1e9))
+        self._table.renew(d.lease_slot, d.lease_id, now_ns() + int(ttl * 1e9))
 
     def close(self) -> None:
         """Give the lease back (idempotent)."""

@@ -12,6 +12,9 @@ kernel gave to another process since is not taken for the owner). A store that s
 the shared memory of stores whose owner is gone (`reclaim_dead_stores`): a process killed with
 SIGKILL cannot unlink its own. The owner record can never pass for a lease: its "expiry" is a
 pid, long past, and holders may not release or renew record 0.
+
+Every reading of that clock goes through `now_ns` (this module's `clock`), so that a test can
+move time forward for expiries instead of waiting for it to pass.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ import numpy as np
 from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 
-__all__ = ["LeaseRecord", "LeaseTable", "reclaim_dead_stores"]
+__all__ = ["LeaseRecord", "LeaseTable", "clock", "now_ns", "reclaim_dead_stores"]
+
+clock = time.monotonic_ns  # CLOCK_MONOTONIC: the same clock in every process of the machine
+
+
+def now_ns() -> int:
+    """The leases' clock now, in nanoseconds."""
+    return clock()
+
 
 # One record per exported lease; 8-byte fields so that each store is a single aligned write.
 LeaseRecord = np.dtype([("lease_id", "<u8"), ("expiry_ns", "<u8"), ("released_id", "<u8")])
@@ -69,11 +80,11 @@ class LeaseTable:
         self.records[slot] = (lease_id, expiry_ns, 0)
         return slot
 
-    def finished(self, slots: list[int], now_ns: int | None = None) -> list[int]:
+    def finished(self, slots: list[int]) -> list[int]:
         """Those of `slots` whose lease was released by its holder or has expired."""
         if not slots:
             return []
-        now = time.monotonic_ns() if now_ns is None else now_ns
+        now = now_ns()
         rec = self.records[slots]
         done = (rec["released_id"] == rec["lease_id"]) | (rec["expiry_ns"] <= now)
         return [s for s, d in zip(slots, done.tolist(), strict=True) if d]
@@ -91,7 +102,7 @@ class LeaseTable:
         lease, expiry, released = self.records[slot].tolist()
         if lease != lease_id or released == lease_id:
             raise KVLeaseError(f"lease {lease_id} is unknown or was released")
-        if expiry <= time.monotonic_ns():
+        if expiry <= now_ns():
             raise KVLeaseError(f"lease {lease_id} has expired")
 
     def release(self, slot: int, lease_id: int) -> None:

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +27,7 @@ from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease, PageDescriptor
 from omni.kv.layout import KVLayout, parse_size
-from omni.kv.leases import LeaseTable, reclaim_dead_stores
+from omni.kv.leases import LeaseTable, now_ns, reclaim_dead_stores
 from omni.kv.manager import TierManager
 from omni.kv.peers import PeerSource
 from omni.kv.policy import EvictionPolicy, make_policy
@@ -506,7 +505,7 @@ class KVStore:
             self._check_open()
             self._sweep()  # records that holders gave back are free again
             lease_id = next(self._lease_ids)
-            expiry = time.monotonic_ns() + int(seconds * 1e9)
+            expiry = now_ns() + int(seconds * 1e9)
             record = self._table.export(lease_id, expiry)
             for key in keys:
                 self._manager.pin(key)

@@ -4,19 +4,17 @@ fills) start ``python -m cli`` as a real process themselves and are marked ``pro
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from cli.main import app
+from tests._cli import ROOT, cli_env, run_omni
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = ROOT
+__all__ = ["GRAPH_FILES", "REPO_ROOT", "cli_env"]
 
 # Small graph files the tests run; each fixture call writes them all into tmp_path.
 GRAPH_FILES = {
@@ -112,12 +110,6 @@ GRAPH_FILES = {
 }
 
 
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(NO_COLOR="1", COLUMNS="200", PYTHONDONTWRITEBYTECODE="1")
-    return env
-
-
 @pytest.fixture
 def graphs(tmp_path: Path) -> Path:
     """A folder holding `GRAPH_FILES`."""
@@ -127,26 +119,6 @@ def graphs(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def omni_cli(monkeypatch: pytest.MonkeyPatch) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Run ``omni ARGS`` in this process (cwd: the repo root unless given); its exit code and
-    text output as a `CompletedProcess`. What a graph file adds to ``sys.path`` and
-    ``sys.modules`` is undone after each run, as a new process would start without it."""
-
-    def run(*args: str, cwd: Path = REPO_ROOT, stdin: str | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        path, modules = list(sys.path), set(sys.modules)
-        with monkeypatch.context() as patch:
-            patch.chdir(cwd)
-            result = CliRunner().invoke(app, list(args), input=stdin or "", env=cli_env(),
-                                        catch_exceptions=False, prog_name="omni")
-        sys.path[:] = path
-        for name in set(sys.modules) - modules:
-            if name.startswith("_omni_file_") or name in GRAPH_FILES_MODULES:
-                del sys.modules[name]
-        return subprocess.CompletedProcess(["omni", *args], result.exit_code, result.stdout,
-                                           result.stderr)
-
-    return run
-
-
-GRAPH_FILES_MODULES = {name.removesuffix(".py") for name in GRAPH_FILES}
+def omni_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run ``omni ARGS`` in this process (`tests._cli.run_omni`)."""
+    return run_omni

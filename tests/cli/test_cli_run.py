@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.cli.conftest import cli_env
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
@@ -131,6 +133,7 @@ def main(gate: str):
 """
 
 
+@pytest.mark.proc
 def test_a_line_is_seen_while_the_stream_pauses(tmp_path: Path) -> None:
     """Text output is buffered for speed, yet a line printed before a pause reaches the reader
     during the pause: the stream only goes on once the reader has seen its first item."""
@@ -203,6 +206,7 @@ def _reading_stdin(graphs: Path) -> subprocess.Popen:
                             bufsize=1, env=cli_env())
 
 
+@pytest.mark.proc
 def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
     """``--inputs-json -`` reads a request at a time: each is answered before the next is
     written (so a stream of requests never has to end, nor be held whole), and a bad line
@@ -226,6 +230,7 @@ def test_requests_on_stdin_are_answered_as_they_arrive(graphs: Path) -> None:
     assert error.startswith("error: <stdin>:5: graph 'echo' has no input 'zzz'"), errors
 
 
+@pytest.mark.proc
 def test_sigterm_while_waiting_for_stdin_ends_the_run_in_one_line(graphs: Path) -> None:
     """A run waiting for its next request on stdin (after answering one) ends on SIGTERM like
     any other: exit 143, one line, no abort of an interpreter with a reader still blocked."""

@@ -2,12 +2,9 @@
 store, run twice through `omni run`; the second request reuses the first one's pages."""
 
 import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._cli import run_omni
 
 GRAPH = '''
     import omni
@@ -36,10 +33,8 @@ def test_a_second_request_reuses_the_first_ones_kv_through_the_cli(tmp_path):
     system = "You are a terse assistant. " * 3
     lines = [{"text": system + "Hi."}, {"text": system + "Hello there."}]
     (tmp_path / "turns.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    out = subprocess.run([sys.executable, "-m", "cli", "run", str(tmp_path / "chat.py"),
-                          "--inputs-json", str(tmp_path / "turns.jsonl"), "--json",
-                          "--kv-host", "8MiB"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = run_omni("run", str(tmp_path / "chat.py"), "--inputs-json",
+                   str(tmp_path / "turns.jsonl"), "--json", "--kv-host", "8MiB")
     assert out.returncode == 0, out.stderr
     first, second = (json.loads(line)["output"] for line in out.stdout.splitlines())
     assert first["cached_tokens"] == 0

@@ -4,10 +4,8 @@ one; bad inputs fail their request with one readable line; `omni graph show`; re
 (HF-format) weights from OMNI_MODEL."""
 
 import json
-import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from omni.compute.models import save_pretrained, tiny_config, tiny_model
+from tests._cli import run_omni
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = "examples/image_generation.py"
@@ -27,10 +26,9 @@ FIELDS = {"out", "width", "height", "steps", "prompt_tokens", "prompt_tokens_reu
           "seconds_per_step", "kv_bytes_resident", "kv_bytes_separate", "timing"}
 
 
-def omni(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "OMNI_MODEL"}
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**environ, **(env or {})})
+def omni(*args: str) -> subprocess.CompletedProcess:
+    """``omni ARGS`` in this process, with the built-in tiny model (no ``OMNI_MODEL``)."""
+    return run_omni(*args, env={"OMNI_MODEL": None})
 
 
 def write_jsonl(path: Path, lines: list[dict]) -> str:

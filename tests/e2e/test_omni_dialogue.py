@@ -4,9 +4,6 @@ across tiers), cached replies equal recomputed ones, audio and images go in, WAV
 import functools
 import gc
 import json
-import os
-import subprocess
-import sys
 import wave
 from pathlib import Path
 
@@ -23,6 +20,7 @@ from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
 from omni.compute.models import save_pretrained, tiny_model
 from omni.compute.speech import SAMPLE_RATE, read_wav, write_wav
 from omni.kv import KVStore
+from tests._cli import run_omni
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "omni_dialogue.py"
@@ -41,11 +39,8 @@ def omni_run(tmp_path, turns, *options):
         path = tmp_path / "turns.jsonl"
         path.write_text("".join(json.dumps(t) + "\n" for t in turns))
         turns = path
-    env = {**os.environ, "OMNI_DIALOGUE_OUT": str(tmp_path / "out")}
-    env.pop("OMNI_MODEL", None)
-    done = subprocess.run([sys.executable, "-m", "cli", "run", str(EXAMPLE), "--inputs-json",
-                           str(turns), "--json", *options], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = run_omni("run", str(EXAMPLE), "--inputs-json", str(turns), "--json", *options,
+                    env={"OMNI_DIALOGUE_OUT": str(tmp_path / "out"), "OMNI_MODEL": None})
     results = [json.loads(line) for line in done.stdout.splitlines()]
     return done.returncode, [r.get("output", r) for r in results], done.stderr
 
@@ -117,7 +112,7 @@ async def test_a_cached_second_turn_equals_recomputing_its_whole_prompt(demo, ex
     assert again.token_ids == alice_2["token_ids"]
 
 
-async def test_idle_sessions_go_down_to_disk_and_come_back(demo, tmp_path):
+def test_idle_sessions_go_down_to_disk_and_come_back(demo, tmp_path):
     # A 10-page device tier (the tiny model's pages are 8 KiB) and a disk tier: each session's
     # pages are pushed to disk by the other one's turn, and read back on its next turn.
     code, results, stderr = omni_run(tmp_path, TURNS, "--kv-device", "80KiB",

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,8 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import omni
 from omni.graph.metrics import LATENCY_BUCKETS, Metrics
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests._cli import run_omni
 
 
 @omni.node
@@ -95,18 +91,16 @@ async def test_other_paths_are_not_found() -> None:
 
 
 def test_omni_run_serves_metrics_and_reports_a_taken_port() -> None:
-    done = subprocess.run([sys.executable, "-m", "cli", "run", "examples/hello.py", "--input",
-                           "text=hi there", "--metrics-port", "0"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = run_omni("run", "examples/hello.py", "--input", "text=hi there", "--metrics-port",
+                    "0")
     assert done.returncode == 0, done.stderr
     assert re.search(r"metrics at http://127\.0\.0\.1:\d+/metrics", done.stderr)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "cli", "run", "examples/hello.py",
-                               "--input", "text=hi", "--metrics-port", str(port)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        done = run_omni("run", "examples/hello.py", "--input", "text=hi", "--metrics-port",
+                        str(port))
     assert done.returncode == 2
     assert done.stderr.strip().startswith(f"error: cannot serve metrics on port {port}")
 

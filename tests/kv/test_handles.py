@@ -3,7 +3,6 @@
 import subprocess
 import sys
 import textwrap
-import time
 
 import msgspec
 import pytest
@@ -59,6 +58,7 @@ def put_pages(store, n=3):
     return keys, pages
 
 
+@pytest.mark.proc  # same-host shared memory, mapped and written by another process
 def test_another_process_maps_the_same_memory(store):
     keys, pages = put_pages(store)
     with store.acquire(keys) as lease:
@@ -80,21 +80,22 @@ def test_an_exported_lease_outlives_the_local_one(store):
     assert store.stats()["leases"]["pinned_pages"] == 0
 
 
-def test_a_crashed_consumer_pins_nothing_after_the_lease_expires(store):
+@pytest.mark.proc  # a consumer process that dies without giving its lease back
+def test_a_crashed_consumer_pins_nothing_after_the_lease_expires(store, lease_clock):
     keys, _ = put_pages(store)
     with store.acquire(keys) as lease:
         desc = lease.descriptor()
     run_child(desc, mode="crash")
     assert store.stats()["leases"]["exported"] == 1
-    time.sleep(0.35)
+    lease_clock.advance(store.lease_ttl)
     assert store.stats()["leases"] == {"open": 0, "exported": 0, "pinned_pages": 0}
 
 
-def test_an_expired_descriptor_is_refused(store):
+def test_an_expired_descriptor_is_refused(store, lease_clock):
     keys, _ = put_pages(store)
     with store.acquire(keys) as lease:
         desc = lease.descriptor(ttl=0.05)
-    time.sleep(0.1)
+    lease_clock.advance(0.05)
     with pytest.raises(KVLeaseError, match="expired"):
         open_descriptor(desc)
 

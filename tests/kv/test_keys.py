@@ -140,6 +140,7 @@ def test_int32_extremes_are_accepted() -> None:
     assert len(block_keys([-(2**31), 2**31 - 1], 1)) == 2
 
 
+@pytest.mark.proc  # interpreters started with other PYTHONHASHSEEDs
 def test_keys_are_the_same_in_processes_with_different_hash_seeds() -> None:
     """Keys do not depend on PYTHONHASHSEED (no `hash()`): two subprocesses agree with this one."""
     # keys.py is loaded by path so the subprocess skips `omni.kv`'s torch import (seconds).

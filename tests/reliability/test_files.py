@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import trio
 
 import omni
@@ -111,6 +112,7 @@ GRAPH = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.proc  # a process's files and shared memory gone once it exits
 def test_what_it_creates_is_removed_on_clean_exit(tmp_path, record):
     tally = Tally()
     # A store closed, and one garbage-collected.

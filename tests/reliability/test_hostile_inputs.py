@@ -102,6 +102,7 @@ def _limited_memory() -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
 
 
+@pytest.mark.proc  # the OS's endless and binary files, read under a real memory limit
 def test_an_endless_or_binary_inputs_file_is_refused_at_once(tmp_path, record):
     """``--inputs-json /dev/zero`` (no line end, ever), ``/dev/urandom`` (binary) and a line
     of more than 16 MiB on stdin: each one line naming where, exit 2, nothing run."""

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import trio
 
 from omni.transport import RPCClient
@@ -47,6 +48,7 @@ async def wait_for(predicate, what: str) -> None:
     raise AssertionError(f"not within {CAP:.0f} s under load: {what}")
 
 
+@pytest.mark.proc  # SIGSTOP of a peer process
 async def test_a_loaded_machine_tells_a_slow_peer_from_a_stopped_one(record):
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                for _ in range(2 * (os.cpu_count() or 1))]

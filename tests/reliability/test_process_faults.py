@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import msgspec
@@ -57,7 +56,8 @@ def child(script: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
-def test_a_worker_killed_while_holding_leases(record):
+@pytest.mark.proc  # SIGKILL of a lease holder
+def test_a_worker_killed_while_holding_leases(lease_clock, record):
     with make_store(device=8, host=8) as store:
         proc = child(HOLDER)
         try:
@@ -84,7 +84,7 @@ def test_a_worker_killed_while_holding_leases(record):
         store.put(others, pages_of(others))
         with store.acquire(others) as lease:
             check_pages(others, lease.pages())
-        time.sleep(max(0.0, (max(d.expiry_ns for d in descriptors) - time.monotonic_ns()) / 1e9))
+        lease_clock.advance(max(0, max(d.expiry_ns for d in descriptors) - lease_clock()) / 1e9)
         assert store.stats()["leases"] == {"open": 0, "exported": 0, "pinned_pages": 0}
         # Now evictable: new pages push every one of them out.
         fresh = keys_for(16, start=200, extra="killed")
@@ -140,6 +140,7 @@ class OneHolder:
         return ("w", len(keys))
 
 
+@pytest.mark.proc  # SIGKILL mid-transfer
 async def test_a_worker_killed_mid_transfer(record):
     keys = keys_for(8, extra="transfer")
     proc = child(SERVER)
@@ -227,6 +228,7 @@ STARTS_A_STORE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.proc  # dead owners' shared memory reclaimed
 def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record, tmp_path,
                                                                          monkeypatch):
     """Store owners SIGKILLed cannot unlink their arenas and lease tables; the next store to

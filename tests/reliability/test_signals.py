@@ -10,8 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+import pytest
+
+from tests._wait import wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,11 +57,11 @@ def _run_and_signal(tmp_path: Path, signum: int) -> tuple[int, str, list[str]]:
          "--kv-host", "4KiB", "--kv-disk", "64KiB"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not paths_file.exists() or not paths_file.read_text():
+        def started() -> bool:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.05)
+            return paths_file.exists() and bool(paths_file.read_text())
+
+        wait_until_sync(started, "the request to start", cap=120)
         paths = json.loads(paths_file.read_text())
         assert all(Path(p).exists() for p in paths) and len(paths) == 3
         proc.send_signal(signum)
@@ -70,6 +73,7 @@ def _run_and_signal(tmp_path: Path, signum: int) -> tuple[int, str, list[str]]:
     return proc.returncode, err, paths
 
 
+@pytest.mark.proc  # SIGINT and SIGTERM exit codes and cleanup
 def test_sigint_and_sigterm_mid_run_clean_up_and_exit_with_one_line(tmp_path, record):
     outcomes = []
     for signum, code, line in ((signal.SIGTERM, 143, "error: terminated"),

@@ -110,6 +110,7 @@ STORE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.proc  # a 64 MiB /dev/shm in a mount namespace
 def test_a_store_configured_beyond_a_small_shm_fills_it_then_evicts(record):
     result = _run_small([sys.executable, "-c", STORE])
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -134,6 +135,7 @@ def test_a_store_configured_beyond_a_small_shm_fills_it_then_evicts(record):
                    f"{out['missed']} misses; no SIGBUS")
 
 
+@pytest.mark.proc  # a 64 MiB /dev/shm in a mount namespace
 def test_the_default_dialogue_run_starts_and_serves_in_a_64_mib_shm(record, tmp_path):
     """The default tiers (a 256 MiB device tier, a 1 GiB host tier) take /dev/shm as pages
     arrive, so `omni run` fits where reserving them whole could not start."""

@@ -6,12 +6,12 @@ exit status, nothing run, and no traceback."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from tests._cli import run_omni
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,9 +75,7 @@ TYPED = textwrap.dedent('''
 
 
 def omni_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "NO_COLOR": "1", "XDG_CACHE_HOME": str(cwd / "cache")}
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    return run_omni(*args, cwd=cwd, env={"XDG_CACHE_HOME": str(cwd / "cache")})
 
 
 def one_error_line(done: subprocess.CompletedProcess[str], status: int, fragment: str) -> None:

@@ -240,6 +240,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.proc  # same-host shared memory between two processes
 def test_shared_memory_reaches_another_process(store: KVStore) -> None:
     keys, pages = stored(store)
     with store.acquire(keys) as lease:

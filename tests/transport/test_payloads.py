@@ -226,6 +226,7 @@ def test_close_unlinks_every_segment_and_mapped_arrays_stay_valid(movers) -> Non
     assert not any(name.startswith(producer._prefix) for name in os.listdir(shm_directory()))
 
 
+@pytest.mark.proc  # dead owners' shared memory reclaimed
 def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept(tmp_path, monkeypatch
                                                                     ) -> None:
     """In a shared-memory folder of the test's own: in /dev/shm another process (a test run

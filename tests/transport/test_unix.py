@@ -161,6 +161,7 @@ async def test_the_socket_file_goes_with_the_server_and_a_stale_one_is_replaced(
             assert await client.call("echo", 1) == 1
 
 
+@pytest.mark.proc  # a Unix socket between two processes
 async def test_a_server_in_another_process(folder):
     address = f"unix://{folder}/s.sock"
     code = textwrap.dedent(f"""

@@ -35,6 +35,7 @@ def test_create_then_attach_in_same_process_shares_bytes(store_id: str) -> None:
             assert owner.buffer[100] == 7
 
 
+@pytest.mark.proc  # another process maps it, and exits
 def test_subprocess_shares_the_mapping_and_cleans_up_after_itself(store_id: str) -> None:
     """A write on either side is seen on the other (the mapping is shared); the child's exit does
     not unlink the segment it attached (the multiprocessing resource-tracker trap), and does
@@ -212,6 +213,7 @@ def test_reserve_grows_the_memory_held_and_keeps_what_was_written(store_id: str)
         assert arena.reserve(1 << 40) is True and arena.reserved == 64 * MIB  # at most its size
 
 
+@pytest.mark.proc  # another process maps it
 def test_memory_reserved_after_a_process_attached_is_seen_by_that_process(
         store_id: str) -> None:
     """The attached mapping covers the whole segment from the start: pages written after the
