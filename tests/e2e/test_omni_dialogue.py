@@ -21,6 +21,7 @@ from omni.compute.models import save_pretrained, tiny_model
 from omni.compute.speech import SAMPLE_RATE, read_wav, write_wav
 from omni.kv import KVStore
 from tests._cli import run_omni
+from tests._wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "omni_dialogue.py"
@@ -239,8 +240,8 @@ async def test_a_turn_cancelled_mid_reply_leaves_the_engine_at_once(example, tmp
                     nursery.start_soon(functools.partial(
                         rt.run, example.dialogue, session="s", text="Hello!",
                         out=str(tmp_path / "s.wav"), max_tokens=4000))
-                    while not any(r.output for r in engine._running):
-                        await trio.sleep(0.001)
+                    await wait_until(lambda: any(r.output for r in engine._running),
+                                     "the reply's first token", poll=0.001)
                     scope.cancel()
             assert engine._running == [] and engine._waiting == []
     finally:

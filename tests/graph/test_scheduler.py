@@ -80,7 +80,7 @@ async def test_a_node_starts_as_soon_as_its_inputs_are_ready(autojump_clock):
     assert order == ["after_fast", "slow"]
 
 
-async def test_a_failing_node_fails_only_its_request():
+async def test_a_failing_node_fails_only_its_request(autojump_clock):
     @omni.node
     async def maybe_fail(text: str) -> str:
         if text == "bad":
@@ -336,7 +336,7 @@ async def test_unknown_and_missing_inputs_raise_input_error():
             await rt.run(g)
 
 
-async def test_thread_nodes_run_off_the_event_loop():
+async def test_thread_nodes_run_off_the_event_loop(autojump_clock):
     """A blocking body with thread=True leaves the event loop free for other tasks."""
     release = threading.Event()
     ticks = []
@@ -415,7 +415,7 @@ async def test_runtime_repr_summarises_state():
         assert repr(rt) == "<Runtime requests=1/1 failed=0 pools=0>"
 
 
-async def test_errors_in_other_tasks_do_not_leak_exception_groups():
+async def test_errors_in_other_tasks_do_not_leak_exception_groups(autojump_clock):
     """Users see one NodeError, never an ExceptionGroup, even with fan-out."""
 
     @omni.node

@@ -94,7 +94,7 @@ async def test_a_node_hanging_past_its_timeout_fails_its_own_request(autojump_cl
 ROUNDS = 8
 
 
-async def test_a_streaming_node_cancelled_mid_stream_releases_its_leases(record):
+async def test_a_streaming_node_cancelled_mid_stream_releases_its_leases(autojump_clock, record):
     tally = Tally()
     started = trio.Event()
 
