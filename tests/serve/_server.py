@@ -4,7 +4,9 @@ A `Server` runs ``python -m cli serve FILE --port 0 ARGS`` in a folder of its ow
 stderr going to a file there (a pipe nobody reads would fill and stall the server); its URL
 is read from the one line the command prints once it listens. `running` is the same as a
 context manager for a test of its own; the `serve` fixture (conftest.py) shares servers
-across a module.
+across a module. A test using either starts a process and is marked ``proc``: kept for what
+only a real process shows (a real signal and exit status, a client in another process); the
+app itself is tested in process (`tests.serve._inproc`).
 """
 
 from __future__ import annotations

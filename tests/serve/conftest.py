@@ -1,4 +1,5 @@
-"""The `serve` fixture: ``omni serve`` processes shared by one test module."""
+"""The `serve` fixture: ``omni serve`` processes shared by one test module (whose tests are
+then marked ``proc``: they start a process)."""
 
 from __future__ import annotations
 

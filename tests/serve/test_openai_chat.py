@@ -1,6 +1,8 @@
-"""``POST /v1/chat/completions`` on ``omni serve examples/omni_dialogue.py``, driven by the
-official ``openai`` client: replies, streams, spoken replies, the prefix cache across turns,
-images and audio in messages, and the refusals."""
+"""``POST /v1/chat/completions`` on ``examples/omni_dialogue.py`` served in process (the app
+``omni serve`` builds, over httpx's ASGI transport), driven by the official ``openai`` client:
+replies, streams, spoken replies, the prefix cache across turns, images and audio in
+messages, and the refusals. The client's own HTTP stack against a real server process:
+tests/serve/test_openai_readme.py."""
 
 from __future__ import annotations
 
@@ -8,37 +10,36 @@ import base64
 import io
 import json
 import wave
+from collections.abc import AsyncIterator
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import trio
 from PIL import Image
 
-from tests.serve._server import ROOT, running
+from omni.serve.openai import ChatPolicy
+from tests.serve._inproc import listening, served
+from tests.serve._server import ROOT
 
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 PAGE_SIZE = 16  # the example's KV page size
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
-@pytest.fixture(scope="module")
-def url(serve) -> str:
-    return serve(DIALOGUE)
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+@pytest.fixture
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client, its requests going to the app serving the dialogue example."""
+    async with served(DIALOGUE) as app, app.openai() as client:
+        yield client
 
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def test_a_reply_as_one_object(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model="chat", messages=user("Hi!"), **GREEDY)
+async def test_a_reply_as_one_object(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(model="chat", messages=user("Hi!"), **GREEDY)
     (choice,) = reply.choices
     assert reply.object == "chat.completion" and reply.model == "chat"
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -50,11 +51,12 @@ def test_a_reply_as_one_object(client: openai.OpenAI) -> None:
     assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
 
 
-def test_a_stream_carries_the_same_reply_and_the_usage_last(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model="chat", messages=user("Stream it"), **GREEDY)
-    chunks = list(client.chat.completions.create(
+async def test_a_stream_carries_the_same_reply_and_the_usage_last(
+        client: openai.AsyncOpenAI) -> None:
+    whole = await client.chat.completions.create(model="chat", messages=user("Stream it"), **GREEDY)
+    chunks = [c async for c in await client.chat.completions.create(
         model="chat", messages=user("Stream it"), stream=True,
-        stream_options={"include_usage": True}, **GREEDY))
+        stream_options={"include_usage": True}, **GREEDY)]
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -66,21 +68,22 @@ def test_a_stream_carries_the_same_reply_and_the_usage_last(client: openai.OpenA
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_the_second_turn_reads_the_first_turns_pages_from_the_store(
-        client: openai.OpenAI) -> None:
+async def test_the_second_turn_reads_the_first_turns_pages_from_the_store(
+        client: openai.AsyncOpenAI) -> None:
     messages = user("Tell me about paged KV caches, in detail please.")
-    first = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    first = await client.chat.completions.create(model="chat", messages=messages, **GREEDY)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And then?"}]
-    second = client.chat.completions.create(model="chat", messages=messages, **GREEDY)
+    second = await client.chat.completions.create(model="chat", messages=messages, **GREEDY)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens // PAGE_SIZE * PAGE_SIZE > 0
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
-def test_a_spoken_reply_is_a_wav_whose_transcript_is_the_text(client: openai.OpenAI) -> None:
-    text = client.chat.completions.create(model="chat", messages=user("Say it"), **GREEDY)
-    spoken = client.chat.completions.create(
+async def test_a_spoken_reply_is_a_wav_whose_transcript_is_the_text(
+        client: openai.AsyncOpenAI) -> None:
+    text = await client.chat.completions.create(model="chat", messages=user("Say it"), **GREEDY)
+    spoken = await client.chat.completions.create(
         model="chat", messages=user("Say it"), modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "wav"}, **GREEDY)
     audio = spoken.choices[0].message.audio
@@ -91,13 +94,14 @@ def test_a_spoken_reply_is_a_wav_whose_transcript_is_the_text(client: openai.Ope
         assert wav.getnframes() > 0
 
 
-def test_a_spoken_stream_sends_pcm_deltas_and_the_transcript(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(
+async def test_a_spoken_stream_sends_pcm_deltas_and_the_transcript(
+        client: openai.AsyncOpenAI) -> None:
+    whole = await client.chat.completions.create(
         model="chat", messages=user("Say it"), modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"}, **GREEDY)
-    chunks = list(client.chat.completions.create(
+    chunks = [c async for c in await client.chat.completions.create(
         model="chat", messages=user("Say it"), modalities=["text", "audio"],
-        audio={"voice": "alloy", "format": "pcm16"}, stream=True, **GREEDY))
+        audio={"voice": "alloy", "format": "pcm16"}, stream=True, **GREEDY)]
     deltas = [getattr(c.choices[0].delta, "audio", None) for c in chunks if c.choices]
     deltas = [d for d in deltas if d]
     pcm = b"".join(base64.b64decode(d.data) for d in deltas if d.data)
@@ -113,13 +117,14 @@ def png_data_url(pixels: np.ndarray) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
-    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
-                                               **GREEDY)
+async def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(
+        client: openai.AsyncOpenAI) -> None:
+    text_only = await client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                                     **GREEDY)
     pixels = np.random.default_rng(0).integers(0, 255, (32, 48, 3), dtype=np.uint8)
     content = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
                {"type": "text", "text": "What is it?"}]
-    with_image = client.chat.completions.create(
+    with_image = await client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
     assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
 
@@ -134,43 +139,44 @@ def wav_base64(samples: np.ndarray, rate: int = 16000) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
-def test_input_audio_takes_its_place_in_the_prompt(client: openai.OpenAI) -> None:
+async def test_input_audio_takes_its_place_in_the_prompt(client: openai.AsyncOpenAI) -> None:
     tone = np.sin(np.arange(8000) / 16000 * 2 * np.pi * 440).astype(np.float32) * 0.5
     content = [{"type": "input_audio", "input_audio": {"data": wav_base64(tone),
                                                        "format": "wav"}},
                {"type": "text", "text": "What is it?"}]
-    heard = client.chat.completions.create(
+    heard = await client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
-    text_only = client.chat.completions.create(model="chat", messages=user("What is it?"),
-                                               **GREEDY)
+    text_only = await client.chat.completions.create(model="chat", messages=user("What is it?"),
+                                                     **GREEDY)
     assert heard.usage.prompt_tokens > text_only.usage.prompt_tokens
 
 
-def test_n_choices_share_one_prompt(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
-                                           temperature=1.0, seed=7, max_tokens=6)
+async def test_n_choices_share_one_prompt(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                                 temperature=1.0, seed=7, max_tokens=6)
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert 3 <= reply.usage.completion_tokens <= 18
-    again = client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
-                                           temperature=1.0, seed=7, max_tokens=6)
+    again = await client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
+                                                 temperature=1.0, seed=7, max_tokens=6)
     assert [c.message.content for c in again.choices] == [
         c.message.content for c in reply.choices]
     texts = ["", "", ""]
-    for chunk in client.chat.completions.create(model="chat", messages=user("Pick"), n=3,
-                                                temperature=1.0, seed=7, max_tokens=6,
-                                                stream=True):
+    async for chunk in await client.chat.completions.create(
+            model="chat", messages=user("Pick"), n=3, temperature=1.0, seed=7, max_tokens=6,
+            stream=True):
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
     assert texts == [c.message.content for c in reply.choices]
 
 
-def test_models_list_names_the_chat_graph(client: openai.OpenAI) -> None:
-    assert {"chat", "dialogue"} <= {m.id for m in client.models.list()}
+async def test_models_list_names_the_chat_graph(client: openai.AsyncOpenAI) -> None:
+    assert {"chat", "dialogue"} <= {m.id async for m in client.models.list()}
 
 
-def test_an_unknown_model_is_a_404_naming_the_models_served(client: openai.OpenAI) -> None:
+async def test_an_unknown_model_is_a_404_naming_the_models_served(
+        client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
-        client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
+        await client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
     assert "gpt-4o" in caught.value.message and "chat" in caught.value.message
     assert caught.value.body["code"] == "model_not_found"
 
@@ -183,25 +189,25 @@ def test_an_unknown_model_is_a_404_naming_the_models_served(client: openai.OpenA
     ({"max_tokens": -3}, "max_tokens"),
     ({"seed": "seven"}, "seed"),
 ])
-def test_a_field_not_served_or_out_of_range_is_a_400_naming_it(
-        client: openai.OpenAI, fields: dict, named: str) -> None:
+async def test_a_field_not_served_or_out_of_range_is_a_400_naming_it(
+        client: openai.AsyncOpenAI, fields: dict, named: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="chat", messages=user("Hi"), **fields)
+        await client.chat.completions.create(model="chat", messages=user("Hi"), **fields)
     assert caught.value.body["param"] == named and named in caught.value.message
 
 
-def test_a_remote_image_url_is_refused_without_the_flag(client: openai.OpenAI) -> None:
+async def test_a_remote_image_url_is_refused_without_the_flag(client: openai.AsyncOpenAI) -> None:
     content = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="chat",
-                                       messages=[{"role": "user", "content": content}])
+        await client.chat.completions.create(model="chat",
+                                             messages=[{"role": "user", "content": content}])
     assert "--allow-remote-media" in caught.value.message
 
 
-async def test_the_async_client_on_trio_with_requests_in_parallel(url: str) -> None:
+async def test_the_async_client_on_trio_with_requests_in_parallel() -> None:
+    """The client's own HTTP stack on trio, over a loopback connection."""
     prompts = ["Hi!", "Hello there, how are you?", "Tell me a story"]
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                                  timeout=120) as client:
+    async with listening(DIALOGUE) as server, server.openai() as client:
         alone = [(await client.chat.completions.create(
             model="chat", messages=user(p), **GREEDY)).choices[0].message.content
             for p in prompts]
@@ -219,29 +225,30 @@ async def test_the_async_client_on_trio_with_requests_in_parallel(url: str) -> N
     assert [streamed[i] for i in range(len(prompts))] == alone
 
 
-def test_a_stop_string_ends_the_reply_before_it(client: openai.OpenAI) -> None:
-    free = client.chat.completions.create(model="chat", messages=user("Go on"),
-                                          temperature=0, max_tokens=24)
+async def test_a_stop_string_ends_the_reply_before_it(client: openai.AsyncOpenAI) -> None:
+    free = await client.chat.completions.create(model="chat", messages=user("Go on"),
+                                                temperature=0, max_tokens=24)
     text = free.choices[0].message.content
     stop = next((c for c in text[2:] if c.isascii() and c.isprintable()), None)
     assert stop is not None, f"no ASCII character to stop at in {text!r}"
     kept = text[:text.index(stop)]
-    whole = client.chat.completions.create(model="chat", messages=user("Go on"),
-                                           temperature=0, max_tokens=24, stop=[stop])
+    whole = await client.chat.completions.create(model="chat", messages=user("Go on"),
+                                                 temperature=0, max_tokens=24, stop=[stop])
     assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (kept, "stop")
-    chunks = client.chat.completions.create(model="chat", messages=user("Go on"),
-                                            temperature=0, max_tokens=24, stop=stop,
-                                            stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == kept
+    chunks = await client.chat.completions.create(model="chat", messages=user("Go on"),
+                                                  temperature=0, max_tokens=24, stop=stop,
+                                                  stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]) == kept
 
 
-def test_a_json_schema_response_format_constrains_the_reply(client: openai.OpenAI) -> None:
+async def test_a_json_schema_response_format_constrains_the_reply(
+        client: openai.AsyncOpenAI) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
               "required": ["ok"], "additionalProperties": False}
     # The tiny model's byte tokenizer: token = byte + 3. Whitespace is what the grammar allows
     # between any two JSON tokens and what a random model then picks forever; bias it out.
     no_space = {str(ord(c) + 3): -100 for c in " \t\r\n"}
-    reply = client.chat.completions.create(
+    reply = await client.chat.completions.create(
         model="chat", messages=user("JSON please"), temperature=0, max_tokens=64,
         logit_bias=no_space, response_format={"type": "json_schema",
                          "json_schema": {"name": "answer", "schema": schema}})
@@ -249,10 +256,10 @@ def test_a_json_schema_response_format_constrains_the_reply(client: openai.OpenA
     assert set(json.loads(reply.choices[0].message.content)) == {"ok"}
 
 
-def test_the_api_description_shows_the_chat_body(url: str) -> None:
-    with httpx.Client(base_url=url, timeout=60) as http:
-        api = http.get("/openapi.json").json()
-        assert http.get("/docs").status_code == 200
+async def test_the_api_description_shows_the_chat_body() -> None:
+    async with served(DIALOGUE) as app, app.http() as http:
+        api = (await http.get("/openapi.json")).json()
+        assert (await http.get("/docs")).status_code == 200
     body = api["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     schema = body["content"]["application/json"]["schema"]
     assert {"model", "messages", "stream", "modalities", "seed"} <= set(schema["properties"])
@@ -266,17 +273,16 @@ PERSON = {"type": "object", "additionalProperties": False,
                          "member": {"type": "boolean"}}}
 
 
-def test_compact_json_whitespace_gives_valid_json_over_seeds() -> None:
+async def test_compact_json_whitespace_gives_valid_json_over_seeds() -> None:
     """``--json-whitespace compact``: the tiny random model writes an object of the schema
     greedily, and sampling (temperature 1) in at least 9 of 10 seeds. 128 tokens hold the
     longest such object (the byte tokenizer: ~105 bytes); with any whitespace, blanks could
-    fill them."""
-    with running(DIALOGUE, "--json-whitespace", "compact") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                               timeout=120)
+    fill them. The eleven requests go at once (the engine decodes them in one batch)."""
+    async with served(DIALOGUE, chat=ChatPolicy(json_whitespace="compact")) as app, \
+            app.openai() as client:
 
-        def person(temperature: float, seed: int | None) -> dict | None:
-            reply = client.chat.completions.create(
+        async def person(temperature: float, seed: int | None) -> dict | None:
+            reply = await client.chat.completions.create(
                 model="chat", messages=user("Describe a person as JSON"),
                 temperature=temperature, seed=seed, max_tokens=128,
                 response_format={"type": "json_schema",
@@ -286,8 +292,15 @@ def test_compact_json_whitespace_gives_valid_json_over_seeds() -> None:
             except json.JSONDecodeError:
                 return None
 
-        greedy = person(0, None)
-        sampled = [person(1.0, seed) for seed in range(10)]
+        people: dict[int | None, dict | None] = {}
+
+        async def ask(seed: int | None) -> None:
+            people[seed] = await person(0 if seed is None else 1.0, seed)
+
+        async with trio.open_nursery() as nursery:
+            for seed in (None, *range(10)):
+                nursery.start_soon(ask, seed)
+        greedy, sampled = people[None], [people[seed] for seed in range(10)]
     assert greedy is not None and set(greedy) == set(PERSON["properties"]), greedy
     valid = [p for p in sampled if p is not None]
     assert len(valid) >= 9 and all(set(p) == set(PERSON["properties"]) for p in valid), sampled

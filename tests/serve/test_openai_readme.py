@@ -14,6 +14,10 @@ import pytest
 
 from tests.serve._server import ROOT
 
+# The README's own client code against the real command: curl, and the official client in an
+# interpreter of its own, each over real HTTP to one ``omni serve`` process of this module.
+pytestmark = pytest.mark.proc
+
 README = ROOT / "README.md"
 SECTION = "### Serve it"
 
@@ -30,7 +34,7 @@ def url(serve) -> str:
     return serve(ROOT / "examples" / "omni_dialogue.py")
 
 
-def test_the_curl_example_answers_a_chat_completion(url: str) -> None:
+def test_the_curl_example_answers_a_chat_completion_from_a_real_server(url: str) -> None:
     (block,) = blocks("sh")
     done = subprocess.run(["bash", "-c", block.replace("http://localhost:8000", url)],
                           capture_output=True, text=True, timeout=120)
@@ -39,8 +43,8 @@ def test_the_curl_example_answers_a_chat_completion(url: str) -> None:
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
 
 
-def test_the_openai_client_example_runs_and_reports_cached_tokens(url: str,
-                                                                  tmp_path: Path) -> None:
+def test_the_openai_client_example_in_its_own_interpreter_reports_cached_tokens(
+        url: str, tmp_path: Path) -> None:
     (block,) = blocks("py")
     script = tmp_path / "client.py"
     script.write_text(block.replace("http://localhost:8000", url))

@@ -1,8 +1,10 @@
 """The playground page at / in a real browser (Debian's headless chromium, driven by
-selenium): a chat of two turns against `omni serve examples/omni_dialogue.py` (the second
-reporting cached tokens), a spoken reply with a playable audio element, an image generated
-against `omni serve examples/image_generation.py`; a screenshot of each page is kept. Each
-page shows only the panels of the endpoints its server's graphs serve (from /v1/models).
+selenium: a process of its own, so these tests are marked `proc`): a chat of two turns
+against examples/omni_dialogue.py served (the second reporting cached tokens), a spoken reply
+with a playable audio element, an image generated against examples/image_generation.py
+served; a screenshot of each page is kept. Each page shows only the panels of the endpoints
+its server's graphs serve (from /v1/models). The server is ``omni serve``'s, in this process
+(in a thread of its own), on a loopback port the browser connects to.
 
 Skipped, saying why, only where chromium and chromedriver are not installed (`make test`
 installs them where it can: root with apt).
@@ -17,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from tests._wait import wait_until_sync
-from tests.serve._server import ROOT, running
+from tests.serve._inproc import listening_in_a_thread
+from tests.serve._server import ROOT
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.proc, pytest.mark.skipif(
     CHROMIUM is None or DRIVER is None,
-    reason="needs Debian's chromium and chromium-driver (make test installs them as root)")
+    reason="needs Debian's chromium and chromium-driver (make test installs them as root)")]
 # where to keep a screenshot of the chat too (the README's docs/playground.png is made so)
 KEEP = os.environ.get("OMNI_PLAYGROUND_SCREENSHOT")
 
@@ -72,12 +75,13 @@ def shown(browser, *ids: str) -> list[bool]:
 PANELS = ("chat-panel", "image-panel", "no-panel")
 
 
-def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply(browser, tmp_path: Path) -> None:
+def test_chat_two_turns_with_cached_tokens_and_a_spoken_reply_in_chromium(
+        browser, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from selenium.webdriver.common.by import By
 
-    with running(ROOT / "examples" / "omni_dialogue.py",
-                 env={"OMNI_DIALOGUE_OUT": str(tmp_path)}) as server:
-        browser.get(server.url + "/")
+    monkeypatch.setenv("OMNI_DIALOGUE_OUT", str(tmp_path))
+    with listening_in_a_thread(ROOT / "examples" / "omni_dialogue.py") as url:
+        browser.get(url + "/")
         wait_until_sync(lambda: texts(browser, "#chat-model option"), "the model list")
         assert shown(browser, *PANELS) == [True, False, False]  # no image graph here
         send(browser, "Hello there")
@@ -134,11 +138,11 @@ def _png(folder: Path) -> Path:
     return path
 
 
-def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
+def test_an_image_is_generated_and_shown_in_chromium(browser, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    with running(ROOT / "examples" / "image_generation.py") as server:
-        browser.get(server.url + "/")
+    with listening_in_a_thread(ROOT / "examples" / "image_generation.py") as url:
+        browser.get(url + "/")
         wait_until_sync(lambda: texts(browser, "#image-model option"), "the model list")
         assert shown(browser, *PANELS) == [False, True, False]  # no chat graph here
         browser.find_element(By.ID, "image-prompt").send_keys("a red fox in snow")
@@ -155,9 +159,10 @@ def test_an_image_is_generated_and_shown(browser, tmp_path: Path) -> None:
         assert (tmp_path / "image.png").stat().st_size > 10_000
 
 
-def test_a_server_without_chat_or_image_graphs_shows_neither_panel(browser) -> None:
-    with running(ROOT / "tests" / "serve" / "graphs.py") as server:
-        browser.get(server.url + "/")
+def test_a_server_without_chat_or_image_graphs_shows_neither_panel_in_chromium(
+        browser) -> None:
+    with listening_in_a_thread(ROOT / "tests" / "serve" / "graphs.py") as url:
+        browser.get(url + "/")
         wait_until_sync(lambda: "model(s)" in texts(browser, "#status")[0], "the model list")
         assert shown(browser, *PANELS) == [False, False, True]
         assert shown(browser, "chat-model-label", "image-model-label") == [False, False]
