@@ -2,7 +2,8 @@
 
 Each pytest process (each xdist worker, under `make test`) gets a folder of its own for shared
 memory (``OMNI_SHM_DIR``, under /dev/shm) and for Unix sockets (``XDG_RUNTIME_DIR``), which the
-processes its tests start inherit: two workers, or another run of the suite beside this one,
+processes its tests start inherit (an xdist worker also runs torch on one thread: the workers
+already share the cores): two workers, or another run of the suite beside this one,
 never see each other's arenas, payload segments or sockets. Tests SIGKILL workers and store
 owners on purpose; a process killed that way cannot unlink what it made: both folders are
 removed as the process ends, so nothing is left in /dev/shm.
@@ -54,6 +55,9 @@ def pytest_configure(config: pytest.Config) -> None:
     runtime = Path(tempfile.mkdtemp(prefix="omni-tests-run-"))
     os.environ["OMNI_SHM_DIR"], os.environ["XDG_RUNTIME_DIR"] = str(shm), str(runtime)
     _PRIVATE[:] = [shm, runtime]
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one torch thread each
+        os.environ["OMP_NUM_THREADS"] = "1"  # (and in the processes its tests start)
+        torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
