@@ -70,11 +70,3 @@ class PagesOnW1(_Pages):
 class PagesOnW2(_Pages):
     pass
 
-
-@omni.node(where="w2")
-class HeardOnW2:
-    """How many pages of `prompt`'s prefix w2's KV directory knows w1 to hold."""
-
-    async def __call__(self, prompt: str) -> int:
-        directory = omni.context().runtime.directory
-        return 0 if directory is None else directory.prefix_len("w1", prompt_keys(prompt))

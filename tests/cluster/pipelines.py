@@ -1,4 +1,5 @@
-"""Graphs the cluster tests run on real workers (the workers load this file's code)."""
+"""Graphs the cluster tests run on workers, in the test's process or in worker processes
+(which load this file's code)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def placed(x: int):
     return {"gpu": OnGpu()(x), "pinned": Pinned()(x)}
 
 
-STARTED = "started"  # in the workers' folder: a slow node adds "NODE WORKER" as it starts
-RELEASE = "release"  # in the workers' folder: once it exists, slow nodes return at once
+# In the workers' current folder (a worker process's, or the test's own for workers in it):
+STARTED = "started"  # a slow node adds "NODE WORKER" as it starts
+RELEASE = "release"  # once it exists, slow nodes return at once
 
 
 async def nap(node: str, seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""The node the rebalancing test runs on real workers (the workers load this file's code)."""
+"""The node the rebalancing test runs on its workers."""
 
 from __future__ import annotations
 

@@ -3,13 +3,10 @@ the same tokens as recomputing; kv_aware routing sends a prefix back where its p
 
 from __future__ import annotations
 
-import trio
-
-import omni
 from omni.compute import SamplingParams, TorchEngine
-from tests._wait import CAP_S, wait_until
+from tests._wait import wait_until
 from tests.cluster import kv_pipelines as kv
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import LocalCluster
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely. " * 3  # ~10 pages
 
@@ -20,18 +17,20 @@ async def reference_tokens(prompt: str, max_tokens: int = 4) -> list[int]:
     return result.token_ids
 
 
-async def test_a_worker_fetches_pages_another_holds(cluster: Cluster) -> None:
-    cluster.head()
-    cluster.worker("w1")
-    cluster.worker("w2")
-    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token),
-                            kv=kv.KV_LAYOUT) as rt:
+async def test_a_worker_fetches_pages_another_holds(local_cluster: LocalCluster) -> None:
+    await local_cluster.start()
+    await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    async with local_cluster.driver(kv=kv.KV_LAYOUT) as rt:
         first = await rt.run(kv.ChatOnW1(), prompt=SYSTEM + "Q: one?")
         assert first["worker"] == "w1" and first["cached"] == 0
         await rt.deploy(kv.ChatOnW2())  # w2's store and KV directory start
-        with trio.fail_after(CAP_S):  # until w2's directory has heard of w1's pages: before
-            while not await rt.run(kv.HeardOnW2(), prompt=SYSTEM):  # that, w2 would compute
-                await trio.sleep(0.2)  # them itself and never need w1's
+        # Until w2's directory has heard of w1's pages: before that, w2 would compute them
+        # itself and never need w1's.
+        await wait_until(lambda: local_cluster.worker_named("w2").directory is not None
+                         and local_cluster.worker_named("w2").directory.prefix_len(
+                             "w1", kv.prompt_keys(SYSTEM)),
+                         "w2's KV directory to hear of w1's pages")
         prompt = SYSTEM + "Q: two?"
         second = await rt.run(kv.ChatOnW2(), prompt=prompt)
         assert second["fetched_pages"] > 0
@@ -44,13 +43,13 @@ async def test_a_worker_fetches_pages_another_holds(cluster: Cluster) -> None:
         assert on_w1["sha256"] == on_w2["sha256"]  # the bytes arrived unchanged
 
 
-async def test_kv_aware_routing_sends_a_prefix_back_to_its_pages(cluster: Cluster) -> None:
-    cluster.head()
-    cluster.worker("w1")
-    cluster.worker("w2")
+async def test_kv_aware_routing_sends_a_prefix_back_to_its_pages(
+        local_cluster: LocalCluster) -> None:
+    await local_cluster.start()
+    await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
     systems = [f"{i} is the system prompt: " + "be helpful and exact. " * 4 for i in range(4)]
-    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token),
-                            kv=kv.KV_LAYOUT) as rt:
+    async with local_cluster.driver(kv=kv.KV_LAYOUT) as rt:
         await rt.deploy(kv.Chat())
         home: dict[int, str] = {}
         for i, system in enumerate(systems):  # each prefix's first request lands somewhere

@@ -1,6 +1,6 @@
-"""Rebalancing on a real cluster: a worker that joins takes one of the replicas crowded on
-another, while requests keep flowing; the moved replica's calls in flight finish where they
-started, and only then is it undeployed. The driver is this test's `omni.Runtime`."""
+"""Rebalancing on a cluster (in this process): a worker that joins takes one of the replicas
+crowded on another, while requests keep flowing; the moved replica's calls in flight finish
+where they started, and only then is it undeployed. The driver is this test's `omni.Runtime`."""
 
 from __future__ import annotations
 
@@ -8,18 +8,17 @@ from pathlib import Path
 
 import trio
 
-import omni
-from tests._wait import CAP_S, wait_until
+from tests._wait import wait_until
 from tests.cluster import rebalance_nodes as n
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import LocalCluster
 
 
-async def test_a_joining_worker_takes_a_replica_and_no_request_fails(cluster: Cluster,
-                                                                     tmp_path: Path) -> None:
-    cluster.head()
-    cluster.worker("w1")
+async def test_a_joining_worker_takes_a_replica_and_no_request_fails(
+        local_cluster: LocalCluster, tmp_path: Path) -> None:
+    await local_cluster.start()
+    await local_cluster.worker("w1")
     release = tmp_path / "release"
-    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+    async with local_cluster.driver() as rt:
         node = n.Spread()
         await rt.deploy(node)
         pool = rt.pool_for(node)
@@ -45,21 +44,21 @@ async def test_a_joining_worker_takes_a_replica_and_no_request_fails(cluster: Cl
             for _ in range(2):
                 nursery.start_soon(flow)
 
-            await trio.to_thread.run_sync(cluster.worker, "w2")
+            await local_cluster.worker("w2")
             await wait_until(lambda: sorted(r.member for r in pool.replicas) == ["w1", "w2"])
             await wait_until(lambda: "w2" in flowed)  # new calls reach the new worker
 
             # The moved replica still runs its held call on w1: it is not undeployed yet.
-            status = await trio.to_thread.run_sync(lambda: cluster.wait_status(
-                lambda m: m["w2"]["replicas"] == {"Spread": 1}, timeout=CAP_S))
-            replicas = {m["name"]: m["replicas"] for m in status["members"]}
+            members = await local_cluster.wait_members(
+                lambda m: m["w2"]["replicas"] == {"Spread": 1}, "w2 to host the moved replica")
+            replicas = {name: m["replicas"] for name, m in members.items()}
             assert replicas == {"w1": {"Spread": 2}, "w2": {"Spread": 1}}
             assert held == []
 
             release.touch()
             await wait_until(lambda: len(held) == 2)
-            await trio.to_thread.run_sync(lambda: cluster.wait_status(
-                lambda m: m["w1"]["replicas"] == {"Spread": 1}, timeout=CAP_S))
+            await local_cluster.wait_members(lambda m: m["w1"]["replicas"] == {"Spread": 1},
+                                             "w1 to undeploy the moved replica")
             stop.set()
 
         assert held == ["w1", "w1"]  # both held calls finished where they started

@@ -1,16 +1,17 @@
 """Both showcase pipelines under ``omni run --cluster`` give what they give locally: the same
 token ids and WAV bytes for the dialogue, the same PNG bytes for image generation. Their
 values (dataclasses, prompts with images and audio, token streams into the speech decoder)
-cross to the workers as themselves."""
+cross to the workers as themselves. The head and workers are ``omni cluster start`` and
+``omni cluster join`` processes, as a user starts them; ``omni run`` runs in this process."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
+from tests.cluster._local import invoke
 from tests.cluster.conftest import ROOT, Cluster
 
 DIALOGUE = str(ROOT / "examples" / "omni_dialogue.py")
@@ -18,24 +19,28 @@ TURNS = str(ROOT / "examples" / "dialogue_turns.jsonl")
 IMAGES = str(ROOT / "examples" / "image_generation.py")
 
 
-def omni_run(folder: Path, *args: str, cluster: Cluster | None = None) -> list[dict]:
+def omni_run(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
+             cluster: Cluster | None = None) -> list[dict]:
     folder.mkdir()
     extra = ["--cluster", cluster.address, "--token-file", str(cluster.token)] if cluster else []
-    env = {**os.environ, "OMNI_DIALOGUE_OUT": str(folder)}
-    done = subprocess.run([sys.executable, "-m", "cli", "run", *args, "--json", *extra],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=180)
+    with monkeypatch.context() as patch:
+        patch.chdir(folder)
+        patch.setenv("OMNI_DIALOGUE_OUT", str(folder))
+        done = invoke("run", *args, "--json", *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["output"] for line in done.stdout.splitlines()]
 
 
-def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(cluster: Cluster,
-                                                                  tmp_path: Path) -> None:
+@pytest.mark.proc
+def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cluster.head()
     cluster.worker("w1")
     cluster.worker("w2")
 
-    local = omni_run(tmp_path / "local", DIALOGUE, "--inputs-json", TURNS)
-    remote = omni_run(tmp_path / "remote", DIALOGUE, "--inputs-json", TURNS, cluster=cluster)
+    local = omni_run(tmp_path / "local", monkeypatch, DIALOGUE, "--inputs-json", TURNS)
+    remote = omni_run(tmp_path / "remote", monkeypatch, DIALOGUE, "--inputs-json", TURNS,
+                      cluster=cluster)
     assert len(local) == len(remote) == 4
     for here, there in zip(local, remote, strict=True):
         assert (there["session"], there["turn"]) == (here["session"], here["turn"])
@@ -45,7 +50,8 @@ def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(cluster: Clus
     assert sum(r["cached_tokens"] for r in remote) > 0  # sessions reused KV on their worker
 
     image = ["--input", "prompt=a red fox in snow", "--input", "out=fox.png"]
-    (png_here,) = omni_run(tmp_path / "local-image", IMAGES, *image)
-    (png_there,) = omni_run(tmp_path / "remote-image", IMAGES, *image, cluster=cluster)
+    (png_here,) = omni_run(tmp_path / "local-image", monkeypatch, IMAGES, *image)
+    (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image,
+                            cluster=cluster)
     assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
     assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
