@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests._wait import CAP_S, wait_until_sync
 from tests.cluster.conftest import ROOT, Cluster
 from tests.reliability import failover_graph as g
 
 GRAPH = ROOT / "tests" / "reliability" / "failover_graph.py"
+pytestmark = pytest.mark.proc  # SIGKILL of a worker process mid-run
 
 
 def notes(cluster: Cluster) -> list[tuple[str, int, str]]:
