@@ -23,6 +23,7 @@ repeatable; `HYPOTHESIS_PROFILE=explore` draws new ones (the way to look for new
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing.util
 import os
@@ -55,12 +56,15 @@ def pytest_configure(config: pytest.Config) -> None:
     runtime = Path(tempfile.mkdtemp(prefix="omni-tests-run-"))
     os.environ["OMNI_SHM_DIR"], os.environ["XDG_RUNTIME_DIR"] = str(shm), str(runtime)
     _PRIVATE[:] = [shm, runtime]
+    # At exit, after what the tests' processes registered later (a payload mover's cleanup
+    # still needs the folder): atexit runs handlers last-registered first.
+    atexit.register(_remove_private_folders)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one torch thread each
         os.environ["OMP_NUM_THREADS"] = "1"  # (and in the processes its tests start)
         torch.set_num_threads(1)
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
+def _remove_private_folders() -> None:
     for folder in _PRIVATE:
         shutil.rmtree(folder, ignore_errors=True)
 
