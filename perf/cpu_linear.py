@@ -2,11 +2,12 @@
 (`omni.compute.models._linear`), and whether the backend Omni picks for this CPU is the
 fastest.
 
-The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536). The
-three backends run the same code in the same run, alternated round by round, each set with
-`set_cpu_linear_backend`: "mkl_packed" (each weight packed once into MKL's layout), "onednn"
-and "mkl" (plain `F.linear`, one sgemm per call, torch's own path). Omni's choice is oneDNN on
-AMD CPUs and MKL with packed weights elsewhere (`default_cpu_linear_backend`).
+The model is perf/prefix_reuse.py's (a random Llama of hidden 512, 8 layers, MLP 1536; with
+--quick, its smoke model of hidden 128 and 2 layers). The three backends run the same code in
+the same run, alternated round by round, each set with `set_cpu_linear_backend`: "mkl_packed"
+(each weight packed once into MKL's layout), "onednn" and "mkl" (plain `F.linear`, one sgemm
+per call, torch's own path). Omni's choice is oneDNN on AMD CPUs and MKL with packed weights
+elsewhere (`default_cpu_linear_backend`).
 
 - "layer": the four linears of one layer (q/k/v, o, gate/up, down) at 1, 4, 16, 208 and
   1,936 rows (decode batches, a chat turn's new tokens, a whole 2k-token prompt);
@@ -79,7 +80,7 @@ class Params:
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
-        """Sizes for a smoke run (a few seconds)."""
+        """Sizes for a smoke run (a few seconds), on prefix_reuse's smoke model."""
         return cls(seed=seed, repeats=2, layer_rows=(1, 208), cached_tokens=96, new_tokens=40,
                    quick=True)
 
@@ -189,7 +190,8 @@ def model_cases(model: DecoderLM, params: Params) -> list[dict[str, Any]]:
 def measure(params: Params) -> dict[str, Any]:
     """Both sets of cases; the result dict."""
     torch.manual_seed(params.seed)
-    overrides = PrefixReuseParams().model_overrides()
+    model_params = PrefixReuseParams.small() if params.quick else PrefixReuseParams()
+    overrides = model_params.model_overrides()
     model, config = tiny_model(seed=params.seed, **overrides)
     layers, whole = layer_cases(model, params), model_cases(model, params)
     cases = layers + whole

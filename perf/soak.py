@@ -292,9 +292,9 @@ def signal_child(spec: str) -> int:
                      disk, p.sample_s)
 
 
-def measure(p: Params) -> dict[str, Any]:
+def measure(p: Params, *, signal_phase: bool = True) -> dict[str, Any]:
     """Run the soak in this process (a fresh one: it counts the process's fds and RSS), then
-    its signal phase in a child."""
+    its signal phase in a child (not with `signal_phase` False: ``--phase load``)."""
     started = time.perf_counter()
     modules, graphs = examples()
     with tempfile.TemporaryDirectory(prefix="omni-soak-") as tmp:
@@ -315,7 +315,8 @@ def measure(p: Params) -> dict[str, Any]:
     f.update(fds_before=fds_before, fds_after=fds_after, warned=resources.seen,
              memory_start=memory_start, memory_end=memory_end,
              max_sessions=modules["dialogue"].MAX_SESSIONS)
-    f["signalled"] = measure_signalled(asdict(p), p.signal_after)
+    if signal_phase:
+        f["signalled"] = measure_signalled(asdict(p), p.signal_after)
     f["wall_s"] = time.perf_counter() - started
     return report(p, soak, f)
 
@@ -393,7 +394,7 @@ def report(p: Params, soak: Soak, f: dict[str, Any]) -> dict[str, Any]:
             f"({p.warmup}), both with no request in flight, after a gc; the trend is the "
             "least-squares slope of VmRSS over the steady phase's samples",
             growth_mib=growth, trend_mib_per_1k=trend),
-        **signal_claims(f["signalled"]),
+        **(signal_claims(f["signalled"]) if "signalled" in f else {}),
     }
     return {
         "benchmark": "soak", "params": asdict(p), "env": soak_environment(),
@@ -464,8 +465,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--concurrency", type=int, help="requests in flight (default 64)")
     parser.add_argument("--out", help="also write the JSON here (folders are created)")
     parser.add_argument("--plot", help="write RSS and leases over the run (PNG) here")
-    parser.add_argument("--phase", choices=("all", "signal"), default="all",
-                        help="signal: only SIGTERM in the middle of the load, in a child")
+    parser.add_argument("--phase", choices=("all", "load", "signal"), default="all",
+                        help="load: only the load, in this process (no signal claims); "
+                             "signal: only SIGTERM in the middle of the load, in a child")
     parser.add_argument("--signal-child", help=argparse.SUPPRESS)  # the child's own mode
     args = parser.parse_args(argv)
     if args.signal_child:
@@ -475,9 +477,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         p = replace(p, requests=args.requests, warmup=min(p.warmup, args.requests * 2 // 5))
     if args.concurrency is not None:
         p = replace(p, concurrency=args.concurrency)
-    result = measure(p) if args.phase == "all" else measure_signal_only(p)
+    result = (measure_signal_only(p) if args.phase == "signal"
+              else measure(p, signal_phase=args.phase == "all"))
     write_json(result, args.out)
-    if args.plot and args.phase == "all":
+    if args.plot and args.phase != "signal":
         _plot(result, args.plot)
     return result
 

@@ -1,22 +1,16 @@
-"""The benchmarks in perf/ keep working: each runs in its quick mode and reports its targets."""
+"""The benchmarks in perf/ keep working: each runs its quick mode in this process (run as
+``python perf/NAME.py --quick`` runs it) and reports its targets. serve and cluster are about
+processes (servers, a head and its workers): they start them, and are marked proc."""
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.perf._run import ROOT, run_quick
+from tests.perf._run import run_quick
 
 
-def test_scheduler_benchmark_quick_mode_reports_both_claims(tmp_path):
-    out = tmp_path / "scheduler.json"
-    proc = subprocess.run([sys.executable, "perf/scheduler.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
+def test_scheduler_benchmark_quick_mode_reports_both_claims(tmp_path, monkeypatch, capsys):
+    report = run_quick("scheduler.py", tmp_path, monkeypatch, capsys)
     hop, throughput = report["per_hop"], report["throughput"]
     assert hop["omni"]["median"] > hop["baseline"]["median"] > 0
     # each claim is a ratio to its own baseline, measured in the same run
@@ -29,37 +23,10 @@ def test_scheduler_benchmark_quick_mode_reports_both_claims(tmp_path):
         throughput["omni"]["median"] >= 0.7 * throughput["baseline"]["median"])
 
 
-def test_kv_benchmark_quick_mode_reports_every_claim(tmp_path):
-    """perf/kv.py --quick runs end to end and reports each claim with its target, measured,
-    baseline, ratio and pass (not whether it passes: the quick sizes are too small to judge)."""
-    out = tmp_path / "kv.json"
-    proc = subprocess.run([sys.executable, "perf/kv.py", "--quick", "--out", str(out),
-                           "--dir", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    assert {"python", "torch", "cpu_count"} <= report["env"].keys()
-    claims = ("demote_to_disk", "promote_from_disk", "handoff", "block_keys", "match_acquire",
-              "bookkeeping")
-    for name in claims:
-        claim = report[name]
-        assert {"target", "measured", "baseline", "ratio", "pass", "note"} <= claim.keys(), name
-        assert isinstance(claim["pass"], bool), name
-        assert claim["measured"]["median"] > 0, name
-    assert report["all_pass"] == all(report[name]["pass"] for name in claims)
-    assert report["promote_from_disk"]["cold"]["baseline"]["median"] > 0
-    assert set(report["handoff"]["sizes"]) == {"16MiB", "64MiB"}
-    assert report["handoff"]["flatness"] > 0
-    assert set(report["block_keys"]["inputs"]) == {"list", "numpy"}
-    assert report["bookkeeping"]["pages_stored"] == 2_000
-    assert [p.name for p in tmp_path.iterdir()] == ["kv.json"]  # disk files cleaned up
-
-
-def test_prefix_reuse_benchmark_quick_mode_reports_every_turn(tmp_path):
+def test_prefix_reuse_benchmark_quick_mode_reports_every_turn(tmp_path, monkeypatch, capsys):
     """perf/prefix_reuse.py --quick reports per turn the cached tokens, both TTFTs, the
     speedup against the ideal FLOP ratio, and equal tokens with and without reuse."""
-    report = run_quick("perf/prefix_reuse.py", tmp_path, timeout=120, plot=True)
+    report = run_quick("prefix_reuse.py", tmp_path, monkeypatch, capsys, plot=True)
     assert report["tokens_equal"] is True and report["cache_consistent"] is True
     turns = report["turns"]
     assert [t["turn"] for t in turns] == list(range(1, report["params"]["turns"] + 1))
@@ -80,15 +47,10 @@ def test_prefix_reuse_benchmark_quick_mode_reports_every_turn(tmp_path):
     assert claim["pass"] is False and "15" in claim["why"]
 
 
-def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
+def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path, monkeypatch, capsys):
     """perf/decode.py --quick reports decode tokens/s of ours and transformers' generate at
     batch 1 and 4, with equal greedy tokens."""
-    out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, "perf/decode.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
+    report = run_quick("decode.py", tmp_path, monkeypatch, capsys)
     assert report["tokens_equal"] is True and report["target"] == 1.0
     cases = [c for m in report["models"] for c in m["cases"]]
     assert [c["batch"] for c in cases] == [1, 4]
@@ -104,35 +66,66 @@ def test_decode_benchmark_quick_mode_compares_with_transformers(tmp_path):
         assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
 
 
-def test_diffusion_benchmark_quick_mode_matches_recomputation(tmp_path):
+def test_diffusion_benchmark_quick_mode_matches_recomputation(tmp_path, monkeypatch, capsys):
     """perf/diffusion_reuse.py --quick: reuse and recompute give the same latents."""
-    report = run_quick("perf/diffusion_reuse.py", tmp_path)
+    report = run_quick("diffusion_reuse.py", tmp_path, monkeypatch, capsys)
     claim = report["reuse_vs_recompute"]
     assert claim["max_abs_latent_diff"] < 1e-4
     assert claim["ideal_flop_ratio"] > 1 and isinstance(claim["pass"], bool)
 
 
-def test_transport_benchmark_quick_mode_reports_every_claim(tmp_path):
-    """perf/transport.py --quick: RPC latency and payload throughput against raw pyzmq, and a
-    KV fetch over shared memory against the same over TCP."""
-    report = run_quick("perf/transport.py", tmp_path)
-    claims = ("latency", "throughput", "shared_memory")
-    for name in claims:
-        claim = report[name]
-        assert {"target", "measured", "baseline", "ratio", "pass", "note"} <= claim.keys(), name
-        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0, name
-        assert isinstance(claim["pass"], bool), name
-    assert report["shared_memory"]["target"] == 20.0
-    assert report["all_pass"] == all(report[name]["pass"] for name in claims)
+def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path, monkeypatch, capsys):
+    """perf/stop_window.py --quick: per tokenizer, the stop check's cost with SGLang's tail
+    window and with the whole output, at every output length; the claim is the whole
+    output's cost over the window's at the longest."""
+    report = run_quick("stop_window.py", tmp_path, monkeypatch, capsys)
+    assert [c["tokenizer"] for c in report["claims"]] == ["byte", "bpe"]
+    for claim in report["claims"]:
+        assert [case["length"] for case in claim["cases"]] == report["params"]["lengths"]
+        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
+        assert claim["ratio"] == pytest.approx(
+            claim["baseline"]["median"] / claim["measured"]["median"], rel=0.01)
+        assert claim["target"] == 50.0 and claim["pass"] == (claim["ratio"] >= 50.0)
+        assert claim["flatness"] > 0
+    assert report["all_pass"] == all(c["pass"] for c in report["claims"])
 
 
-def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(tmp_path):
+def test_cpu_linear_benchmark_quick_mode_reports_every_case_for_every_backend(
+        tmp_path, monkeypatch, capsys):
+    """perf/cpu_linear.py --quick: each row count and whole-model call, the backend Omni picks
+    for this CPU against the others in the same run, their outputs equal to float32 rounding;
+    the baseline is the fastest other backend whose kernels differ in that case."""
+    from omni.compute.models import default_cpu_linear_backend
+
+    report = run_quick("cpu_linear.py", tmp_path, monkeypatch, capsys, plot=True)
+    assert [c["rows"] for c in report["layer"]] == report["params"]["layer_rows"]
+    assert len(report["model_cases"]) == 3
+    assert report["backend"] == default_cpu_linear_backend()
+    backends = {"mkl_packed", "onednn", "mkl"}
+    for case in report["layer"] + report["model_cases"]:
+        assert case["backend"] == report["backend"]
+        assert case["baseline_backend"] in backends - {case["backend"]}
+        assert case["baseline_backend"] not in case["same_kernels_as"]
+        assert set(case["times_ms"]) == set(case["vs_mkl"]) == backends
+        assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
+        assert isinstance(case["pass"], bool) and case["target"] == 1.0
+        assert case["max_abs_diff"] < 1e-3 and case["vs_mkl"]["mkl"] == 1.0
+    one_row = report["layer"][0]
+    assert one_row["rows"] == 1 and report["model_cases"][2]["new_tokens"] == 1
+    if report["backend"] == "mkl_packed":  # plain sgemm at 1 row: the same kernels as "mkl"
+        assert one_row["same_kernels_as"] == ["mkl"]
+    assert report["pass"] == all(c["pass"] for c in report["layer"] + report["model_cases"])
+
+
+@pytest.mark.proc  # a head and two workers: `omni cluster start` / `join` processes
+def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(
+        tmp_path, monkeypatch, capsys):
     """perf/cluster.py --quick: a head and 2 workers as subprocesses; KV-aware routing's hit
     rate and throughput against round-robin's, each phase serving all its requests. The
     benchmark deploys only once the head lists both workers, and measures only once each pool
     has one replica per worker (the driver moves one back to a worker that dropped out for a
-    moment): the cap leaves room for those bounded waits (60 s each) on a loaded machine."""
-    report = run_quick("perf/cluster.py", tmp_path, timeout=420)
+    moment)."""
+    report = run_quick("cluster.py", tmp_path, monkeypatch, capsys)
     for name, target in (("hit_rate", 2.0), ("throughput", 1.0)):
         claim = report[name]
         assert {"target", "measured", "baseline", "ratio", "pass", "note"} <= claim.keys(), name
@@ -146,33 +139,12 @@ def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(tmp_pat
     assert [p["requests"] for p in report["phases"]] == [requests] * 2
 
 
-def test_cli_output_benchmark_quick_mode_counts_every_item(tmp_path):
-    """perf/cli_output.py --quick, one round: `omni run` children print every item of the
-    stream as a line (text mode) and as one list (--json), a plain print loop too, each
-    counted; the claim's per-item figures and ratio are reported (not judged: at 100,000
-    items the startup's noise is the size of the stream's time)."""
-    out = tmp_path / "cli_output.json"
-    proc = subprocess.run([sys.executable, "perf/cli_output.py", "--quick", "--repeats", "1",
-                           "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    claim = report["stream_text_output"]
-    items = report["params"]["items"]
-    assert claim["items"] == claim["lines"] == claim["json_items"] == items == 100_000
-    assert claim["print_loop"]["lines"] == items
-    assert {"target", "measured", "baseline", "ratio", "pass", "note", "cpu"} <= claim.keys()
-    assert claim["target"] == 1.5 and isinstance(claim["pass"], bool)
-    assert all(claim["wall_s"][k]["median"] > 0 for k in ("text", "json", "startup"))
-    assert claim["ratio"] is None or claim["ratio"] > 0
-    assert report["all_pass"] == claim["pass"]
-
-
-def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
+@pytest.mark.proc  # server processes loaded by a real client, stopped by SIGTERM
+def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(
+        tmp_path, monkeypatch, capsys):
     """perf/serve.py --quick: both server processes answer every request (0 errors), both
     exit 0 on SIGTERM, and the claim reports the two rates and their ratio."""
-    report = run_quick("perf/serve.py", tmp_path, timeout=300, plot=True)
+    report = run_quick("serve.py", tmp_path, monkeypatch, capsys, plot=True)
     claim = report["claim"]
     assert claim["errors"] == 0 and claim["exit_codes"] == {"omni": 0, "constant": 0}
     assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
@@ -193,45 +165,3 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(tmp_path):
         assert turns["baseline"]["median"] > 0 and turns["error"] is None
         assert turns["ratio"] == pytest.approx(
             turns["measured"]["median"] / turns["baseline"]["median"], abs=0.01)
-
-
-def test_stop_window_benchmark_quick_mode_reports_both_tokenizers(tmp_path):
-    """perf/stop_window.py --quick: per tokenizer, the stop check's cost with SGLang's tail
-    window and with the whole output, at every output length; the claim is the whole
-    output's cost over the window's at the longest."""
-    report = run_quick("perf/stop_window.py", tmp_path)
-    assert [c["tokenizer"] for c in report["claims"]] == ["byte", "bpe"]
-    for claim in report["claims"]:
-        assert [case["length"] for case in claim["cases"]] == report["params"]["lengths"]
-        assert claim["measured"]["median"] > 0 and claim["baseline"]["median"] > 0
-        assert claim["ratio"] == pytest.approx(
-            claim["baseline"]["median"] / claim["measured"]["median"], rel=0.01)
-        assert claim["target"] == 50.0 and claim["pass"] == (claim["ratio"] >= 50.0)
-        assert claim["flatness"] > 0
-    assert report["all_pass"] == all(c["pass"] for c in report["claims"])
-
-
-def test_cpu_linear_benchmark_quick_mode_reports_every_case_for_every_backend(tmp_path):
-    """perf/cpu_linear.py --quick: each row count and whole-model call, the backend Omni picks
-    for this CPU against the others in the same run, their outputs equal to float32 rounding;
-    the baseline is the fastest other backend whose kernels differ in that case."""
-    from omni.compute.models import default_cpu_linear_backend
-
-    report = run_quick("perf/cpu_linear.py", tmp_path, plot=True)
-    assert [c["rows"] for c in report["layer"]] == report["params"]["layer_rows"]
-    assert len(report["model_cases"]) == 3
-    assert report["backend"] == default_cpu_linear_backend()
-    backends = {"mkl_packed", "onednn", "mkl"}
-    for case in report["layer"] + report["model_cases"]:
-        assert case["backend"] == report["backend"]
-        assert case["baseline_backend"] in backends - {case["backend"]}
-        assert case["baseline_backend"] not in case["same_kernels_as"]
-        assert set(case["times_ms"]) == set(case["vs_mkl"]) == backends
-        assert case["measured"]["median"] > 0 and case["baseline"]["median"] > 0
-        assert isinstance(case["pass"], bool) and case["target"] == 1.0
-        assert case["max_abs_diff"] < 1e-3 and case["vs_mkl"]["mkl"] == 1.0
-    one_row = report["layer"][0]
-    assert one_row["rows"] == 1 and report["model_cases"][2]["new_tokens"] == 1
-    if report["backend"] == "mkl_packed":  # plain sgemm at 1 row: the same kernels as "mkl"
-        assert one_row["same_kernels_as"] == ["mkl"]
-    assert report["pass"] == all(c["pass"] for c in report["layer"] + report["model_cases"])

@@ -4,30 +4,35 @@ GPU test files is whole; a section that failed fails its claims instead of passi
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from perf import gpu_check
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.perf._run import ROOT, run_script, script_globals
 
 
-def test_every_test_file_with_a_gpu_test_is_run_by_the_gpu_check() -> None:
+@pytest.fixture
+def gpu_check(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """perf/gpu_check.py's names (the file run, not imported)."""
+    return SimpleNamespace(**script_globals("gpu_check.py", monkeypatch))
+
+
+def test_every_test_file_with_a_gpu_test_is_run_by_the_gpu_check(gpu_check) -> None:
     marked = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
                     if re.search(r"pytest\.mark\.gpu\b", path.read_text()))
     assert sorted(gpu_check.GPU_TEST_FILES) == marked
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
-def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
-    assert gpu_check.main([]) == 0
-    captured = capsys.readouterr()
-    assert captured.out == "" and "no CUDA device" in captured.err
+def test_without_cuda_it_says_so_and_exits_0(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_script("gpu_check.py", [], monkeypatch, capsys)
+    assert status == 0
+    assert out == "" and "no CUDA device" in err
 
 
-def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met() -> None:
+def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met(gpu_check) -> None:
     samples = {"median": 1.0}
     measured = {
         "tests": {"exit": 0, "passed": ["t"], "failed": {}},

@@ -1,55 +1,71 @@
-"""perf/payloads.py keeps working: its quick mode, without Ray, reports every claim with
-Omni's figures, and leaves no process behind. Not whether the claims pass: the quick sizes on
-a shared test machine say nothing about speed."""
+"""perf/payloads.py (an Omni head and four workers, a driver child, Ray): what it committed,
+perf/results/payloads.json, reports every claim with Omni's figures, each pass by its rule,
+every worker stopped with exit 0; and its claims' rule without Ray (``--no-ray``, as the
+suite's machines have no Ray): no baseline, said so, no pass."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CLAIMS = ("numpy_64mib", "torch_64mib", "round_trip_64mib", "one_gib", "tcp_64mib",
-          "call_latency", "hop_latency", "pipeline_throughput")
+from tests.perf._run import check_claim, committed, samples, script_globals
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+CLAIMS = {  # claim -> (target, which side of it passes)
+    "numpy_64mib": (1.0, "lower"), "torch_64mib": (1.0, "lower"),
+    "round_trip_64mib": (1.0, "lower"), "one_gib": (1536.0, "lower"),
+    "tcp_64mib": (0.8, "higher"), "call_latency": (0.5, "lower"),
+    "hop_latency": (1.0, "lower"), "pipeline_throughput": (1.0, "higher")}
 
 
-def test_payloads_benchmark_quick_mode_without_ray_reports_every_claim(tmp_path):
-    out = tmp_path / "payloads.json"
-    proc = subprocess.run([sys.executable, "perf/payloads.py", "--quick", "--no-ray",
-                           "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
-    assert report["ray"]["used"] is False and report["params"]["ray"] is False
-    for name in CLAIMS:
+def test_payloads_results_report_every_claim_by_its_rule():
+    report = committed("payloads")
+    assert report["ray"]["used"] is True and report["params"]["ray"] is True
+    for name, (target, better) in CLAIMS.items():
         claim = report[name]
-        assert {"target", "measured", "baseline", "ratio", "pass", "error", "note"} <= (
-            claim.keys()), name
-        assert isinstance(claim["pass"], bool), name
-        assert isinstance(claim["measured"]["median"], int | float), (name, claim["error"])
-        assert claim["measured"]["median"] > 0 or name == "one_gib", name
+        check_claim(claim, name)
+        assert "error" in claim and (claim["target"], claim["better"]) == (target, better), name
+        assert claim["measured"]["median"] > 0 or name == "one_gib", (name, claim["error"])
+        if name == "one_gib":  # peak RSS above idle, no baseline: the largest at most 1.5 GiB
+            assert claim["baseline"] is None and claim["ratio"] is None
+            rule = claim["error"] is None and claim["measured"]["max"] <= target
+        else:  # Omni / the baseline, of the medians
+            assert claim["ratio"] == pytest.approx(
+                claim["measured"]["median"] / claim["baseline"]["median"], rel=0.01), name
+            ratio = claim["ratio"]
+            rule = claim["error"] is None and (ratio <= target if better == "lower"
+                                               else ratio >= target)
+        assert claim["pass"] == rule, name
+    payload = report["params"]["payload_bytes"]
     for name in ("numpy_64mib", "torch_64mib", "round_trip_64mib"):  # both sizes, the copy
         sizes = report[name]["sizes"]
-        assert list(sizes) == ["16MiB", "16MiB-4KiB"], name
+        assert list(sizes) == ["64MiB", "64MiB-4KiB"] and payload == 64 << 20, name
+        assert [s["bytes"] for s in sizes.values()] == [payload, payload - 4096], name
         assert all(s["omni_ms"]["median"] > 0 for s in sizes.values()), name
         assert report[name]["copy"]["median"] > 0, name
-    # Without Ray, the Ray baselines are absent, said so, and those claims cannot pass.
-    for name in ("numpy_64mib", "call_latency", "hop_latency", "pipeline_throughput"):
-        assert report[name]["baseline"] is None and report[name]["pass"] is False, name
-        assert "--no-ray" in report[name]["error"], name
-    assert report["tcp_64mib"]["baseline"]["median"] > 0  # raw pyzmq needs no Ray
+    assert report["tcp_64mib"]["baseline"]["median"] > 0  # raw pyzmq
     assert report["tcp_64mib"]["setting"] == {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"}
-    for part in ("argument", "result"):
+    for part in ("argument", "result", "tcp_argument", "tcp_result"):
         above = report["one_gib"][part]["above_idle_mib"]
-        assert above["driver"]["median"] >= 0 and above["worker"]["median"] >= 0, part
-    assert report["all_pass"] is False
-    assert not [name for name, pid in report["pids"].items() if _alive(pid)]
+        assert above["driver"]["median"] >= 0 and samples(above["worker"]), part
+    assert report["all_pass"] == all(report[name]["pass"] for name in CLAIMS)
+    # everything it started was stopped: the four workers exited 0
+    assert {name: w["exit"] for name, w in report["workers"].items()} == {
+        "w1": 0, "w2": 0, "w3": 0, "wtcp": 0}
+    assert report["strays_stopped"] == []
+
+
+def test_without_ray_the_ray_baselines_are_absent_said_so_and_fail(monkeypatch):
+    """--no-ray: a claim with Omni's figure and no Ray baseline records why and cannot pass;
+    the same figures against a baseline pass by the rule."""
+    measures = script_globals("_payload_measures.py", monkeypatch)
+    claim, samples_of, no_ray = measures["claim"], measures["Samples"], measures["NO_RAY"]
+    omni = samples_of((1.0, 2.0, 3.0))
+    alone = claim(unit="ms", target=1.0, better="lower", measured=omni, baseline=None,
+                  error=no_ray, note="n")
+    assert "--no-ray" in alone["error"]
+    assert alone["baseline"] is None and alone["ratio"] is None and alone["pass"] is False
+    assert alone["measured"]["median"] == 2.0
+    ray = samples_of((4.0, 4.0, 4.0))
+    lower = claim(unit="ms", target=1.0, better="lower", measured=omni, baseline=ray,
+                  error=None, note="n")
+    assert lower["ratio"] == 0.5 and lower["pass"] is True
+    higher = claim(unit="GiB/s", target=0.8, better="higher", measured=omni, baseline=ray,
+                   error=None, note="n")
+    assert higher["ratio"] == 0.5 and higher["pass"] is False

@@ -4,16 +4,11 @@ section: every claim once with its result, bad files reported, the rest of the R
 import json
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from perf import report
-
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "perf" / "results"
+from tests.perf._run import RESULTS, run_script, script_globals
 
 README_HEAD = """# Project
 
@@ -36,6 +31,12 @@ README_TAIL = """## Development
 
 Keep this section as it is.
 """
+
+
+@pytest.fixture
+def report(monkeypatch):
+    """perf/report.py's names (the file run, not imported): its main is the command line."""
+    return SimpleNamespace(**script_globals("report.py", monkeypatch))
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def performance_section(text):
     return text.split("## Performance\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_every_claim_appears_once_with_its_result(setup):
+def test_every_claim_appears_once_with_its_result(report, setup):
     results, out, readme, args = setup
     assert report.main(args) == 0
     rows = table_rows(out.read_text())
@@ -94,7 +95,7 @@ def test_every_claim_appears_once_with_its_result(setup):
     assert "prefix_reuse.turns[7]" not in section and "prefix_reuse.claim" in section
 
 
-def test_known_claims_show_their_figures(setup):
+def test_known_claims_show_their_figures(report, setup):
     _, out, _, args = setup
     report.main(args)
     text = out.read_text()
@@ -104,7 +105,7 @@ def test_known_claims_show_their_figures(setup):
     assert "Where and when" in text and "| `kv` |" in text and "ext4" in text
 
 
-def test_a_corrupt_or_missing_json_is_reported_not_fatal(setup):
+def test_a_corrupt_or_missing_json_is_reported_not_fatal(report, setup):
     results, out, readme, args = setup
     (results / "kv.json").write_text('{"benchmark": "kv", "demote_to_disk": ')
     (results / "decode.json").unlink()
@@ -121,7 +122,7 @@ def test_a_corrupt_or_missing_json_is_reported_not_fatal(setup):
     assert "No result from `kv` (unreadable), `decode` (missing), `extra` (unreadable)." in intro
 
 
-def test_the_readme_section_is_replaced_and_the_rest_kept(setup):
+def test_the_readme_section_is_replaced_and_the_rest_kept(report, setup):
     _, _, readme, args = setup
     for _ in range(2):  # and a second run changes nothing
         report.main(args)
@@ -134,7 +135,7 @@ def test_the_readme_section_is_replaced_and_the_rest_kept(setup):
         assert "```python" not in section  # tests/test_readme.py runs the README's python
 
 
-def test_unknown_and_changed_claims_get_generic_rows(setup):
+def test_unknown_and_changed_claims_get_generic_rows(report, setup):
     results, out, _, args = setup
     doc = json.loads((results / "transport.json").read_text())
     doc["zero_copy"] = {"unit": "ms", "target": 20.0, "measured": {"median": 0.5},
@@ -153,10 +154,10 @@ def test_unknown_and_changed_claims_get_generic_rows(setup):
     assert re.search(r"`transport.latency`: not in the layout .*socket_ratio", text)
 
 
-def test_check_detects_a_stale_report_or_readme(setup):
+def test_check_detects_a_stale_report_or_readme(report, setup, monkeypatch, capsys):
     results, out, readme, args = setup
-    cli = [sys.executable, str(ROOT / "perf" / "report.py"), *args]
-    assert subprocess.run(cli, capture_output=True, timeout=30).returncode == 0
+    status, said, _ = run_script("report.py", args, monkeypatch, capsys)  # as `make bench`
+    assert status == 0 and "written" in said
     assert report.main([*args, "--check"]) == 0
     (results / "cluster.png").write_bytes(b"png")  # plots are not compared
     assert report.main([*args, "--check"]) == 0
@@ -165,8 +166,8 @@ def test_check_detects_a_stale_report_or_readme(setup):
     doc = json.loads((results / "scheduler.json").read_text())
     doc["throughput"]["pass"] = not doc["throughput"]["pass"]
     (results / "scheduler.json").write_text(json.dumps(doc))
-    proc = subprocess.run([*cli, "--check"], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 1 and "out of date" in proc.stderr
+    status, _, err = run_script("report.py", [*args, "--check"], monkeypatch, capsys)
+    assert status == 1 and "out of date" in err
     assert (out.read_text(), readme.read_text()) == before  # --check writes nothing
 
     report.main(args)
@@ -176,7 +177,7 @@ def test_check_detects_a_stale_report_or_readme(setup):
     assert report.main([*args, "--check"]) == 1
 
 
-def test_a_shared_memory_claim_in_transport_gets_its_row(setup):
+def test_a_shared_memory_claim_in_transport_gets_its_row(report, setup):
     """perf/transport.py's coming third claim (the layout `perf._common.claim` writes)."""
     results, out, _, args = setup
     doc = json.loads((results / "transport.json").read_text())
@@ -191,7 +192,7 @@ def test_a_shared_memory_claim_in_transport_gets_its_row(setup):
     assert "not in the layout" not in text
 
 
-def test_odd_shapes_do_not_stop_the_report(setup):
+def test_odd_shapes_do_not_stop_the_report(report, setup):
     results, out, _, args = setup
     (results / "odd.json").write_text(json.dumps({
         "env": 5, "params": [], "x": {"pass": True, "ratio": "a", "measured": {"runs": [1]},

@@ -1,41 +1,33 @@
 """The short soak: 200 requests, 16 in flight, through both example pipelines, some cancelled on
 purpose; afterwards no lease, pinned page, request in flight, fd, shared-memory segment or file is
-left, and nothing failed; SIGTERM in the middle of the same load ends its process with 143 and
-one line, leaving nothing. Throughput and RSS are not judged here (too few requests for that:
-`perf/soak.py` without --quick does)."""
+left, and nothing failed (its load in this process: ``perf/soak.py --quick --phase load``);
+SIGTERM in the middle of the same load ends its process with 143 and one line, leaving nothing
+(``--phase signal``: a child, the one test here that starts processes). Throughput and RSS are
+not judged here (too few requests for that: `perf/soak.py` without --quick does)."""
 
 import gc
-import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-from dataclasses import asdict
-from pathlib import Path
 
+import pytest
 import torch
 
 from omni.kv import KVLayout, KVStore, TierConfig
-from perf._probes import Resources, leftovers, open_fds
-from perf._soak_signal import claims, measure_signalled
-from perf.soak import Params
+from tests.perf._run import run_quick, script_globals
 
-ROOT = Path(__file__).resolve().parents[2]
 ZERO_CLAIMS = ("failures", "leases_open", "pinned_pages", "requests_left", "fds_leaked",
-               "shm_left", "files_left", "resource_warnings", "sigterm_left")
+               "shm_left", "files_left", "resource_warnings")
 SIGNAL_CLAIMS = ("sigterm_exit", "sigterm_stderr", "sigterm_left")
 
 
-def test_short_soak_leaves_nothing_behind(tmp_path):
-    """In a fresh process (the counts are the process's own), as `make bench` runs it."""
-    out = tmp_path / "soak.json"
-    env = {k: v for k, v in os.environ.items() if k != "OMNI_MODEL"}
-    proc = subprocess.run([sys.executable, "perf/soak.py", "--quick", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
+def test_short_soak_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """The load as `make bench` runs it, here in this process: the counts are differences
+    (fds after the runtime closed against before it started, this run's stores' segments and
+    mappings, this run's folders), and the session's own objects are frozen out of the
+    collector meanwhile, so only what the run leaves is counted."""
+    monkeypatch.delenv("OMNI_MODEL", raising=False)
+    report = run_quick("soak.py", tmp_path, monkeypatch, capsys, extra=["--phase", "load"])
     overall = report["overall"]
     assert overall["requests"] == 200 and report["params"]["concurrency"] == 16
     assert overall["completed"] + overall["cancelled"] + overall["failures"] == 200
@@ -52,21 +44,20 @@ def test_short_soak_leaves_nothing_behind(tmp_path):
     assert {"target", "measured", "pass", "note"} <= report["rss_growth"].keys()
     assert isinstance(report["rss_growth"]["pass"], bool)
     assert report["timeline"] and report["timeline"][-1]["done"] == 200
-    assert all(report[name]["pass"] for name in SIGNAL_CLAIMS)
+    assert not set(SIGNAL_CLAIMS) & report.keys()  # the signal phase: the test below
 
 
-def test_sigterm_mid_soak_exits_143_after_one_line_leaving_nothing(tmp_path):
+@pytest.mark.proc  # a child process sent SIGTERM, then one sent SIGKILL: exit statuses, leftovers
+def test_a_signal_mid_soak_ends_the_child_as_its_claims_say(tmp_path, monkeypatch, capsys):
     """perf/soak.py --quick --phase signal: a child runs the soak's load and gets SIGTERM once
     50 requests are done and its disk tier holds pages; it exits 143 after 'error: terminated'
-    and leaves no arena, lease table, disk-tier file, payload segment or socket."""
-    out = tmp_path / "signal.json"
-    env = {k: v for k, v in os.environ.items() if k != "OMNI_MODEL"}
-    proc = subprocess.run([sys.executable, "perf/soak.py", "--quick", "--phase", "signal",
-                           "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert json.loads(proc.stdout) == report
+    and leaves no arena, lease table, disk-tier file, payload segment or socket.
+
+    And the phase's counts can fail: a child killed with SIGKILL mid-load (no cleanup) leaves
+    its arenas, lease table and disk-tier file, and the claims say so; the phase then removes
+    what it counted."""
+    monkeypatch.delenv("OMNI_MODEL", raising=False)
+    report = run_quick("soak.py", tmp_path, monkeypatch, capsys, extra=["--phase", "signal"])
     assert report["sigterm_exit"]["measured"]["median"] == 143, report["sigterm_exit"]
     assert report["sigterm_stderr"]["text"] == ["error: terminated"]
     left = report["sigterm_left"]
@@ -76,23 +67,24 @@ def test_sigterm_mid_soak_exits_143_after_one_line_leaving_nothing(tmp_path):
     at = left["at_signal"]
     assert at["done"] >= 50 and at["in_flight"] > 0 and at["pages"]["disk"] > 0
     assert report["all_pass"] is True and set(SIGNAL_CLAIMS) <= report.keys()
+    assert all(report[name]["pass"] for name in SIGNAL_CLAIMS)
 
-
-def test_the_signal_phase_sees_what_a_killed_process_leaves():
-    """The signal phase's counts can fail: a child killed with SIGKILL mid-load (no cleanup)
-    leaves its arenas, lease table and disk-tier file, and the claims say so; the phase then
-    removes what it counted."""
-    f = measure_signalled(asdict(Params.small()), 50, signal.SIGKILL)
+    soak = script_globals("soak.py", monkeypatch)
+    small = soak["asdict"](soak["Params"].small())
+    f = soak["measure_signalled"](small, 50, signal.SIGKILL)
     assert f["exit_status"] == -signal.SIGKILL
     assert len(f["left"]["arenas"]) == 2 and len(f["left"]["lease_tables"]) == 1
     assert f["left"]["disk_files"]
-    assert not any(c["pass"] for c in claims(f).values())
-    assert leftovers([f["store_id"]])["segments"] == []
+    assert not any(c["pass"] for c in soak["signal_claims"](f).values())
+    assert soak["leftovers"]([f["store_id"]])["segments"] == []
 
 
-def test_the_probes_see_what_a_leak_leaves():
+def test_the_probes_see_what_a_leak_leaves(monkeypatch):
     """The soak's zero claims can fail: an fd left open, an open store's arenas and the
     mappings of a view that outlived it, and a lease dropped without release are all seen."""
+    probes = script_globals("_probes.py", monkeypatch)
+    Resources, leftovers, open_fds = (probes[name] for name in (
+        "Resources", "leftovers", "open_fds"))
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4,
                       dtype=torch.float32)
     before = open_fds()
