@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import trio
+
+from tests._wait import wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 START_CAP_S = 180.0  # importing torch and building engines on a loaded 2-core machine
@@ -50,16 +51,16 @@ class Server:
 
     def wait_url(self) -> str:
         """The URL once the server listens; fails naming its stderr if it exits first."""
-        deadline = time.monotonic() + START_CAP_S
-        while time.monotonic() < deadline:
-            match = _URL.search(self.stderr())
-            if match:
-                return match[1]
+
+        def listening() -> bool:
             if self.process.poll() is not None:
                 pytest.fail(f"omni serve exited {self.process.returncode} before listening:"
                             f"\n{self.stderr()}")
-            time.sleep(0.05)
-        pytest.fail(f"omni serve printed no URL within {START_CAP_S:g} s:\n{self.stderr()}")
+            return _URL.search(self.stderr()) is not None
+
+        wait_until_sync(listening, f"omni serve to print its URL ({self.log})",
+                        cap=START_CAP_S, poll=0.05)
+        return _URL.search(self.stderr())[1]
 
     def stderr(self) -> str:
         return self.log.read_text(errors="replace")
