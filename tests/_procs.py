@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,16 @@ START_S = 60.0  # seconds a process may take to print its ready line (it may imp
 
 
 class CliProcess:
-    """``python -m cli ARGS`` in `cwd` (`env`: its whole environment; None: this process's),
-    its stdout and stderr lines kept in `out` and `err` as they come."""
+    """``python -m cli ARGS`` in `cwd` (`env`: its whole environment, None: this process's;
+    `program`: what runs instead of ``-m cli``, e.g. a benchmark's script), its stdout and
+    stderr lines kept in `out` and `err` as they come. The benchmarks in perf/ start their
+    processes with it too."""
 
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], cwd: Path, env: Mapping[str, str] | None = None, *,
+                 program: Sequence[str] = ("-m", "cli")):
         self.args = args
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.popen = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=cwd, env=env,
+        env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen([sys.executable, *program, *args], cwd=cwd, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
         self.pid = self.popen.pid

@@ -6,6 +6,7 @@ from the test's own process (see `_status`)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from collections.abc import Callable
@@ -41,7 +42,8 @@ class Cluster:
               env: dict[str, str] | None = None) -> CliProcess:
         """``python -m cli ARGS`` in the cluster's folder (`env`: settings added to this
         process's environment), stopped with the cluster."""
-        proc = CliProcess(list(args), cwd or self.folder, env)
+        proc = CliProcess(list(args), cwd or self.folder,
+                          None if env is None else {**os.environ, **env})
         self.procs.append(proc)
         return proc
 
