@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["attend", "causal_attention_with_past", "merge_attention"]
 
@@ -69,6 +68,9 @@ def causal_attention_with_past(q: Tensor, k: Tensor, v: Tensor,
     num_kv_heads, num_past = k.shape[1], past[0].shape[2]
     groups = num_heads // num_kv_heads
     if _flash_cpu is None or q.device.type != "cpu":
+        # imported here: the module loads torch._dynamo (~0.9 s), which the CPU path never needs
+        from torch.nn.attention.bias import causal_lower_right
+
         keys = torch.cat((past[0], k), dim=2)
         values = torch.cat((past[1], v), dim=2)
         if groups != 1:
