@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import NoReturn
@@ -22,7 +23,7 @@ from cli._errors import CliError
 from omni import Graph, GraphError, Node
 from omni.graph import NodeClass
 
-__all__ = ["find_graphs", "load_graph", "load_module", "select_graph"]
+__all__ = ["find_graphs", "graphs_to_serve", "load_graph", "load_module", "select_graph"]
 
 
 def load_graph(path: str, name: str | None) -> Graph:
@@ -135,6 +136,20 @@ def select_graph(module: ModuleType, name: str | None, path: str) -> Graph:
             raise CliError(f"{path} defines no graph (decorate a function with @omni.graph)")
         raise CliError(f"{path} defines several graphs; name one: {', '.join(own)}")
     return _named(module, graphs, name, path)
+
+
+def graphs_to_serve(module: ModuleType, names: Sequence[str], path: str) -> dict[str, Graph]:
+    """The graphs ``omni serve`` serves: those `names` (`select_graph` each), else every one.
+
+    Raises:
+        CliError: a name that names nothing, or a file that defines no graph.
+    """
+    if not names:
+        graphs = find_graphs(module)
+        if not graphs:
+            raise CliError(f"{path} defines no graph to serve")
+        return graphs
+    return {name: select_graph(module, name, path) for name in names}
 
 
 def _named(module: ModuleType, graphs: dict[str, Graph], name: str, path: str) -> Graph:

@@ -15,7 +15,7 @@ import typer
 
 from cli._errors import CliError, Stopped, first_of, reporting
 from cli._kv import kv_config
-from cli._load import find_graphs, load_module, select_graph
+from cli._load import graphs_to_serve, load_module
 from cli._options import (
     REPLACE_TIMEOUT_S,
     ClusterOption,
@@ -121,7 +121,7 @@ def serve(
     """
     with reporting(debug):
         module = load_module(file)
-        graphs = _chosen_graphs(module, graph_names or [], file)
+        graphs = graphs_to_serve(module, graph_names or [], file)
         state = GuardState(api_keys=_read_keys(api_key_file), max_concurrency=max_concurrency,
                            max_body_bytes=max_body_mib * 1024 * 1024)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
@@ -139,15 +139,6 @@ def serve(
             except Stopped as exc:
                 sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                                  f"{_drained(state, drain_timeout)}\n")
-
-
-def _chosen_graphs(module: Any, names: list[str], path: str) -> dict[str, Graph]:
-    if not names:
-        graphs = find_graphs(module)
-        if not graphs:
-            raise CliError(f"{path} defines no graph to serve")
-        return graphs
-    return {name: select_graph(module, name, path) for name in names}
 
 
 def _file_policy(allow_paths: list[str], outputs: str) -> FilePolicy:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests._cli import ROOT, cli_env, run_omni
+from tests._cli import run_omni
 
-REPO_ROOT = ROOT
-__all__ = ["GRAPH_FILES", "REPO_ROOT", "cli_env"]
+__all__ = ["GRAPH_FILES"]
 
 # Small graph files the tests run; each fixture call writes them all into tmp_path.
 GRAPH_FILES = {

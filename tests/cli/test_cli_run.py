@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.conftest import cli_env
+from tests._cli import cli_env
 
 Cli = Callable[..., subprocess.CompletedProcess[str]]
 

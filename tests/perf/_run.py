@@ -5,7 +5,6 @@ perf/results/, for the benchmarks whose quick mode starts processes."""
 
 from __future__ import annotations
 
-import gc
 import json
 import platform
 import runpy
@@ -45,20 +44,6 @@ def _script_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                 del sys.modules[name]
 
 
-@contextmanager
-def _session_frozen() -> Iterator[None]:
-    """This process's objects in the collector's permanent generation meanwhile: a benchmark
-    collects garbage before each timed call, which would otherwise scan every object of the
-    test session (~0.1 s each) rather than the benchmark's own; and garbage other tests left
-    is collected before, not counted by a benchmark that counts what the collector finds."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def run_script(script: str, args: Sequence[str], monkeypatch: pytest.MonkeyPatch,
                capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """Run perf/`script` as ``python perf/SCRIPT ARGS`` does, in this process: its exit
@@ -67,7 +52,12 @@ def run_script(script: str, args: Sequence[str], monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sys, "argv", [str(path), *args])
     capsys.readouterr()
     status = 0
-    with _script_state(monkeypatch), _session_frozen():
+    # perf/_common.gc_frozen: this process's objects out of the collector meanwhile, so that a
+    # benchmark's gc.collect() before each timed call scans only its own (a full collection
+    # of the test session takes ~0.1 s), and garbage other tests left is not counted by a
+    # benchmark that counts what the collector finds
+    gc_frozen = script_globals("_common.py", monkeypatch)["gc_frozen"]
+    with _script_state(monkeypatch), gc_frozen():
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as exc:

@@ -29,7 +29,7 @@ import trio
 
 import omni
 from cli._kv import kv_config
-from cli._load import find_graphs, load_module, select_graph
+from cli._load import graphs_to_serve, load_module
 from omni.serve import DRAIN_TIMEOUT_S, GuardState, build_app, serve
 
 __all__ = ["Listening", "Served", "listening", "listening_in_a_thread", "served"]
@@ -83,9 +83,7 @@ def _graphs(file: str | Path, names: tuple[str, ...]) -> Iterator[tuple[Any, dic
     path = list(sys.path)
     try:
         module = load_module(str(file))
-        graphs = ({name: select_graph(module, name, str(file)) for name in names} if names
-                  else find_graphs(module))
-        yield module, graphs
+        yield module, graphs_to_serve(module, names, str(file))
     finally:
         sys.path[:] = path
 

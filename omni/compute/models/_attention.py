@@ -22,11 +22,24 @@ Shapes as in `omni.compute.models.llama`: q [B, H, T, D], k / v [B, Hkv, T, D], 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["attend", "causal_attention_with_past", "merge_attention"]
+
+
+@functools.cache
+def _causal_lower_right() -> Any:
+    """torch's lower-right causal bias, imported at first use: its module loads
+    torch._dynamo (~0.9 s of importing omni.compute), which the CPU path never needs."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right
+
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -68,16 +81,13 @@ def causal_attention_with_past(q: Tensor, k: Tensor, v: Tensor,
     num_kv_heads, num_past = k.shape[1], past[0].shape[2]
     groups = num_heads // num_kv_heads
     if _flash_cpu is None or q.device.type != "cpu":
-        # imported here: the module loads torch._dynamo (~0.9 s), which the CPU path never needs
-        from torch.nn.attention.bias import causal_lower_right
-
         keys = torch.cat((past[0], k), dim=2)
         values = torch.cat((past[1], v), dim=2)
         if groups != 1:
             keys = keys.repeat_interleave(groups, dim=1)  # [B, H, S, D]
             values = values.repeat_interleave(groups, dim=1)
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=causal_lower_right(num_new, num_past + num_new))
+            q, keys, values, attn_mask=_causal_lower_right()(num_new, num_past + num_new))
     grouped = q.reshape(batch, num_kv_heads, groups * num_new, head_dim)
     out_past, lse_past = _flash_cpu(grouped, past[0], past[1])  # [B, Hkv, G*T, (D)]
     # the kernel maps query head h to KV head h // G itself (grouped-query attention)
