@@ -8,21 +8,29 @@ to fail, so it is generous, and the failure names what was awaited.
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
 CAP_S = 60.0  # reached only when the awaited thing never happens
 
 
-async def wait_until(predicate: Callable[[], object], what: str = "", *,
+async def wait_until(predicate: Callable[[], object | Awaitable[object]], what: str = "", *,
                      cap: float = CAP_S, poll: float = 0.005) -> None:
-    """Return once `predicate()` is true; fail the test after `cap` seconds naming `what`
-    (the predicate's source line when not given)."""
+    """Return once `predicate()` (awaited when it gives an awaitable) is true; fail the test
+    after `cap` seconds naming `what` (the predicate's source line when not given).
+
+    Graph files that tests' processes load wait through this too (with `cap` inf, inside the
+    caller's own cancel scope): the processes the tests start can import `tests`."""
+    async def holds() -> object:
+        result = predicate()
+        return await result if inspect.isawaitable(result) else result
+
     with trio.move_on_after(cap) as scope:
-        while not predicate():
+        while not await holds():
             await trio.sleep(poll)
     if scope.cancelled_caught:
         raise AssertionError(f"still waiting after {cap:g} s for: {_describe(predicate, what)}")

@@ -56,12 +56,25 @@ def pytest_configure(config: pytest.Config) -> None:
     runtime = Path(tempfile.mkdtemp(prefix="omni-tests-run-"))
     os.environ["OMNI_SHM_DIR"], os.environ["XDG_RUNTIME_DIR"] = str(shm), str(runtime)
     _PRIVATE[:] = [shm, runtime]
+    # the graph files the tests' processes load wait through tests/_wait.py
+    root = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     # At exit, after what the tests' processes registered later (a payload mover's cleanup
     # still needs the folder): atexit runs handlers last-registered first.
     atexit.register(_remove_private_folders)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one torch thread each
         os.environ["OMP_NUM_THREADS"] = "1"  # (and in the processes its tests start)
         torch.set_num_threads(1)
+    else:
+        _build_font_cache()
+
+
+def _build_font_cache() -> None:
+    """Matplotlib builds its font cache on its first import on a machine, by running
+    `fc-list`: built here, once for the run, so that a benchmark's plot in a test that starts
+    no process does not start one on a fresh machine."""
+    import matplotlib.font_manager  # noqa: F401
 
 
 def _remove_private_folders() -> None:

@@ -12,7 +12,6 @@ other tasks stop and the error reaches the caller alone, not in an ExceptionGrou
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -99,7 +98,7 @@ async def _emit_inputs(req: Request) -> None:
 async def _run_step(req: Request, step: Step) -> Any:
     """Run one step, store its value, emit it; errors become the request's `NodeError`."""
     metrics = req.runtime.metrics if step.node is not None else None
-    started = time.perf_counter() if metrics is not None else 0.0
+    started = trio.current_time() if metrics is not None else 0.0  # the run's clock
     try:
         value = await _EXECUTORS[step.kind](req, step)
     except NodeError:
@@ -108,7 +107,7 @@ async def _run_step(req: Request, step: Step) -> Any:
         raise NodeError(step.name, req.id, exc) from exc
     finally:
         if metrics is not None:
-            metrics.node_latency(step.name, time.perf_counter() - started)
+            metrics.node_latency(step.name, trio.current_time() - started)
     req.values[step.slot] = value
     if step.outputs and req.emit is not None and step.kind != "stream":
         for name in step.outputs:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import trio
 
 import omni
+from tests._wait import wait_until
 
 
 def where() -> str:
@@ -70,8 +72,7 @@ async def nap(node: str, seconds: float) -> str:
     with open(STARTED, "a") as f:
         f.write(f"{node} {where()}\n")
     with trio.move_on_after(seconds):
-        while not os.path.exists(RELEASE):
-            await trio.sleep(0.02)
+        await wait_until(lambda: os.path.exists(RELEASE), "the release file", cap=math.inf)
     return where()
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import trio
 
 import omni
+from tests._wait import wait_until
 
 HOLD_S = 120.0  # the longest a call waits for its release file
 
@@ -17,7 +19,6 @@ class Spread:
         """Sleep `seconds`, or until the file `until` exists; the worker's name."""
         if until:
             with trio.move_on_after(HOLD_S):
-                while not os.path.exists(until):
-                    await trio.sleep(0.02)
+                await wait_until(lambda: os.path.exists(until), until, cap=math.inf)
         await trio.sleep(seconds)
         return omni.context().runtime.name

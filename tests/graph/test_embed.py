@@ -57,18 +57,22 @@ def broken(text: str):
 def test_a_graph_runs_while_other_asyncio_tasks_keep_running():
     """The node waits (in trio) until an asyncio ticker has advanced: both loops interleave."""
     ticks = [0]
+    reached = trio.Event()
+    trio_side: list[trio.lowlevel.TrioToken] = []
 
     @omni.node
     async def wait_for_ticks(n: int) -> int:
+        trio_side.append(trio.lowlevel.current_trio_token())
         with trio.fail_after(CAP_S):
-            while ticks[0] < n:
-                await trio.sleep(0.001)
+            await reached.wait()
         return ticks[0]
 
     async def ticker() -> None:
         while True:
             await asyncio.sleep(0.001)
             ticks[0] += 1
+            if ticks[0] >= 10 and trio_side:  # the asyncio side wakes the trio side
+                trio_side[0].run_sync_soon(reached.set)
 
     async def main() -> int:
         async with omni.AsyncioRuntime() as rt:

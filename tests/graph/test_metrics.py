@@ -108,7 +108,7 @@ def test_omni_run_serves_metrics_and_reports_a_taken_port() -> None:
 @omni.node(replicas=2)
 class Slow:
     async def __call__(self, x: int) -> int:
-        await trio.sleep(0.03)  # longer than the 0.025 s bucket, whatever the machine's speed
+        await trio.sleep(0.03)  # longer than the 0.025 s bucket (the autojump clock's time)
         return x
 
 
@@ -123,7 +123,7 @@ def value(family: Any, sample_name: str, **labels: str) -> float:
     return found[0]
 
 
-async def test_the_scrape_parses_with_counts_and_buckets() -> None:
+async def test_the_scrape_parses_with_counts_and_buckets(autojump_clock) -> None:
     async with omni.Runtime(metrics_port=0) as rt:
         for x in range(3):
             assert await rt.run(Slow, x=x) == x

@@ -10,11 +10,11 @@ time: one call holds, the others queue behind it in the driver.)
 
 from __future__ import annotations
 
+import math
 import os
 
-import trio
-
 import omni
+from tests._wait import wait_until
 
 HOLD = "hold"
 SERVED = "served"
@@ -44,8 +44,8 @@ class Counter:
         worker = omni.context().runtime.name
         if i >= _hold_from():
             _note(f"holding {i} {worker}")
-            while os.path.exists(HOLD):
-                await trio.sleep(0.02)
+            await wait_until(lambda: not os.path.exists(HOLD), "the hold file gone",
+                             cap=math.inf)
         _note(f"served {i} {worker}")
         return {"i": i, "worker": worker}
 

@@ -5,6 +5,7 @@ requester keeps serving and fetches from healthy peers."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from omni.transport import RPCClient, RPCServer, wire
 from omni.transport.kv_peers import FetchReply, FetchRequest, PeerFetcher, make_fetch_handler
 from omni.transport.movers import FrameHeader, FrameMover, PageBatch, SameProcessHeader
 from omni.transport.rpc import Reply
-from tests._wait import CAP_S
+from tests._wait import CAP_S, wait_until
 from tests.reliability._support import (
     LAYOUT,
     Tally,
@@ -186,8 +187,7 @@ class GarbagePeer:
     async def run(self) -> None:
         codec = wire.Codec()
         while True:
-            while not self.sock.poll(0):
-                await trio.sleep(0.002)
+            await wait_until(lambda: self.sock.poll(0), "a message", cap=math.inf)
             identity, control, *_ = self.sock.recv_multipart()
             msg = codec.decode(control)
             if isinstance(msg, wire.Heartbeat):

@@ -4,6 +4,7 @@ notes in a file beside the gate that it started, so a test waits for that, never
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import trio
 
 import omni
 from omni.serve.openai import ChatRequest, ChatStart, ChatText, chat_completions
+from tests._wait import wait_until
 
 GATE = Path(os.environ.get("OMNI_TEST_GATE", "/nonexistent-gate"))
 
@@ -29,7 +31,7 @@ async def endless(text: str) -> AsyncIterator[str]:
     while True:
         yield f"{text}-{i}"
         i += 1
-        await trio.sleep(0.02)
+        await trio.lowlevel.checkpoint()
 
 
 @omni.node
@@ -37,8 +39,7 @@ async def gated(text: str) -> AsyncIterator[str]:
     """"before", then "after" once the gate file exists."""
     yield "before"
     _started(text)
-    while not GATE.exists():
-        await trio.sleep(0.01)
+    await wait_until(GATE.exists, "the gate file", cap=math.inf)
     yield "after"
 
 
@@ -49,7 +50,7 @@ async def talker(request: ChatRequest) -> AsyncIterator[Any]:
     _started(str(request.messages[-1].parts[0]))
     while True:
         yield ChatText("word ")
-        await trio.sleep(0.02)
+        await trio.lowlevel.checkpoint()
 
 
 @omni.graph

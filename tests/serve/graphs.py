@@ -3,6 +3,7 @@ and nodes that fail as a client's mistake and as the server's."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import trio
 
 import omni
+from tests._wait import wait_until
 
 GATE = Path(os.environ.get("OMNI_TEST_GATE", "/nonexistent-gate"))  # `held` waits for it
 
@@ -31,8 +33,7 @@ async def hold(text: str) -> str:
     """Waits until the gate file exists (or the request is cancelled); notes both in files."""
     (GATE.parent / f"started-{text}").touch()
     try:
-        while not GATE.exists():
-            await trio.sleep(0.01)
+        await wait_until(GATE.exists, "the gate file", cap=math.inf)
     except trio.Cancelled:
         (GATE.parent / f"cancelled-{text}").touch()
         raise

@@ -26,7 +26,7 @@ async def endless_stream(scope, receive, send) -> None:
     while True:
         await send({"type": "http.response.body", "body": b"data: x\r\n\r\n",
                     "more_body": True})
-        await trio.sleep(0.001)
+        await trio.sleep(0.001)  # under the autojump clock: no real time passes
 
 
 async def endless_work(scope, receive, send) -> None:
@@ -49,7 +49,8 @@ async def call(guard: Guard, sent: list[dict], path: str = "/v1/graphs/g") -> No
     await guard(scope(path), receive, send)
 
 
-async def test_a_cut_stream_ends_with_an_error_event_and_a_cut_request_gets_503() -> None:
+async def test_a_cut_stream_ends_with_an_error_event_and_a_cut_request_gets_503(
+        autojump_clock) -> None:
     state = GuardState()
     stream, work = [], []
     async with trio.open_nursery() as nursery:

@@ -16,6 +16,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests._wait import wait_until
 from tests.serve._inproc import listening
 from tests.serve._server import ROOT
 
@@ -37,10 +38,10 @@ async def metric(http: httpx.AsyncClient, name: str, **labels: str) -> float:
 async def until(http: httpx.AsyncClient, read, check, what: str) -> None:
     """Return once `check(await read())` holds (the server's own view, polled); fail after a
     cap no passing run comes near, naming `what`."""
-    with trio.move_on_after(60) as scope:
-        while not check(await read()):
-            await trio.sleep(0.01)
-    assert not scope.cancelled_caught, f"still waiting after 60 s for: {what}"
+    async def holds() -> bool:
+        return check(await read())
+
+    await wait_until(holds, what)
 
 
 async def test_a_client_dropping_its_stream_cancels_the_reply() -> None:

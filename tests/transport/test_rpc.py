@@ -19,7 +19,6 @@ import functools
 import random
 import re
 import threading
-import time
 
 import msgspec
 import pytest
@@ -250,8 +249,7 @@ async def test_a_reply_with_too_many_payload_frames_is_dropped_by_the_client():
                 async def serve(frames_after: int) -> None:
                     request = None
                     while type(request) is not wire.Request:  # skip the last call's Cancel
-                        while not router.poll(0):
-                            await trio.sleep(0.01)
+                        await wait_until(lambda: router.poll(0), "a request")
                         identity, control = router.recv_multipart()[:2]
                         request = wire.decode(control)
                     reply = [identity, wire.encode(wire.Response(request.id))]
@@ -343,8 +341,9 @@ async def test_a_silent_server_fails_in_flight_calls_with_peer_gone():
                 assert client.stats().calls == sent  # refused before it was sent
 
 
-def _slow_router(ready: list, stop: threading.Event, delay: float) -> None:
-    """A raw ROUTER in a thread that answers heartbeats and echoes after `delay` seconds."""
+def _raw_router(ready: list, stop: threading.Event) -> None:
+    """A raw ROUTER in a thread (its answers come whatever the caller's event loop does) that
+    answers heartbeats and echoes."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.linger = 0
     ready.append(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
@@ -354,7 +353,6 @@ def _slow_router(ready: list, stop: threading.Event, delay: float) -> None:
                 continue
             identity, control, *_ = sock.recv_multipart()
             msg = wire.decode(control)
-            time.sleep(delay)
             if type(msg) is wire.Heartbeat:
                 sock.send_multipart([identity, control])
             elif type(msg) is wire.Request:
@@ -363,25 +361,26 @@ def _slow_router(ready: list, stop: threading.Event, delay: float) -> None:
         sock.close()
 
 
-async def test_a_stall_in_the_callers_own_process_is_not_taken_for_a_gone_server():
+async def test_a_stall_in_the_callers_own_process_is_not_taken_for_a_gone_server(mock_clock):
     """While this process's event loop is blocked (a long copy, a loaded machine) it sends no
-    pings: the silence that follows is its own, so a server that answers (if slowly) is not
-    declared gone.
+    pings: the silence that follows is its own, so a server that answers is not declared gone.
 
     The stall starts as a reply arrives (no ping unanswered) and lasts longer than the three
-    intervals of silence that would do for a gone peer. After it the client may send two more
-    pings before a third unanswered one would count: that leaves the router 0.6 s to answer
-    one ping with its 0.03 s delay, a margin a loaded machine does not eat.
+    intervals of silence that would do for a gone peer: the clock jumps while no task runs,
+    which is what a blocked event loop looks like from inside. After it the client may send
+    two more pings before a third unanswered one would count: that leaves the router 0.6 s
+    to answer one ping, a margin a loaded machine does not eat.
     """
+    mock_clock.rate = 1  # real time passes as well: the router answers on real sockets
     interval, ready, stop = 0.3, [], threading.Event()
-    thread = threading.Thread(target=_slow_router, args=(ready, stop, 0.03), daemon=True)
+    thread = threading.Thread(target=_raw_router, args=(ready, stop), daemon=True)
     thread.start()
     try:
         with trio.fail_after(CAP_S):
             await wait_until(lambda: ready)
             async with RPCClient(ready[0], heartbeat_interval=interval) as client:
                 assert await client.call("echo", 1) == 1
-                time.sleep(4 * interval)  # the whole event loop stalls, right after a reply
+                mock_clock.jump(4 * interval)  # the event loop stalls, right after a reply
                 pings = client.stats().heartbeats_sent
                 # the heartbeat task looks after the stall and pings again
                 await wait_until(lambda: client.stats().heartbeats_sent > pings)
