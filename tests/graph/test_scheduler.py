@@ -297,7 +297,7 @@ async def test_a_failure_inside_a_switch_branch_names_the_branch_node():
     assert not isinstance(info.value, omni.RouteError)
 
 
-async def test_many_concurrent_requests_get_their_own_results():
+async def test_many_concurrent_requests_get_their_own_results(autojump_clock):
     @omni.node
     async def jitter(x: int) -> int:
         await trio.sleep((x % 7) / 1000)
