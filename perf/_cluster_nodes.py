@@ -33,7 +33,7 @@ def kv_layout() -> KVLayout:
 
 
 def prompt_keys(prompt: list[int]) -> list[bytes]:
-    """The store keys of a prompt's full pages, as `TorchEngine.page_keys` names them."""
+    """The store keys of a prompt's full pages, as `ModelRunner.page_keys` names them."""
     return block_keys(prompt, PAGE_SIZE, extra=(MODEL_ID,))
 
 

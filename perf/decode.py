@@ -293,16 +293,16 @@ async def profile(params: Params, top: int = 30) -> str:
                           config.vocab_size)
     await ours_generate(engine, prompts, params.new_tokens)  # warm-up
     profiler = cProfile.Profile()
-    step = engine._step
+    step = engine.runner.execute
 
-    def profiled_step(admitted: list[Any]) -> None:
+    def profiled_step(plan: Any) -> None:
         profiler.enable()  # in the worker thread that runs the step
         try:
-            step(admitted)
+            step(plan)
         finally:
             profiler.disable()
 
-    engine._step = profiled_step  # type: ignore[method-assign]
+    engine.runner.execute = profiled_step  # type: ignore[method-assign]
     await ours_generate(engine, prompts, params.new_tokens)
     return profile_report(profiler, top)
 

@@ -124,7 +124,7 @@ def _recompute_generation(gen: ImageGenerator, prompt: list[int], size: int, ste
     """A whole generation without KV sharing: prompt + image tokens every step, then decode."""
     engine = gen.engine
     with torch.inference_mode():
-        embeds = engine.embed_prompt(engine.prepare(prompt), 0)
+        embeds = engine.runner.embed_prompt(engine.prepare(prompt), 0)
     state = gen.sampler.start((gen.head.latent_channels, size, size), steps, seed=seed)
     _denoise_recompute(gen.model, gen.head, gen.sampler, state, [embeds], 1.0)
     gen.decoder.decode(state.latents)

@@ -391,16 +391,16 @@ async def profile(params: Params, top: int = 30) -> str:
     store = make_store(config, params)
     engine = make_engine(model, config, params, store)
     await warm_up({"reuse": engine}, params)
-    prefill = engine._prefill
+    prefill = engine.runner.prefill
 
-    def profiled_prefill(request: Any) -> None:
+    def profiled_prefill(request: Any, forks: list[Any]) -> Any:
         profiler.enable()  # in the worker thread that runs the step
         try:
-            prefill(request)
+            return prefill(request, forks)
         finally:
             profiler.disable()
 
-    engine._prefill = profiled_prefill  # type: ignore[method-assign]
+    engine.runner.prefill = profiled_prefill  # type: ignore[method-assign]
     sampling = SamplingParams(max_new_tokens=params.reply_tokens, temperature=0,
                               ignore_eos=True)
     history: list[int] = []

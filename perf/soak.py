@@ -252,7 +252,8 @@ async def load(p: Params, soak: Soak, modules: dict[str, Any], folder: Path, job
                 "runtime": stats.requests_in_flight,
                 "replica_slots": sum(r[0] + r[1] for ps in stats.pools for r in ps.replicas)
                 + sum(ps.waiting for ps in stats.pools),
-                **{f"engine_{k}": len(e._running) + len(e._waiting) for k, e in engines.items()}}
+                **{f"engine_{k}": len(e.scheduler.running) + len(e.scheduler.waiting)
+                   for k, e in engines.items()}}
             out["memory_loaded"] = memory()
             nursery.cancel_scope.cancel()
         soak.snapshot(rt.kv, started)

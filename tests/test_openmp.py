@@ -119,13 +119,13 @@ def test_every_engine_step_releases_the_event_loops_pool_first(monkeypatch) -> N
     monkeypatch.setattr(_openmp, "release_openmp_pool", spy)
     model, config = tiny_model(seed=0)
     engine = TorchEngine(model, config, store=None)
-    step = engine._step
+    step = engine.runner.execute
 
-    def spied_step(admitted):  # type: ignore[no-untyped-def]
+    def spied_step(plan):  # type: ignore[no-untyped-def]
         events.append(("step", threading.get_ident()))
-        return step(admitted)
+        return step(plan)
 
-    monkeypatch.setattr(engine, "_step", spied_step)
+    monkeypatch.setattr(engine.runner, "execute", spied_step)
 
     async def main() -> int:
         result = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=3,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omni.compute._output import output_text, stream_due
 from omni.compute.prompt import PromptTokens
 from omni.compute.sampling import RequestSamplingState, SamplingParams
 from omni.kv import MediaSpan
@@ -79,6 +82,25 @@ class _Request:
     @property
     def samples(self) -> list[_Request]:
         return [self, *self.forks]
+
+    def result(self, tokenizer: Any) -> GenerateResult:
+        """What the caller gets: every sample's tokens and text (None without a tokenizer)."""
+        first, *others = [sample._sample_result(tokenizer) for sample in self.samples]
+        return dataclasses.replace(first, other_samples=tuple(others)) if others else first
+
+    def _sample_result(self, tokenizer: Any) -> GenerateResult:
+        tokens, text = list(self.output), None
+        if tokenizer is not None:
+            matched = None if self.sampling is None else self.sampling.matched_stop
+            text = output_text(tokenizer, tokens, self.params, matched)
+        first = (self.first_token_at or time.perf_counter()) - self.started
+        return GenerateResult(tokens, text, len(self.tokens), self.cached_tokens,
+                              self.finish_reason, first)
+
+    def stream_due(self) -> bool:
+        """Whether a stream hands its unsent tokens to its caller now (`stream_interval`)."""
+        return stream_due(self.num_sent, len(self.output), self.params.stream_interval or 1,
+                          self.finish_reason is not None)
 
 
 class TokenStream:

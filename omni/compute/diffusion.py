@@ -214,7 +214,7 @@ class ImageGenerator:
             raise ValueError(f"{name} has {len(tokens)} tokens; with {num_image} image tokens "
                              f"the context of {context} positions leaves {context - num_image}")
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        return _Prepared(tokens, self.engine.page_keys(tokens.token_ids, spans))
+        return _Prepared(tokens, self.engine.runner.page_keys(tokens.token_ids, spans))
 
     def _result(self, image: np.ndarray, state: FlowMatchState, prompt_kvs: list[_PromptKV],
                 elapsed: float) -> DiffusionResult:
@@ -250,7 +250,7 @@ class ImageGenerator:
         kv = past
         if reused < len(tokens):
             positions = torch.arange(reused, len(tokens), device=self.device)[None]
-            hidden = self.engine.embed_prompt(tokens, reused).to(self.device)
+            hidden = self.engine.runner.embed_prompt(tokens, reused).to(self.device)
             _, new = self.model(hidden, positions, past)
             kv = new if past is None else [(torch.cat((pk, nk), dim=2), torch.cat((pv, nv), dim=2))
                                            for (pk, pv), (nk, nv) in zip(past, new, strict=True)]

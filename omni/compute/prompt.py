@@ -19,7 +19,8 @@ import numpy as np
 
 from omni.kv.keys import media_digest
 
-__all__ = ["Audio", "Image", "MediaItem", "Prompt", "PromptTokens", "Text", "as_prompt", "tokenize"]
+__all__ = ["Audio", "Image", "MediaItem", "Prompt", "PromptTokens", "Text", "as_prompt",
+           "check_length", "tokenize", "tokenize_for_model"]
 
 IMAGE_SIZE = 32  # images are resized to IMAGE_SIZE x IMAGE_SIZE before patching
 IMAGE_PATCH = 8  # -> (32 / 8)^2 = 16 positions per image
@@ -208,3 +209,39 @@ def tokenize(prompt: Prompt, encode: Any | None, *, placeholder: int = 0) -> Pro
         media.append(MediaItem(kind, len(ids), segment.num_positions, segment))
         ids.extend([placeholder] * segment.num_positions)
     return PromptTokens(tuple(ids), tuple(media))
+
+
+def tokenize_for_model(prompt: Prompt, encode: Any | None, context: int,
+                       vocab_size: int) -> PromptTokens:
+    """`tokenize`, refusing (ValueError) an empty prompt, one as long as the model's
+    `context` or longer, and token ids outside its vocabulary."""
+    tokens = tokenize(prompt, encode)
+    if not tokens.token_ids:
+        raise ValueError("the prompt is empty")
+    if len(tokens) >= context:
+        raise ValueError(f"the prompt has {len(tokens)} tokens; this model's context is "
+                         f"{context} tokens")
+    bad = [t for t in tokens.token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return tokens
+
+
+def check_length(prompt: Prompt, context: int, max_token_chars: int | None) -> int:
+    """The prompt's characters of text; ValueError when they alone prove it as long as the
+    model's `context` or longer (no tokenizer runs: a hostile 30 MB prompt costs a sum of
+    lengths). `max_token_chars`: the most characters one token covers (None: unknown)."""
+    chars = fewest = 0  # characters of text; tokens at least (ids and media: exactly)
+    for segment in prompt.segments:
+        if not isinstance(segment, Text):
+            fewest += segment.num_positions
+        elif isinstance(segment.content, str):
+            chars += len(segment.content)
+        else:
+            fewest += len(segment.content)
+    if max_token_chars:
+        fewest += -(-chars // max_token_chars)
+    if fewest >= context:
+        raise ValueError(f"the prompt has at least {fewest} tokens ({chars} characters "
+                         f"of text); this model's context is {context} tokens")
+    return chars

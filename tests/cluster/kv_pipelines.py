@@ -12,7 +12,7 @@ KV_LAYOUT = _KEYER.kv_layout
 
 
 def prompt_keys(prompt: str) -> list[bytes]:
-    return _KEYER.page_keys(_KEYER.prepare(prompt).token_ids, [])
+    return _KEYER.runner.page_keys(_KEYER.prepare(prompt).token_ids, [])
 
 
 class _Chat:

@@ -21,6 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,7 +34,11 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "assistant", "content": "The quick brown fox."},
             {"role": "user", "content": "And the lazy dog?"}]
 HF_MODELS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-             "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+             "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+             "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
+# 8 experts, top 2, renormalised; layer 1 dense
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "norm_topk_prob": True, "mlp_only_layers": [1]}
 
 
 @lru_cache(maxsize=1)
@@ -63,7 +69,9 @@ def save_checkpoint(directory: Path, arch: str, generation: dict[str, Any] | Non
     generation_config.json (`generation`, or greedy with <|im_end|> as EOS); `sizes` are
     config fields over the tiny ones (hidden_size=512, ...: a larger model)."""
     config_cls, model_cls = HF_MODELS[arch]
-    extra = {"head_dim": 16} if arch == "qwen3" else {}  # not hidden / heads (8)
+    extra = {"head_dim": 16} if arch.startswith("qwen3") else {}  # not hidden / heads (8)
+    if arch == "qwen3_moe":
+        extra.update(MOE)
     dims = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 256, **extra, **sizes}
@@ -73,7 +81,10 @@ def save_checkpoint(directory: Path, arch: str, generation: dict[str, Any] | Non
     model = model_cls(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * (0.1 if "norm" in name else 0.15))
+            if "mlp.experts" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.15)  # transformers leaves these empty or zero
+            else:
+                param.add_(torch.randn_like(param) * (0.1 if "norm" in name else 0.15))
     model.save_pretrained(directory)
     save_tokenizer(directory)
     GenerationConfig(**(generation or {"do_sample": False, "eos_token_id": 2})).save_pretrained(

@@ -1,6 +1,7 @@
 """Chatting with a checkpoint, against transformers (the oracle): greedy answers equal
-`apply_chat_template` + `generate` for Llama, Qwen2 and Qwen3; generation_config.json defaults
-(sampling, lengths) and EOS ids. Each test builds its checkpoint (see checkpoint_builders)."""
+`apply_chat_template` + `generate` for Llama, Qwen2, Qwen3 and Qwen3-MoE; generation_config.json
+defaults (sampling, lengths) and EOS ids. Each test builds its checkpoint (see
+checkpoint_builders)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from omni.compute.generation_config import GenerationDefaults
 from tests.compute.checkpoint_builders import MESSAGES, hf_chat, save_checkpoint
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 async def test_chat_equals_apply_chat_template_and_greedy_generate(tmp_path: Path,
                                                                    arch: str) -> None:
     """engine.chat(messages, greedy) gives transformers' prompt ids and greedy tokens."""

@@ -60,9 +60,9 @@ def pixels(seed: int = 0) -> np.ndarray:
 def oracle(gen: ImageGenerator, prompt, negative, steps: int, guidance: float, seed: int = 0):
     """The latents after each step when every step recomputes prompt + image tokens."""
     engine = gen.engine
-    embeds = [engine.embed_prompt(engine.prepare(prompt), 0)]
+    embeds = [engine.runner.embed_prompt(engine.prepare(prompt), 0)]
     if guidance != 1.0:
-        embeds.append(engine.embed_prompt(engine.prepare(negative), 0) if negative else None)
+        embeds.append(engine.runner.embed_prompt(engine.prepare(negative), 0) if negative else None)
     state = gen.sampler.start((4, SIZE["height"], SIZE["width"]), steps, seed=seed)
     return _denoise_recompute(gen.model, gen.head, gen.sampler, state, embeds, guidance)
 
@@ -130,7 +130,7 @@ async def test_pages_the_store_cannot_lend_are_recomputed_not_an_error():
     await engine.generate(PROMPT, CACHE_ONLY)
     other = list(range(10, 74))  # 4 pages: PROMPT's move down to the host tier
     await engine.generate(other, CACHE_ONLY)
-    with store.acquire(engine.page_keys(other, [])) as pinned:  # the device tier, all pinned
+    with store.acquire(engine.runner.page_keys(other, [])) as pinned:  # the device tier, all pinned
         assert len(pinned) == 4
         gen = ImageGenerator(engine)
         result = await gen.generate(PROMPT, **SIZE, steps=3, guidance=1.0)

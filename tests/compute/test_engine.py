@@ -97,7 +97,7 @@ async def test_concurrent_requests_are_batched_and_match_single_runs(engine, ref
             nursery.start_soon(one, i)
     for i, prompt in enumerate(prompts):
         assert results[i].token_ids == (await reference.generate(prompt, GREEDY)).token_ids
-    assert engine._running == [] and engine._waiting == []
+    assert engine.scheduler.running == [] and engine.scheduler.waiting == []
 
 
 async def test_forward_passes_run_off_the_event_loop(reference):
@@ -151,7 +151,7 @@ async def test_cancelling_one_request_leaves_the_others_running(engine, referenc
         with trio.move_on_after(0.2):
             await long_one()
     assert done["short"].token_ids == (await reference.generate("short", GREEDY)).token_ids
-    assert engine._running == []
+    assert engine.scheduler.running == []
 
 
 async def test_a_request_cancelled_while_its_step_prefills_it_leaves_the_engine_serving(
@@ -187,7 +187,7 @@ async def test_a_request_cancelled_while_its_step_prefills_it_leaves_the_engine_
         release.set()
     assert len(prefills) == 2
     after = await reference.generate("request number 0", GREEDY)  # its step drops theirs
-    assert len(after.token_ids) == GREEDY.max_new_tokens and reference._running == []
+    assert len(after.token_ids) == GREEDY.max_new_tokens and reference.scheduler.running == []
 
 
 async def test_sampling_is_reproducible_with_a_seed(reference):
@@ -258,7 +258,7 @@ async def test_n_samples_share_one_prefill_and_equal_separately_seeded_requests(
         assert (sample.token_ids, sample.text) == (alone.token_ids, alone.text)
     assert len({tuple(s.token_ids) for s in result.samples}) > 1
     assert reference.stats().num_prefills == 5
-    assert reference._running == [] and reference._batch.size == 0
+    assert reference.scheduler.running == [] and reference.runner.batch.size == 0
 
 
 async def test_n_samples_with_a_store_put_each_sample_s_pages(engine, reference):

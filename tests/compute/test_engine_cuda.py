@@ -40,7 +40,7 @@ async def test_from_pretrained_on_cuda_gives_transformers_greedy_tokens_on_cuda(
     model, config = tiny_model(seed=3)
     save_pretrained(model, config, tmp_path)
     engine = TorchEngine.from_pretrained(tmp_path, device="cuda", store=None)
-    assert next(engine.model.parameters()).is_cuda and engine._batch.k[0].is_cuda
+    assert next(engine.model.parameters()).is_cuda and engine.runner.batch.k[0].is_cuda
     prompt = [5, 17, 42, 99, 7, 3, 250, 11]
     ours = await engine.generate(prompt, SamplingParams(max_new_tokens=16, temperature=0,
                                                         ignore_eos=True))

@@ -126,7 +126,7 @@ async def test_an_invalid_grammar_fails_the_request_before_anything_runs(fields,
     for _ in range(2):  # the second time from the cache
         with pytest.raises(ValueError, match=message):
             await engine.generate("x", SamplingParams(max_new_tokens=4, **fields))
-    assert engine.stats().num_prefills == 0 and engine._waiting == []
+    assert engine.stats().num_prefills == 0 and engine.scheduler.waiting == []
 
 
 async def test_grammars_compile_once_in_a_worker_thread(monkeypatch):

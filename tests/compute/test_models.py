@@ -15,6 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from omni.compute.models import (
@@ -29,11 +31,20 @@ from omni.kv import KVLayout
 
 TOL = 1e-4
 HF_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-              "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+              "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+              "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM)}
 # (architecture, tie_word_embeddings, num_kv_heads): GQA and MHA, tied and untied, every arch.
 # Qwen3's config.json here leaves head_dim out: transformers' default (128) is not 64 / 4.
 VARIANTS = [("llama", False, 2), ("llama", True, 4), ("qwen2", True, 2), ("qwen2", False, 1),
-            ("qwen3", True, 2), ("qwen3", False, 4)]
+            ("qwen3", True, 2), ("qwen3", False, 4), ("qwen3_moe", False, 2),
+            ("qwen3_moe", True, 4)]
+
+
+def moe_extra(tie: bool) -> dict[str, Any]:
+    """8 experts, top 2: untied with the routing weights renormalised and layer 1 dense, tied
+    with neither."""
+    return {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "norm_topk_prob": not tie, "mlp_only_layers": [] if tie else [1]}
 
 
 def make_hf(arch: str, *, tie: bool = False, num_kv_heads: int = 2, seed: int = 0,
@@ -41,6 +52,8 @@ def make_hf(arch: str, *, tie: bool = False, num_kv_heads: int = 2, seed: int = 
     """A small random HF model; every parameter (norms and biases too) is perturbed, so that a
     tensor loaded into the wrong place cannot go unnoticed."""
     config_cls, model_cls = HF_CLASSES[arch]
+    if arch == "qwen3_moe":
+        extra = {**moe_extra(tie), **extra}
     config = config_cls(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=num_kv_heads,
                         max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
@@ -50,7 +63,10 @@ def make_hf(arch: str, *, tie: bool = False, num_kv_heads: int = 2, seed: int = 
     with torch.no_grad():
         for name, param in model.named_parameters():
             scale = 0.1 if "norm" in name else 0.15
-            param.add_(torch.randn_like(param) * scale)
+            if "mlp.experts" in name or name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, scale)  # transformers leaves these empty or zero
+            else:
+                param.add_(torch.randn_like(param) * scale)
     return model.eval()
 
 
@@ -205,12 +221,14 @@ def test_rope_scaling_matches_transformers(tmp_path: Path, rope: dict[str, Any])
     assert (full_logits(model, ids) - hf(ids).logits).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @torch.inference_mode()
 def test_our_save_pretrained_loads_in_transformers(tmp_path: Path, arch: str) -> None:
     """tiny_model saved by save_pretrained loads in transformers with the same logits, and back
     in load_pretrained with the same config."""
-    model, config = tiny_model(seed=3, architecture=arch, tie_word_embeddings=arch == "qwen2")
+    extra = moe_extra(tie=False) if arch == "qwen3_moe" else {}
+    model, config = tiny_model(seed=3, architecture=arch, tie_word_embeddings=arch == "qwen2",
+                               **extra)
     if config.qk_norm:  # norms of one: perturb them, so that a misplaced one shows
         for layer in model.layers:
             layer.attn.q_norm.weight.normal_(1.0, 0.2)

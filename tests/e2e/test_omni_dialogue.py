@@ -240,9 +240,9 @@ async def test_a_turn_cancelled_mid_reply_leaves_the_engine_at_once(example, tmp
                     nursery.start_soon(functools.partial(
                         rt.run, example.dialogue, session="s", text="Hello!",
                         out=str(tmp_path / "s.wav"), max_tokens=4000))
-                    await wait_until(lambda: any(r.output for r in engine._running),
+                    await wait_until(lambda: any(r.output for r in engine.scheduler.running),
                                      "the reply's first token", poll=0.001)
                     scope.cancel()
-            assert engine._running == [] and engine._waiting == []
+            assert engine.scheduler.running == [] and engine.scheduler.waiting == []
     finally:
         gc.enable()

@@ -3,6 +3,10 @@
 Why a table: the loader must check a checkpoint completely (missing, unexpected, wrong shape)
 before reading any bytes, and the saver must write exactly what transformers expects. Both use
 `hf_shapes`, and `fuse` / `split` are each other's inverse.
+
+A mixture-of-experts layer is stored one tensor per expert and projection
+(`mlp.experts.N.gate_proj.weight`), as transformers saves it; the model holds each projection
+of all experts in one tensor (`mlp.gate_up_proj` [X, 2I, E], `mlp.down_proj` [X, E, I]).
 """
 
 from __future__ import annotations
@@ -46,15 +50,52 @@ def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         for name, (shape, has_bias) in per_layer.items():
+            if name.startswith("mlp.") and config.is_sparse_layer(i):
+                continue
             shapes[f"{prefix}{name}.weight"] = shape
             if has_bias:
                 shapes[f"{prefix}{name}.bias"] = shape[:1]
+        if config.is_sparse_layer(i):
+            shapes.update(_expert_shapes(config, prefix))
         shapes[prefix + "input_layernorm.weight"] = (hidden,)
         shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
         if config.qk_norm:
             shapes[prefix + "self_attn.q_norm.weight"] = (int(config.head_dim or 0),)
             shapes[prefix + "self_attn.k_norm.weight"] = (int(config.head_dim or 0),)
     return shapes
+
+
+def _expert_shapes(config: DecoderConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}mlp.gate.weight": (config.num_experts,
+                                                                        hidden)}
+    for e in range(config.num_experts):
+        expert = f"{prefix}mlp.experts.{e}."
+        shapes[expert + "gate_proj.weight"] = (inter, hidden)
+        shapes[expert + "up_proj.weight"] = (inter, hidden)
+        shapes[expert + "down_proj.weight"] = (hidden, inter)
+    return shapes
+
+
+def _fuse_experts(config: DecoderConfig, hf: dict[str, Tensor], src: str, dst: str,
+                  state: dict[str, Tensor]) -> None:
+    state[f"{dst}mlp.gate.weight"] = hf.pop(f"{src}mlp.gate.weight")
+    experts = [f"{src}mlp.experts.{e}." for e in range(config.num_experts)]
+    state[f"{dst}mlp.gate_up_proj"] = torch.stack([torch.cat(
+        [hf.pop(e + "gate_proj.weight"), hf.pop(e + "up_proj.weight")]) for e in experts])
+    state[f"{dst}mlp.down_proj"] = torch.stack([hf.pop(e + "down_proj.weight")
+                                                for e in experts])
+
+
+def _split_experts(config: DecoderConfig, state: dict[str, Tensor], src: str, dst: str,
+                   hf: dict[str, Tensor]) -> None:
+    hf[f"{dst}mlp.gate.weight"] = state[f"{src}mlp.gate.weight"]
+    inter = config.moe_intermediate_size
+    for e in range(config.num_experts):
+        gate, up = state[f"{src}mlp.gate_up_proj"][e].split([inter, inter])
+        expert = f"{dst}mlp.experts.{e}."
+        hf.update({expert + "gate_proj.weight": gate, expert + "up_proj.weight": up,
+                   expert + "down_proj.weight": state[f"{src}mlp.down_proj"][e]})
 
 
 def fuse(config: DecoderConfig, hf: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -68,6 +109,8 @@ def fuse(config: DecoderConfig, hf: dict[str, Tensor]) -> dict[str, Tensor]:
         state["lm_head.weight"] = hf.pop("lm_head.weight")
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
+        if config.is_sparse_layer(i):
+            _fuse_experts(config, hf, src, dst, state)
         for ours, parts in _FUSED.items():
             for kind in ("weight", "bias"):
                 if f"{src}{parts[0]}.{kind}" in hf:
@@ -89,6 +132,8 @@ def split(config: DecoderConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
         hf["lm_head.weight"] = state["lm_head.weight"]
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"model.layers.{i}."
+        if config.is_sparse_layer(i):
+            _split_experts(config, state, src, dst, hf)
         for ours, parts in _FUSED.items():
             for kind in ("weight", "bias"):
                 if f"{src}{ours}.{kind}" not in state:

@@ -12,13 +12,14 @@ from omni.kv.layout import KVLayout
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling"]
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 # config.json "architectures" entry -> our architecture; the model_type is accepted too.
 SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
 
@@ -28,6 +29,9 @@ _HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
     "qwen2": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None},
     "qwen3": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
 
@@ -67,12 +71,18 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """The sizes and options of a Llama / Qwen2 / Qwen3 decoder-only language model.
+    """The sizes and options of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder-only language model.
 
     `attention_bias` puts biases on the q/k/v projections (always on for qwen2); Llama and Qwen3
     also put one on the output projection (`o_proj_bias`). Qwen3 normalises each head of q and k
     (RMSNorm over the head dim, `qk_norm`) before RoPE. `head_dim` defaults to
     hidden_size / num_heads.
+
+    Mixture of experts (qwen3_moe): a sparse layer's MLP is `num_experts` SwiGLU experts of
+    `moe_intermediate_size`, each token routed to its `num_experts_per_tok` most likely ones
+    (their weights renormalised to sum to 1 with `norm_topk_prob`). Layer i is sparse unless it
+    is in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`; dense layers
+    keep an MLP of `intermediate_size`.
 
     Raises:
         ValueError: a size that is not positive, or sizes that do not divide (see `__post_init__`).
@@ -95,6 +105,12 @@ class DecoderConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_CLASS:
@@ -111,6 +127,16 @@ class DecoderConfig:
         _check_positive_int("head_dim", self.head_dim)
         self._check_consistency()
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.architecture == "qwen3_moe":
+            for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "decoder_sparse_step"):
+                _check_positive_int(name, getattr(self, name))
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is more than "
+                                 f"num_experts {self.num_experts}")
+        elif self.num_experts:
+            raise ValueError(f"{self.architecture} has no experts: use qwen3_moe")
 
     def _check_consistency(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -124,8 +150,8 @@ class DecoderConfig:
         if self.architecture == "qwen2" and (not self.attention_bias or self.mlp_bias):
             raise ValueError("qwen2 always has q/k/v biases and no MLP bias: "
                              "use attention_bias=True, mlp_bias=False")
-        if self.architecture == "qwen3" and self.mlp_bias:
-            raise ValueError("qwen3 has no MLP bias: use mlp_bias=False")
+        if self.architecture in ("qwen3", "qwen3_moe") and self.mlp_bias:
+            raise ValueError(f"{self.architecture} has no MLP bias: use mlp_bias=False")
 
     @property
     def o_proj_bias(self) -> bool:
@@ -135,8 +161,13 @@ class DecoderConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether each query and key head is RMS-normalised before RoPE (Qwen3)."""
-        return self.architecture == "qwen3"
+        """Whether each query and key head is RMS-normalised before RoPE (Qwen3, Qwen3-MoE)."""
+        return self.architecture in ("qwen3", "qwen3_moe")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_groups(self) -> int:
@@ -180,7 +211,7 @@ class DecoderConfig:
             mlp_bias=bool(fields.get("mlp_bias", False)) and arch == "llama",
             bos_token_id=fields.get("bos_token_id"),
             eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-            rope_scaling=scaling)
+            rope_scaling=scaling, **_moe_fields(arch, fields))
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (4.x and 5.x) builds the same model from."""
@@ -205,9 +236,29 @@ class DecoderConfig:
             out.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
         else:
             out.update(use_sliding_window=False)
-        if self.architecture == "qwen3":
+        if self.architecture in ("qwen3", "qwen3_moe"):
             out.update(attention_bias=self.attention_bias)
+        if self.architecture == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
         return out
+
+
+def _moe_fields(arch: Architecture, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config.json (none for the others)."""
+    if arch != "qwen3_moe":
+        return {}
+    # transformers 5 writes num_local_experts; the published checkpoints say num_experts
+    experts = fields.get("num_experts", fields.get("num_local_experts", 128))
+    return {"num_experts": experts,
+            "num_experts_per_tok": fields["num_experts_per_tok"],
+            "moe_intermediate_size": fields["moe_intermediate_size"],
+            "norm_topk_prob": bool(fields["norm_topk_prob"]),
+            "decoder_sparse_step": fields["decoder_sparse_step"],
+            "mlp_only_layers": tuple(fields.get("mlp_only_layers") or ())}
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -235,7 +286,7 @@ def _architecture_of(hf: Mapping[str, Any]) -> Architecture:
 def _check_supported_features(arch: Architecture, fields: Mapping[str, Any]) -> None:
     if fields.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {fields['hidden_act']!r}; only 'silu'")
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         layer_types = fields.get("layer_types")
         if layer_types is None and fields.get("use_sliding_window"):
             num_full = fields.get("max_window_layers", 28)

@@ -1,10 +1,10 @@
-"""`DecoderLM`: a Llama / Qwen2 / Qwen3 decoder whose KV cache lives outside the model.
+"""`DecoderLM`: a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder whose KV cache lives outside the model.
 
 The model keeps no cache. `forward` takes the past KV of each layer and returns the KV of the new
 tokens only; the engine owns the cache (contiguous per-layer tensors, paged in the `omni.kv`
 store). Built gpt-fast style from small modules; numerics follow transformers (RMSNorm and RoPE
 angles in float32, `rotate_half`) so the logits match `LlamaForCausalLM`, `Qwen2ForCausalLM` and
-`Qwen3ForCausalLM`.
+`Qwen3ForCausalLM` (and `Qwen3MoeForCausalLM`, its experts in `omni.compute.models.qwen3_moe`).
 
 Shapes: B batch, T new tokens, S = T_past + T keys, E hidden, H query heads, Hkv KV heads,
 G = H / Hkv query heads per KV head, D head dim, L layers, P page size.
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from omni.compute.models._attention import attend
 from omni.compute.models._linear import Linear
 from omni.compute.models.config import DecoderConfig
+from omni.compute.models.qwen3_moe import SparseMoE
 
 __all__ = ["MLP", "Attention", "DecoderLM", "DecoderLayer", "KVList", "RMSNorm",
            "RotaryEmbedding", "apply_rotary", "rms_normalize", "rope_inv_freq"]
@@ -170,14 +171,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) (a mixture of experts on a
+    sparse layer of a MoE model)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = SparseMoE(config) if config.is_sparse_layer(layer) else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None,
                 mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -198,7 +200,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -1,0 +1,274 @@
+"""`ModelRunner`: executes the steps the scheduler plans, on the decode batch's KV.
+
+Synchronous and free of trio (the engine runs each step in a worker thread). It owns what the
+computation needs: the model, the decode batch's KV rows (`BatchKV`), the sampler, the
+encoders that fill a prompt's media positions, and the KV store it reads a cached prefix from
+and puts each full page into. A prefill reads the longest cached prefix under a lease and
+computes only the tokens after it; decoding puts each page back as it fills, so the next turn
+of a conversation finds its whole history cached. Each sampled token is checked against the
+request's stop conditions (SGLang's), and a finished request leaves the batch.
+
+Rows: the scheduler gives each request its row; the runner opens the batch's rows in the same
+order and moves them as the scheduler does when one leaves (checking that they agree).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from omni.compute._batch import BatchKV
+from omni.compute._engine_types import _Request
+from omni.compute.encoders import AudioEncoder, ImageEncoder
+from omni.compute.models import DecoderLM
+from omni.compute.prompt import PromptTokens
+from omni.compute.sampling import TokenSampler, TokenSamplingState
+from omni.compute.scheduler import Scheduler, StepPlan
+from omni.compute.tokenizer import Tokenizer
+from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
+
+__all__ = ["ModelRunner"]
+
+log = logging.getLogger("omni.compute")
+
+PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
+STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
+
+
+class ModelRunner:
+    """Prefill and decode steps of one decoder on the scheduler's batch rows.
+
+    Args:
+        model, config: the `DecoderLM` and its `DecoderConfig`.
+        scheduler: whose plans it executes and whose rows it keeps.
+        tokenizer: reads the output's text for stop strings (None: stop ids only).
+        store: where cached prefixes come from and full pages go (None: no reuse).
+        page_size: tokens per KV page; `model_id` goes into every page key.
+        seed: the built-in encoders' weights.
+    """
+
+    def __init__(self, model: DecoderLM, config: Any, scheduler: Scheduler[_Request], *,
+                 tokenizer: Tokenizer | None, store: KVStore | None, page_size: int,
+                 model_id: str, seed: int = 0):
+        self.model = model.eval()
+        self.config = config
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.store = store
+        self.page_size = page_size
+        self.model_id = model_id
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        # the built-in encoders are one small projection each: they run on the CPU in float32
+        # and their embeddings move to the model's device and dtype (`embed_prompt`)
+        self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1)
+        self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2)
+        self.batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
+                             scheduler.max_batch, self.dtype, self.device)
+        self._sampler = TokenSampler()
+        self._batch_sampling: TokenSamplingState | None = None  # rebuilt when rows change
+        # Seconds prefill takes per page of prompt (an EWMA; None until a prefill ran): what
+        # the store's peer fetch must beat to be worth it.
+        self.prefill_page_s: float | None = None
+        self.counts = {"prefills": 0, "prefill_tokens": 0, "decode_steps": 0}
+
+    def page_keys(self, token_ids: Any, spans: list[MediaSpan],
+                  cache_salt: str = "") -> list[bytes]:
+        """The store keys of the full pages of `token_ids` (media digests included); a
+        `cache_salt` gives another set of keys: requests of different salts share no page."""
+        extra = (self.model_id,) if not cache_salt else (self.model_id, "salt", cache_salt)
+        return block_keys(token_ids, self.page_size, extra=extra, media=spans)
+
+    def reusable_keys(self, r: _Request) -> list[bytes]:
+        """The keys of the prompt's pages a prefill may read cached (it computes >= 1 token)."""
+        return r.keys[: (len(r.tokens) - 1) // self.page_size]
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end generation: the tokenizer's, else the model config's."""
+        eos = () if self.tokenizer is None else self.tokenizer.eos_token_ids
+        return tuple(eos or self.config.eos_token_ids)
+
+    # -- a step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan[_Request]) -> None:
+        """Run a planned step: drop the cancelled, prefill the admitted, then decode on in
+        this thread while nothing needs the event loop (no one waits to be admitted, no
+        stream wants its token now, nobody finished), for up to STEP_BUDGET: a hop to the
+        event loop and back costs as much as a small model's decode step."""
+        for r in plan.dropped:
+            self.drop(r)
+        for r in plan.prefill:
+            if r.cancelled:
+                continue
+            self.scheduler.place(r)
+            # a fork cancelled before it got a row needs none (a cancel arriving later is
+            # dropped at the next step's start)
+            forks = [fork for fork in r.forks if not fork.cancelled]
+            for fork in forks:
+                self.scheduler.place(fork)
+            for sample, token in self.prefill(r, forks):
+                if token is None:  # max_new_tokens=0: the prompt is cached only
+                    sample.finish_reason = sample.sampling.finish_reason
+                    self.drop(sample)
+                else:
+                    self._accept(sample, token)
+        deadline = time.perf_counter() + STEP_BUDGET
+        running = self.scheduler.running
+        while running:
+            size = len(running)
+            for r, token in zip(list(running), self.decode(running), strict=True):
+                self._accept(r, token)
+            if (len(running) != size or self.scheduler.waiting
+                    or time.perf_counter() > deadline
+                    or any(r.cancelled or (r.streaming and r.stream_due()) for r in running)):
+                return
+
+    def _accept(self, r: _Request, token: int) -> None:
+        """Append a sampled token; a request it finishes leaves the batch."""
+        r.output.append(token)
+        text = None
+        tail = r.sampling.stop_tail_ids()
+        if tail and self.tokenizer is not None:
+            # SGLang matches stop strings and regexes in the text of the output's last tokens
+            # only (its tail window), decoded with special tokens kept
+            text = self.tokenizer.decode(tail, skip_special_tokens=False)
+        reason = r.sampling.check_stop(token, text, self.eos_ids())
+        if reason is not None:
+            r.finish_reason = reason
+            self.drop(r)
+
+    def drop(self, r: _Request) -> None:
+        """Take a request out of the batch: its scheduler row and its KV row (the last row
+        moves into it in both)."""
+        if r.row is None:
+            return
+        moved_in_batch = self.batch.remove(r.row)
+        if self.scheduler.remove(r) != moved_in_batch:
+            raise AssertionError("the scheduler's rows and the batch's KV rows disagree")
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def prefill(self, r: _Request, forks: list[_Request]) -> list[tuple[_Request, int | None]]:
+        """Compute a prompt after its cached prefix into `r.row`, copy it into each fork's
+        row, put its new full pages into the store; returns each sample's first token (None
+        for a sample that asked for none)."""
+        ids = r.tokens.token_ids
+        self._open_row(r, len(ids))
+        self._load_cached_prefix(r)
+        start = r.cached_tokens
+        past = self.batch.row_kv(r.row, 0, start) if start else None
+        positions = torch.arange(start, len(ids), device=self.device)[None]
+        began = time.perf_counter()
+        hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
+        self._note_prefill(time.perf_counter() - began, len(ids) - start)
+        self.counts["prefills"] += 1
+        self.counts["prefill_tokens"] += len(ids) - start
+        logits = self.model.logits(hidden[:, -1])
+        firsts = [(sample, self._first_token(sample, logits)) for sample in (r, *forks)]
+        # After the first tokens, which need none of it: the row's KV, the forks' copies of
+        # it, the new pages in the store
+        self.batch.extend(r.row, new_kv)
+        r.length = len(ids)
+        r.stored_pages = start // self.page_size
+        for fork in forks:
+            if self.batch.fork(r.row) != fork.row:
+                raise AssertionError(f"batch row of a fork is not the scheduler's {fork.row}")
+            fork.length, fork.stored_pages = r.length, r.stored_pages
+            fork.cached_tokens = r.cached_tokens
+        self._store_pages(r, ids)
+        return firsts
+
+    def _open_row(self, r: _Request, reserve: int) -> None:
+        if self.batch.open_row(reserve) != r.row:
+            raise AssertionError(f"batch row of a request is not the scheduler's {r.row}")
+
+    def _load_cached_prefix(self, r: _Request) -> None:
+        """Copy the longest cached prefix's pages into the request's batch row."""
+        if self.store is None:
+            return
+        usable = self.reusable_keys(r)
+        try:
+            lease = self.store.acquire(usable[: self.store.match(usable)])
+        except KVCapacityError as exc:  # the store cannot lend them now: recompute
+            log.warning("KV prefix not reused: %s", exc)
+            return
+        with lease:
+            if len(lease):
+                self.batch.write_pages(r.row, lease.pages)
+                r.cached_tokens = len(lease) * self.page_size
+
+    def _note_prefill(self, seconds: float, tokens: int) -> None:
+        """Fold one prefill's wall time per page into the recompute-cost estimate."""
+        if tokens <= 0:
+            return
+        per_page = seconds / tokens * self.page_size
+        last = self.prefill_page_s
+        self.prefill_page_s = per_page if last is None else (
+            last + PREFILL_EWMA * (per_page - last))
+
+    def _first_token(self, r: _Request, logits: torch.Tensor) -> int | None:
+        """The request's first token from its prompt's last logits (None when it asked for
+        none); its time to first token ends here."""
+        r.first_token_at = time.perf_counter()
+        if r.sampling.finish_reason is not None:
+            return None
+        return int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
+
+    def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
+        """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
+        with each image's and audio clip's embeddings at its placeholder positions."""
+        ids = torch.tensor(tokens.token_ids[start:], device=self.device)[None]
+        hidden = self.model.embed(ids)  # [1, T - start, hidden]
+        for item in tokens.media:
+            lo, hi = max(item.start, start), min(item.start + item.length, len(tokens))
+            if lo >= hi:
+                continue
+            encoder = self.image_encoder if item.kind == "image" else self.audio_encoder
+            embeds = encoder.encode(item.segment).to(hidden.device, hidden.dtype)  # [n, E]
+            hidden[0, lo - start: hi - start] = embeds[lo - item.start: hi - item.start]
+        return hidden
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def decode(self, running: list[_Request]) -> list[int]:
+        """One token for every running request (by row): their last tokens' KV joins the
+        batch, pages that filled go to the store; returns the sampled tokens, by row."""
+        tokens = torch.tensor([[r.output[-1]] for r in running], device=self.device)
+        positions = torch.tensor([[r.length] for r in running], device=self.device)
+        hidden, new_kv = self.model.forward(self.model.embed(tokens), positions,
+                                            self.batch.past(), self.batch.mask())
+        self.counts["decode_steps"] += 1
+        self.batch.append(new_kv)
+        logits = self.model.logits(hidden[:, -1])
+        for r in running:
+            r.length += 1
+        rows = tuple(r.sampling for r in running)
+        if self._batch_sampling is None or self._batch_sampling.requests != rows:
+            self._batch_sampling = TokenSamplingState(rows)
+        sampled = self._sampler.step(logits, self._batch_sampling).tolist()
+        for r in running:
+            if r.length // self.page_size > r.stored_pages:
+                self._store_pages(r, r.tokens.token_ids + tuple(r.output))
+        return sampled
+
+    def _store_pages(self, r: _Request, ids: tuple[int, ...]) -> None:
+        """Put the request's newly completed full pages into the store (best effort)."""
+        if self.store is None:
+            return
+        full = r.length // self.page_size
+        if full <= r.stored_pages:
+            return
+        keys = self.page_keys(ids[: full * self.page_size], r.spans,
+                              r.cache_salt)[r.stored_pages:]
+        start = r.stored_pages * self.page_size
+        kv = self.batch.row_kv(r.row, 0, full * self.page_size)
+        pages = self.model.kv_to_pages(kv, start, self.page_size)
+        try:
+            self.store.put(keys, pages.contiguous())
+        except KVCapacityError as exc:
+            log.warning("KV pages not cached: %s", exc)
+        r.stored_pages = full
