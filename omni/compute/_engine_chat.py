@@ -7,6 +7,7 @@ here leaves engine.py to the batching loop.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from omni.compute.generation_config import (
     load_generation_defaults,
     resolve_eos_token_ids,
 )
+from omni.compute.prompt import Audio, Image, Prompt, Text
 from omni.compute.sampling_params import SamplingParams
 from omni.compute.tokenizer import HFTokenizer, load_tokenizer
 
@@ -36,11 +38,30 @@ def load_tokenizer_and_defaults(directory: str | Path, config_eos: tuple[int, ..
     return tokenizer, defaults
 
 
+def media_parts(messages: list[dict[str, Any]]) -> list[Image | Audio]:
+    """The image and audio parts of a conversation's messages, in order, as segments."""
+    found: list[Image | Audio] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                value = part.get("image")
+                found.append(value if isinstance(value, Image) else Image(value))
+            elif kind == "audio":
+                value = part.get("audio")
+                found.append(value if isinstance(value, Audio) else Audio(value))
+    return found
+
+
 class ChatMixin:
     """`chat`, `chat_stream`, `chat_prompt` and `default_params` of `TorchEngine`."""
 
     tokenizer: Any
     model_id: str
+    media: Any  # the engine's MediaEncoders
     # From the checkpoint's generation_config.json (`from_pretrained`); None: SamplingParams().
     generation_defaults: GenerationDefaults | None = None
 
@@ -58,19 +79,54 @@ class ChatMixin:
         return self.generation_defaults.sampling_params(num_prompt_tokens)
 
     def chat_prompt(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
-        """The prompt ids of a conversation: the checkpoint's chat template rendered and
-        encoded exactly as transformers' ``apply_chat_template(messages, add_generation_prompt)``.
+                    **template_kwargs: Any) -> list[int] | Prompt:
+        """The prompt of a conversation: the checkpoint's chat template rendered and encoded
+        exactly as transformers' ``apply_chat_template(messages, add_generation_prompt)``.
+
+        A message's content may be a list of parts: ``{"type": "text", "text": ...}``,
+        ``{"type": "image", "image": Image or what Image takes}`` and ``{"type": "audio",
+        "audio": Audio or 16 kHz samples}``. With media the result is a `Prompt`: the rendered
+        text with each placeholder the template writes (Qwen3-Omni's ``<|image_pad|>``) taken
+        by its part's segment, in order, as transformers' processor expands them.
 
         Raises:
-            ValueError: no tokenizer with a chat template, bad messages, or the template fails.
+            ValueError: no tokenizer with a chat template, bad messages, the template fails,
+                or its placeholders do not match the media parts.
         """
         if not isinstance(self.tokenizer, HFTokenizer) or self.tokenizer.chat_template is None:
             raise ValueError(f"{self.model_id} has no chat template (it needs tokenizer.json and "
                              "chat_template.jinja or 'chat_template' in tokenizer_config.json)")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return list(ids)
+        media = media_parts(messages)
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=not media,
+            **template_kwargs)
+        if not media:
+            return list(rendered)
+        return self._with_media(str(rendered), media)
+
+    def _with_media(self, text: str, media: list[Image | Audio]) -> Prompt:
+        """Rendered text -> a Prompt, each media placeholder replaced by its segment."""
+        backend = self.tokenizer.backend
+        pads = {backend.id_to_token(self.media.placeholder(segment)): type(segment)
+                for segment in media}
+        if None in pads or len(pads) != len({type(s) for s in media}):
+            raise ValueError(f"{self.model_id} does not take images or audio in a chat")
+        pieces = re.split("(" + "|".join(re.escape(str(p)) for p in pads) + ")", text)
+        segments: list[Text | Image | Audio] = []
+        remaining = list(media)
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                if piece:
+                    segments.append(Text(piece))
+            elif not remaining or not isinstance(remaining[0], pads[piece]):
+                raise ValueError("the chat template's media placeholders do not match the "
+                                 "messages' image and audio parts")
+            else:
+                segments.append(remaining.pop(0))
+        if remaining:
+            raise ValueError(f"the chat template wrote no placeholder for {len(remaining)} of "
+                             "the messages' image and audio parts")
+        return Prompt(segments)
 
     async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                    *, add_generation_prompt: bool = True,

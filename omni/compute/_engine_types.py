@@ -70,6 +70,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     row: int | None = None
     length: int = 0
+    position_offset: int = 0  # a decode step's RoPE position is length + this (M-RoPE media)
     cached_tokens: int = 0
     first_token_at: float | None = None
     finish_reason: str | None = None

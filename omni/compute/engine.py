@@ -1,4 +1,5 @@
-"""`TorchEngine`: the reference engine: a Llama/Qwen2/Qwen3 decoder on Omni's paged KV store.
+"""`TorchEngine`: the reference engine: a decoder (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-Omni's
+thinker) on Omni's paged KV store.
 
 The engine is the trio shell over two synchronous parts: the `Scheduler` plans each step
 (which requests leave, which prefill, in which batch rows) and the `ModelRunner` computes it
@@ -25,8 +26,9 @@ from omni.compute._default_store import StoreOption, choose_store, describe_stor
 from omni.compute._engine_chat import ChatMixin, load_tokenizer_and_defaults
 from omni.compute._engine_types import EngineStats, GenerateResult, TokenStream, _Request
 from omni.compute._output import sample_params
+from omni.compute.encoders import MediaEncoders
 from omni.compute.grammar import GrammarBackend, GrammarKind, grammar_spec
-from omni.compute.models import DecoderLM, load_pretrained, tiny_model
+from omni.compute.models import DecoderLM, load_media, load_pretrained, tiny_model
 from omni.compute.prompt import (
     Prompt,
     PromptTokens,
@@ -48,7 +50,7 @@ TOKENIZE_IN_THREAD_CHARS = 1 << 16
 
 
 class TorchEngine(ChatMixin):
-    """A decoder of the Llama / Qwen2 / Qwen3 family serving from Omni's KV store.
+    """A decoder language model serving from Omni's KV store.
 
     Args:
         model: the `DecoderLM`; `config` its `DecoderConfig`.
@@ -61,6 +63,7 @@ class TorchEngine(ChatMixin):
             every prompt is computed in full.
         model_id: part of every page key, so that models never share pages.
         max_batch: requests decoded together at most.
+        media: the model's media encoders (None: built in; a Qwen3-Omni checkpoint's own).
 
     Conversations: `chat`, `chat_stream`, `chat_prompt` (the checkpoint's chat template);
     `generation_defaults` (from generation_config.json, see `from_pretrained`) gives the
@@ -73,7 +76,7 @@ class TorchEngine(ChatMixin):
 
     def __init__(self, model: DecoderLM, config: Any, *, tokenizer: Tokenizer | None = None,
                  store: StoreOption = "auto", page_size: int = 16, model_id: str = "model",
-                 max_batch: int = 16, seed: int = 0):
+                 max_batch: int = 16, media: MediaEncoders | None = None, seed: int = 0):
         self.config = config
         self.page_size = page_size
         self.model_id = model_id
@@ -85,8 +88,8 @@ class TorchEngine(ChatMixin):
         self.scheduler: Scheduler[_Request] = Scheduler(max_batch)
         self.runner = ModelRunner(model, config, self.scheduler, tokenizer=tokenizer,
                                   store=self.store, page_size=page_size, model_id=model_id,
-                                  seed=seed)
-        self.model = self.runner.model
+                                  media=media, seed=seed)
+        self.model, self.media = self.runner.model, self.runner.media
         self._driving = False
         self._progress = trio.lowlevel.ParkingLot()
         self._grammars: GrammarBackend | None = None  # built by the first constrained request
@@ -100,8 +103,6 @@ class TorchEngine(ChatMixin):
     @tokenizer.setter
     def tokenizer(self, tokenizer: Tokenizer | None) -> None:
         self.runner.tokenizer = tokenizer
-
-    # -- construction ------------------------------------------------------------------------
 
     @classmethod
     def tiny(cls, seed: int = 0, *, store: StoreOption = "auto", page_size: int = 16,
@@ -132,7 +133,8 @@ class TorchEngine(ChatMixin):
         model, config = load_pretrained(path, dtype=dtype, device=device)
         tokenizer, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids))
         engine = cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
-                     model_id=kwargs.pop("model_id", Path(path).resolve().name), **kwargs)
+                     model_id=kwargs.pop("model_id", Path(path).resolve().name),
+                     media=load_media(path, dtype, device), **kwargs)
         engine.generation_defaults = defaults
         return engine
 
@@ -150,18 +152,18 @@ class TorchEngine(ChatMixin):
     def _tokenize(self, prompt: Prompt) -> PromptTokens:
         """`prepare` once the prompt's length was checked."""
         return tokenize_for_model(prompt, self.tokenizer.encode if self.tokenizer else None,
-                                  self.config.max_position_embeddings, self.config.vocab_size)
+                                  self.config.max_position_embeddings, self.config.vocab_size,
+                                  self.media)
 
     def check_length(self, prompt: Prompt) -> int:
         """The prompt's characters of text; ValueError when they alone prove it longer than
         the context (no tokenizer runs: a hostile 30 MB prompt costs a sum of lengths)."""
         return check_length(prompt, self.config.max_position_embeddings,
-                            getattr(self.tokenizer, "max_token_chars", None))
+                            getattr(self.tokenizer, "max_token_chars", None), self.media)
 
     def stats(self) -> EngineStats:
         """Prefills, prompt tokens computed and decode steps since the engine was built."""
-        c = self.runner.counts
-        return EngineStats(c["prefills"], c["prefill_tokens"], c["decode_steps"])
+        return EngineStats(*self.runner.counts.values())  # prefills, tokens, decode steps
 
     async def generate(self, prompt: Prompt | str | list[int],
                        params: SamplingParams | None = None, *,
@@ -227,10 +229,9 @@ class TorchEngine(ChatMixin):
     async def _admit(self, prompt: Any, params: SamplingParams | None,
                      cache_salt: str = "") -> _Request:
         prompt = as_prompt(prompt)
-        if self.check_length(prompt) > TOKENIZE_IN_THREAD_CHARS:
-            tokens = await trio.to_thread.run_sync(self._tokenize, prompt)
-        else:
-            tokens = self._tokenize(prompt)
+        in_thread = self.check_length(prompt) > TOKENIZE_IN_THREAD_CHARS
+        tokens = (await trio.to_thread.run_sync(self._tokenize, prompt) if in_thread
+                  else self._tokenize(prompt))
         params = params if params is not None else self.default_params(len(tokens))
         self.scheduler.check_fits(params.n)
         if (params.stop or params.stop_regex) and self.tokenizer is None:
@@ -243,14 +244,12 @@ class TorchEngine(ChatMixin):
         samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started,
                             cache_salt=cache_salt) for i in range(params.n)]
         for sample in samples:
-            constraint = None
-            if grammar is not None and self._grammars is not None:
-                constraint = self._grammars.constraint(grammar[1], grammar[0])
+            constraint = (None if grammar is None or self._grammars is None
+                          else self._grammars.constraint(grammar[1], grammar[0]))
             sample.sampling = RequestSamplingState(
                 sample.params, tokens.token_ids, context_length=self.config.max_position_embeddings,
                 eos_token_ids=self.runner.eos_ids(), vocab_size=self.config.vocab_size,
-                constraint=constraint,
-                encode=None if self.tokenizer is None else self.tokenizer.encode)
+                constraint=constraint, encode=getattr(self.tokenizer, "encode", None))
         request, request.forks = samples[0], samples[1:]
         if self.store is not None:
             await self.store.prefetch(self.runner.reusable_keys(request),

@@ -187,14 +187,16 @@ def _decode_file(path: str) -> np.ndarray:
         return _decode_bytes(f.read())
 
 
-def tokenize(prompt: Prompt, encode: Any | None, *, placeholder: int = 0) -> PromptTokens:
-    """Flatten a prompt: text through `encode` (str -> ids), media as placeholder runs.
+def tokenize(prompt: Prompt, encode: Any | None, media: Any | None = None) -> PromptTokens:
+    """Flatten a prompt: text through `encode` (str -> ids), media as placeholder runs, as
+    many positions and of the id the model's `media` encoders say (None: the built-in
+    encoders' counts and id 0).
 
     Raises:
         ValueError: a text segment is a string but there is no tokenizer.
     """
     ids: list[int] = []
-    media: list[MediaItem] = []
+    items: list[MediaItem] = []
     for segment in prompt.segments:
         if isinstance(segment, Text):
             if isinstance(segment.content, str):
@@ -206,16 +208,21 @@ def tokenize(prompt: Prompt, encode: Any | None, *, placeholder: int = 0) -> Pro
                 ids.extend(segment.content)
             continue
         kind = "image" if isinstance(segment, Image) else "audio"
-        media.append(MediaItem(kind, len(ids), segment.num_positions, segment))
-        ids.extend([placeholder] * segment.num_positions)
-    return PromptTokens(tuple(ids), tuple(media))
+        n = _positions(segment, media)
+        items.append(MediaItem(kind, len(ids), n, segment))
+        ids.extend([0 if media is None else media.placeholder(segment)] * n)
+    return PromptTokens(tuple(ids), tuple(items))
+
+
+def _positions(segment: Image | Audio, media: Any | None) -> int:
+    return segment.num_positions if media is None else media.num_positions(segment)
 
 
 def tokenize_for_model(prompt: Prompt, encode: Any | None, context: int,
-                       vocab_size: int) -> PromptTokens:
+                       vocab_size: int, media: Any | None = None) -> PromptTokens:
     """`tokenize`, refusing (ValueError) an empty prompt, one as long as the model's
     `context` or longer, and token ids outside its vocabulary."""
-    tokens = tokenize(prompt, encode)
+    tokens = tokenize(prompt, encode, media)
     if not tokens.token_ids:
         raise ValueError("the prompt is empty")
     if len(tokens) >= context:
@@ -227,14 +234,15 @@ def tokenize_for_model(prompt: Prompt, encode: Any | None, context: int,
     return tokens
 
 
-def check_length(prompt: Prompt, context: int, max_token_chars: int | None) -> int:
+def check_length(prompt: Prompt, context: int, max_token_chars: int | None,
+                 media: Any | None = None) -> int:
     """The prompt's characters of text; ValueError when they alone prove it as long as the
     model's `context` or longer (no tokenizer runs: a hostile 30 MB prompt costs a sum of
     lengths). `max_token_chars`: the most characters one token covers (None: unknown)."""
     chars = fewest = 0  # characters of text; tokens at least (ids and media: exactly)
     for segment in prompt.segments:
         if not isinstance(segment, Text):
-            fewest += segment.num_positions
+            fewest += _positions(segment, media)
         elif isinstance(segment.content, str):
             chars += len(segment.content)
         else:

@@ -22,7 +22,7 @@ import torch
 
 from omni.compute._batch import BatchKV
 from omni.compute._engine_types import _Request
-from omni.compute.encoders import AudioEncoder, ImageEncoder
+from omni.compute.encoders import BuiltinEncoders, MediaEncoders
 from omni.compute.models import DecoderLM
 from omni.compute.prompt import PromptTokens
 from omni.compute.sampling import TokenSampler, TokenSamplingState
@@ -47,12 +47,13 @@ class ModelRunner:
         tokenizer: reads the output's text for stop strings (None: stop ids only).
         store: where cached prefixes come from and full pages go (None: no reuse).
         page_size: tokens per KV page; `model_id` goes into every page key.
+        media: the model's media encoders (None: the built-in ones).
         seed: the built-in encoders' weights.
     """
 
     def __init__(self, model: DecoderLM, config: Any, scheduler: Scheduler[_Request], *,
                  tokenizer: Tokenizer | None, store: KVStore | None, page_size: int,
-                 model_id: str, seed: int = 0):
+                 model_id: str, media: MediaEncoders | None = None, seed: int = 0):
         self.model = model.eval()
         self.config = config
         self.scheduler = scheduler
@@ -62,10 +63,9 @@ class ModelRunner:
         self.model_id = model_id
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        # the built-in encoders are one small projection each: they run on the CPU in float32
-        # and their embeddings move to the model's device and dtype (`embed_prompt`)
-        self.image_encoder = ImageEncoder(config.hidden_size, seed=seed + 1)
-        self.audio_encoder = AudioEncoder(config.hidden_size, seed=seed + 2)
+        # the checkpoint's encoders, or the built-in ones (one small projection each, on the
+        # CPU in float32); embeddings move to the model's device and dtype (`prompt_inputs`)
+        self.media: MediaEncoders = media or BuiltinEncoders(config.hidden_size, seed)
         self.batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
                              scheduler.max_batch, self.dtype, self.device)
         self._sampler = TokenSampler()
@@ -161,9 +161,10 @@ class ModelRunner:
         self._load_cached_prefix(r)
         start = r.cached_tokens
         past = self.batch.row_kv(r.row, 0, start) if start else None
-        positions = torch.arange(start, len(ids), device=self.device)[None]
+        positions = self._prompt_positions(r, start)
         began = time.perf_counter()
-        hidden, new_kv = self.model.forward(self.embed_prompt(r.tokens, start), positions, past)
+        embeds, deepstack = self.prompt_inputs(r.tokens, start)
+        hidden, new_kv = self.model.forward(embeds, positions, past, deepstack=deepstack)
         self._note_prefill(time.perf_counter() - began, len(ids) - start)
         self.counts["prefills"] += 1
         self.counts["prefill_tokens"] += len(ids) - start
@@ -178,6 +179,7 @@ class ModelRunner:
             if self.batch.fork(r.row) != fork.row:
                 raise AssertionError(f"batch row of a fork is not the scheduler's {fork.row}")
             fork.length, fork.stored_pages = r.length, r.stored_pages
+            fork.position_offset = r.position_offset
             fork.cached_tokens = r.cached_tokens
         self._store_pages(r, ids)
         return firsts
@@ -218,19 +220,42 @@ class ModelRunner:
             return None
         return int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
 
+    def _prompt_positions(self, r: _Request, start: int) -> torch.Tensor:
+        """RoPE positions of the prompt's tokens from `start` on: [1, T'] or, for a model
+        with multimodal positions and a prompt with media, [3, 1, T'] (and the request's
+        decode positions run on from the largest, `position_offset`)."""
+        ids = r.tokens.token_ids
+        multimodal = self.media.positions(r.tokens) if r.tokens.media else None
+        if multimodal is None:
+            return torch.arange(start, len(ids), device=self.device)[None]
+        r.position_offset = int(multimodal.max()) + 1 - len(ids)
+        return multimodal[:, None, start:].to(self.device)
+
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
         with each image's and audio clip's embeddings at its placeholder positions."""
+        return self.prompt_inputs(tokens, start)[0]
+
+    def prompt_inputs(self, tokens: PromptTokens,
+                      start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`embed_prompt`, and the deepstack features ``[k, 1, T - start, hidden]`` of its
+        images (None when none has any)."""
         ids = torch.tensor(tokens.token_ids[start:], device=self.device)[None]
         hidden = self.model.embed(ids)  # [1, T - start, hidden]
+        deepstack: torch.Tensor | None = None
         for item in tokens.media:
             lo, hi = max(item.start, start), min(item.start + item.length, len(tokens))
             if lo >= hi:
                 continue
-            encoder = self.image_encoder if item.kind == "image" else self.audio_encoder
-            embeds = encoder.encode(item.segment).to(hidden.device, hidden.dtype)  # [n, E]
+            encoded = self.media.encode(item.segment)
+            embeds = encoded.embeds.to(hidden.device, hidden.dtype)  # [n, E]
             hidden[0, lo - start: hi - start] = embeds[lo - item.start: hi - item.start]
-        return hidden
+            if encoded.deepstack is not None:
+                if deepstack is None:
+                    deepstack = hidden.new_zeros(len(encoded.deepstack), *hidden.shape)
+                deepstack[:, 0, lo - start: hi - start] = encoded.deepstack[
+                    :, lo - item.start: hi - item.start].to(hidden.device, hidden.dtype)
+        return hidden, deepstack
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -238,7 +263,8 @@ class ModelRunner:
         """One token for every running request (by row): their last tokens' KV joins the
         batch, pages that filled go to the store; returns the sampled tokens, by row."""
         tokens = torch.tensor([[r.output[-1]] for r in running], device=self.device)
-        positions = torch.tensor([[r.length] for r in running], device=self.device)
+        positions = torch.tensor([[r.length + r.position_offset] for r in running],
+                                 device=self.device)
         hidden, new_kv = self.model.forward(self.model.embed(tokens), positions,
                                             self.batch.past(), self.batch.mask())
         self.counts["decode_steps"] += 1

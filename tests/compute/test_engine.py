@@ -162,13 +162,13 @@ async def test_a_request_cancelled_while_its_step_prefills_it_leaves_the_engine_
     entered, release = threading.Event(), threading.Event()
     forward, prefills = reference.model.forward, []
 
-    def gated(hidden, positions, past=None, mask=None):
+    def gated(hidden, positions, past=None, mask=None, deepstack=None):
         if hidden.shape[1] > 1:
             prefills.append(hidden.shape[1])
             if len(prefills) == 2:  # the second request's prefill
                 entered.set()
                 release.wait(60)
-        return forward(hidden, positions, past, mask)
+        return forward(hidden, positions, past, mask, deepstack)
 
     monkeypatch.setattr(reference.model, "forward", gated)
     scopes = [trio.CancelScope(), trio.CancelScope()]

@@ -327,7 +327,7 @@ def test_forward_rejects_shapes_that_do_not_fit() -> None:
     """Wrong positions, past or mask shapes (or a non-bool mask) are ValueErrors saying which."""
     model, _ = tiny_model()
     hidden = torch.zeros(2, 3, 64)
-    with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] with B, T = 2, 3"):
         model(hidden, torch.zeros(3, dtype=torch.long))
     past = [(torch.zeros(2, 2, 5, 16), torch.zeros(2, 2, 5, 16))]
     with pytest.raises(ValueError, match="past has 1 layers, the model 2"):

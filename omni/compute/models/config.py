@@ -10,7 +10,8 @@ import torch
 
 from omni.kv.layout import KVLayout
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling", "is_qwen3_omni",
+           "weights_prefix"]
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
@@ -20,8 +21,11 @@ SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # the thinker's text decoder (`thinker.model.*`, `thinker.lm_head.*`): Qwen3-MoE with M-RoPE
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_moe",
 }
-_HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items()}
+_OMNI = "Qwen3OmniMoeForConditionalGeneration"
+_HF_CLASS = {arch: name for name, arch in SUPPORTED_ARCHITECTURES.items() if name != _OMNI}
 
 # transformers' class defaults, used when config.json leaves a field out.
 _HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
@@ -33,6 +37,13 @@ _HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
+# Qwen3OmniMoeTextConfig's defaults (the thinker's text decoder)
+_OMNI_TEXT_DEFAULTS = {"vocab_size": 3584, "hidden_size": 2048, "intermediate_size": 18944,
+                       "num_hidden_layers": 28, "num_attention_heads": 28,
+                       "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                       "rope_theta": 1000000.0, "num_experts": 128, "num_experts_per_tok": 8,
+                       "moe_intermediate_size": 768, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,11 @@ class DecoderConfig:
     is in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`; dense layers
     keep an MLP of `intermediate_size`.
 
+    Multimodal RoPE (`mrope_section`, Qwen3-Omni's thinker): each token has a temporal, a
+    height and a width position (equal for text); rotary frequency i turns with the height
+    position for i % 3 == 1 and i < 3 * section[1], with the width position for i % 3 == 2 and
+    i < 3 * section[2], with the temporal position otherwise (transformers' interleaved layout).
+
     Raises:
         ValueError: a size that is not positive, or sizes that do not divide (see `__post_init__`).
     """
@@ -111,6 +127,7 @@ class DecoderConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    mrope_section: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_CLASS:
@@ -128,6 +145,8 @@ class DecoderConfig:
         self._check_consistency()
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.mrope_section is not None:
+            self._check_mrope()
         if self.architecture == "qwen3_moe":
             for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                          "decoder_sparse_step"):
@@ -137,6 +156,15 @@ class DecoderConfig:
                                  f"num_experts {self.num_experts}")
         elif self.num_experts:
             raise ValueError(f"{self.architecture} has no experts: use qwen3_moe")
+
+    def _check_mrope(self) -> None:
+        section = tuple(self.mrope_section or ())
+        object.__setattr__(self, "mrope_section", section)
+        if (len(section) != 3 or not all(isinstance(n, int) and n >= 0 for n in section)
+                or sum(section) != int(self.head_dim or 0) // 2):
+            raise ValueError(f"mrope_section must be 3 non-negative counts of rotary "
+                             f"frequencies (temporal, height, width) that sum to head_dim / 2 = "
+                             f"{int(self.head_dim or 0) // 2}, got {list(section)}")
 
     def _check_consistency(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -181,8 +209,9 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
-        """The config of a HF config.json dict (LlamaForCausalLM, Qwen2ForCausalLM or
-        Qwen3ForCausalLM; a missing field takes transformers' class default).
+        """The config of a HF config.json dict (LlamaForCausalLM, Qwen2ForCausalLM,
+        Qwen3ForCausalLM, Qwen3MoeForCausalLM, or the thinker's text decoder of a
+        Qwen3OmniMoeForConditionalGeneration; a missing field takes transformers' class default).
 
         Reads both the transformers 4 (`rope_theta`, `rope_scaling`) and 5 (`rope_parameters`)
         spellings of RoPE settings.
@@ -192,7 +221,13 @@ class DecoderConfig:
                 sliding-window attention or an activation other than silu.
         """
         arch = _architecture_of(hf)
-        fields = {**_HF_DEFAULTS[arch], **hf}
+        mrope = None
+        if is_qwen3_omni(hf):
+            text = _omni_thinker_text(hf)
+            fields = {**_HF_DEFAULTS[arch], **_OMNI_TEXT_DEFAULTS, **text}
+            mrope = _mrope_of(fields)
+        else:
+            fields = {**_HF_DEFAULTS[arch], **hf}
         _check_supported_features(arch, fields)
         theta, scaling = _rope_of(fields)
         eos = fields.get("eos_token_id")
@@ -211,10 +246,13 @@ class DecoderConfig:
             mlp_bias=bool(fields.get("mlp_bias", False)) and arch == "llama",
             bos_token_id=fields.get("bos_token_id"),
             eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-            rope_scaling=scaling, **_moe_fields(arch, fields))
+            rope_scaling=scaling, mrope_section=mrope, **_moe_fields(arch, fields))
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (4.x and 5.x) builds the same model from."""
+        if self.mrope_section is not None:
+            raise ValueError("a decoder with M-RoPE (Qwen3-Omni's thinker) has no config.json "
+                             "of its own: it is part of its Qwen3-Omni checkpoint")
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_hf())
@@ -245,6 +283,37 @@ class DecoderConfig:
                        decoder_sparse_step=self.decoder_sparse_step,
                        mlp_only_layers=list(self.mlp_only_layers))
         return out
+
+
+def weights_prefix(hf: Mapping[str, Any]) -> str:
+    """Where the decoder's tensors are in the checkpoint of config.json `hf`: "thinker." for a
+    Qwen3-Omni checkpoint (its `thinker.model.*` and `thinker.lm_head.*`), else ""."""
+    return "thinker." if is_qwen3_omni(hf) else ""
+
+
+def is_qwen3_omni(hf: Mapping[str, Any]) -> bool:
+    """Whether config.json `hf` is a Qwen3-Omni checkpoint's."""
+    archs = hf.get("architectures") or []
+    return (archs[0] if archs else hf.get("model_type")) in (_OMNI, "qwen3_omni_moe")
+
+
+def _omni_thinker_text(hf: Mapping[str, Any]) -> dict[str, Any]:
+    thinker = hf.get("thinker_config")
+    text = thinker.get("text_config") if isinstance(thinker, Mapping) else None
+    if not isinstance(text, Mapping):
+        raise ValueError("config.json of a Qwen3-Omni checkpoint has no "
+                         "thinker_config.text_config")
+    return dict(text)
+
+
+def _mrope_of(fields: Mapping[str, Any]) -> tuple[int, int, int]:
+    """The M-RoPE section of a Qwen3-Omni text config (transformers' default when absent;
+    Qwen3-Omni always interleaves, whatever `interleaved` says)."""
+    params = dict(fields.get("rope_parameters") or fields.get("rope_scaling") or {})
+    section = params.get("mrope_section", [24, 20, 20])
+    if not isinstance(section, list | tuple) or len(section) != 3:
+        raise ValueError(f"mrope_section must be a list of 3 counts, got {section!r}")
+    return (int(section[0]), int(section[1]), int(section[2]))
 
 
 def _moe_fields(arch: Architecture, fields: Mapping[str, Any]) -> dict[str, Any]:

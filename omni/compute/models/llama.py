@@ -1,4 +1,5 @@
-"""`DecoderLM`: a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder whose KV cache lives outside the model.
+"""`DecoderLM`: a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder (and Qwen3-Omni's thinker: Qwen3-MoE
+with M-RoPE) whose KV cache lives outside the model.
 
 The model keeps no cache. `forward` takes the past KV of each layer and returns the KV of the new
 tokens only; the engine owns the cache (contiguous per-layer tensors, paged in the `omni.kv`
@@ -81,6 +82,9 @@ def rope_inv_freq(config: DecoderConfig, device: torch.device | str | None = Non
 class RotaryEmbedding(nn.Module):
     """cos / sin of the rotary angles at explicit positions, computed in float32.
 
+    With M-RoPE (`config.mrope_section`) a position is a (temporal, height, width) triple and
+    each frequency turns with one of them, interleaved as transformers' Qwen3-Omni does.
+
     Why `_apply` is overridden: `model.to(torch.bfloat16)` would otherwise round `inv_freq`, and
     RoPE angles at large positions would drift from the reference implementation.
     """
@@ -90,6 +94,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.mrope_section = config.mrope_section
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         inv_freq = self.inv_freq
@@ -99,10 +104,24 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [B, T] -> (cos, sin), each [B, 1, T, D] in `dtype`."""
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        """positions [B, T] (or [3, B, T] with M-RoPE) -> (cos, sin), each [B, 1, T, D] in
+        `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq  # [(3,) B, T, D/2]
+        if positions.dim() == 3:
+            freqs = self._interleave(freqs)
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def _interleave(self, freqs: Tensor) -> Tensor:
+        """[3, B, T, D/2] -> [B, T, D/2]: frequency i from the temporal angles, but from the
+        height ones at i = 1, 4, ... < 3 * section[1] and the width ones at i = 2, 5, ...
+        < 3 * section[2]."""
+        out = freqs[0].clone()
+        section = self.mrope_section or (0, 0, 0)
+        for axis in (1, 2):
+            picked = slice(axis, 3 * section[axis], 3)
+            out[..., picked] = freqs[axis, ..., picked]
+        return out
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -212,18 +231,23 @@ class DecoderLM(nn.Module):
         return self.embed_tokens(token_ids)
 
     def forward(self, hidden: Tensor, positions: Tensor, past: KVList | None = None,
-                mask: Tensor | None = None) -> tuple[Tensor, KVList]:
+                mask: Tensor | None = None,
+                deepstack: Tensor | None = None) -> tuple[Tensor, KVList]:
         """Run the new tokens through every layer.
 
         Args:
             hidden: input embeddings [B, T, E] of the new tokens (from `embed`, or custom).
             positions: LongTensor [B, T], the RoPE position of each new token (per row, so padded
-                rows get their own positions).
+                rows get their own positions); with M-RoPE also [3, B, T], the temporal, height
+                and width positions of each token ([B, T] means all three equal).
             past: per layer (k, v) [B, Hkv, T_past, D] of the earlier tokens (rotary applied), or
                 None when there are none.
             mask: BoolTensor [B, 1, T, T_past + T], True where a new token may attend to a key
                 (past keys first). None means causal over past + new. A query row with no True at
                 all attends to itself only (its output is meaningless, but never NaN).
+            deepstack: [k, B, T, E] added to the hidden states after each of the first k
+                layers (Qwen3-Omni's deepstack visual features; zero away from image positions),
+                or None.
 
         Returns:
             (hidden [B, T, E] after the final norm, per layer the new tokens' (k, v) [B, Hkv, T, D]
@@ -239,6 +263,8 @@ class DecoderLM(nn.Module):
         x = hidden
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, None if past is None else past[i], mask)
+            if deepstack is not None and i < len(deepstack):
+                x = x + deepstack[i]
             new_kv.append(kv)
         return self.norm(x), new_kv
 
@@ -253,8 +279,10 @@ class DecoderLM(nn.Module):
             raise ValueError(f"hidden must be [B, T, {self.config.hidden_size}], "
                              f"got {list(hidden.shape)}")
         batch, num_new = hidden.shape[0], hidden.shape[1]
-        if positions.shape != (batch, num_new):
-            raise ValueError(f"positions must be [B, T] = {[batch, num_new]}, "
+        if positions.shape != (batch, num_new) and not (
+                self.config.mrope_section is not None and positions.shape == (3, batch, num_new)):
+            wanted = "[B, T] or [3, B, T]" if self.config.mrope_section else "[B, T]"
+            raise ValueError(f"positions must be {wanted} with B, T = {batch}, {num_new}, "
                              f"got {list(positions.shape)}")
         num_past = 0
         if past is not None:

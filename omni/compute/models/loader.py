@@ -8,30 +8,34 @@ tensors) before any weight is read, so a bad one fails with one ValueError that 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from omni.compute.models._checkpoint import IGNORED, fuse, hf_shapes, split
-from omni.compute.models.config import DecoderConfig
+from omni.compute.models._safetensors import (
+    SINGLE,
+    open_file,
+    read_json,
+    read_named,
+    under,
+    weight_files,
+)
+from omni.compute.models.config import DecoderConfig, is_qwen3_omni, weights_prefix
 from omni.compute.models.llama import DecoderLM, rope_inv_freq
 
-__all__ = ["load_pretrained", "save_pretrained", "tiny_config", "tiny_model"]
+__all__ = ["load_media", "load_pretrained", "save_pretrained", "tiny_config", "tiny_model"]
 
-_SINGLE = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
 _MAX_NAMED = 5  # names listed per kind of problem in an error message
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> tuple[DecoderLM, DecoderConfig]:
-    """The model and config of a HF checkpoint directory (Llama, Qwen2 or Qwen3; safetensors
-    only).
+    """The model and config of a HF checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, or
+    the thinker's text decoder of a Qwen3-Omni checkpoint; safetensors only).
 
     Reads `config.json`, then `model.safetensors` or the shards listed by
     `model.safetensors.index.json`. The model is in eval mode, without gradients, in `dtype` on
@@ -45,11 +49,25 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"no such directory: {root}")
-    config = DecoderConfig.from_hf(_read_json(root / "config.json"))
-    files = _weight_files(root)
-    _check_tensors(root, config, files)
-    tensors = _read_tensors(files, dtype, torch.device(device))
+    hf = read_json(root / "config.json")
+    config = DecoderConfig.from_hf(hf)
+    prefix = weights_prefix(hf)
+    files = under(weight_files(root), prefix, ("model.", "lm_head."))
+    _check_tensors(root, config, files, prefix)
+    tensors = read_named(files, dtype, torch.device(device), prefix)
     return _build(config, tensors, torch.device(device)), config
+
+
+def load_media(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> Any:
+    """The media encoders of a checkpoint directory that has its own (Qwen3-Omni: a
+    `Qwen3OmniMedia`), else None (the engine's built-in ones serve)."""
+    root = Path(path)
+    if not is_qwen3_omni(read_json(root / "config.json")):
+        return None
+    from omni.compute.models.qwen3_omni import Qwen3OmniMedia
+
+    return Qwen3OmniMedia(root, dtype, device)
 
 
 def save_pretrained(model: DecoderLM, config: DecoderConfig, path: str | Path) -> None:
@@ -58,7 +76,7 @@ def save_pretrained(model: DecoderLM, config: DecoderConfig, path: str | Path) -
     root.mkdir(parents=True, exist_ok=True)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     (root / "config.json").write_text(json.dumps({**config.to_hf(), "dtype": dtype}, indent=2))
-    save_file(split(config, model.state_dict()), str(root / _SINGLE), metadata={"format": "pt"})
+    save_file(split(config, model.state_dict()), str(root / SINGLE), metadata={"format": "pt"})
 
 
 def tiny_config(**overrides: Any) -> DecoderConfig:
@@ -98,56 +116,17 @@ def tiny_model(seed: int = 0, **overrides: Any) -> tuple[DecoderLM, DecoderConfi
     return model.eval().requires_grad_(False), config
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise FileNotFoundError(f"no config.json in {file.parent}")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {file}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{file} is not a JSON object")
-    return data
-
-
-def _weight_files(root: Path) -> dict[Path, list[str]]:
-    """Each safetensors file of the checkpoint -> the tensor names it holds."""
-    if (root / _SINGLE).is_file():
-        file = root / _SINGLE
-        with _open(file, "cpu") as f:
-            return {file: list(f.keys())}
-    if not (root / _INDEX).is_file():
-        raise FileNotFoundError(f"no {_SINGLE} or {_INDEX} in {root}; "
-                                "only safetensors checkpoints are loaded")
-    weight_map = _read_json(root / _INDEX).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{root / _INDEX} has no 'weight_map'")
-    files: dict[Path, list[str]] = defaultdict(list)
-    for name, file_name in weight_map.items():
-        file = root / str(file_name)
-        if Path(str(file_name)).name != str(file_name) or not file.is_file():
-            raise FileNotFoundError(f"{_INDEX} names shard {file_name!r}, not found in {root}")
-        files[file].append(name)
-    return dict(files)
-
-
-def _open(file: Path, device: str):  # type: ignore[no-untyped-def]
-    try:
-        return safe_open(str(file), framework="pt", device=device)
-    except Exception as exc:  # safetensors raises its own SafetensorError for corrupt files
-        raise ValueError(f"cannot read {file}: {exc}") from None
-
-
-def _check_tensors(root: Path, config: DecoderConfig, files: dict[Path, list[str]]) -> None:
+def _check_tensors(root: Path, config: DecoderConfig, files: dict[Path, list[str]],
+                   prefix: str) -> None:
     """ValueError naming missing, unexpected and misshapen tensors; reads headers only."""
     expected = hf_shapes(config)
     found: dict[str, tuple[int, ...]] = {}
     for file, names in files.items():
-        with _open(file, "cpu") as f:
+        with open_file(file, "cpu") as f:
             present = set(f.keys())
             for name in names:
-                if name in present:
-                    found[name] = tuple(f.get_slice(name).get_shape())
+                if prefix + name in present:
+                    found[name] = tuple(f.get_slice(prefix + name).get_shape())
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected and not IGNORED.fullmatch(n)
@@ -168,17 +147,6 @@ def _some(items: list[str]) -> str:
     listed = ", ".join(items[:_MAX_NAMED])
     more = len(items) - _MAX_NAMED
     return listed + (f" and {more} more" if more > 0 else "")
-
-
-def _read_tensors(files: dict[Path, list[str]], dtype: torch.dtype,
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file, names in files.items():
-        with _open(file, str(device)) as f:
-            for name in names:
-                if not IGNORED.fullmatch(name):
-                    tensors[name] = f.get_tensor(name).to(dtype)
-    return tensors
 
 
 def _build(config: DecoderConfig, tensors: dict[str, torch.Tensor],

@@ -1,0 +1,6 @@
+"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration` checkpoints): the thinker's media side
+and multimodal positions (`thinker`); its text decoder is a `DecoderLM` (Qwen3-MoE with M-RoPE)."""
+
+from omni.compute.models.qwen3_omni.thinker import Qwen3OmniMedia, mrope_positions
+
+__all__ = ["Qwen3OmniMedia", "mrope_positions"]

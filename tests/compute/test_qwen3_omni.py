@@ -1,0 +1,159 @@
+"""Qwen3-Omni's thinker on Omni's engine, against transformers (the oracle): a tiny random
+`Qwen3OmniMoeForConditionalGeneration` and its processor saved by transformers (see
+omni_builders); the thinker's greedy tokens equal `generate(return_audio=False)` for text,
+text + image, text + audio and all three, and a second turn reusing the first's KV still
+equals transformers recomputing the whole conversation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from omni.compute import SamplingParams, TorchEngine
+from omni.compute.models import DecoderConfig, load_pretrained
+from omni.compute.models.llama import RotaryEmbedding
+from omni.compute.prompt import Audio, Image, Prompt
+from tests.compute.omni_builders import (
+    hf_processor,
+    hf_thinker_tokens,
+    save_omni_checkpoint,
+)
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+# 40 x 72 px: a grid of 4 x 8 patches, 2 x 4 positions (rows and columns differ, so the
+# height and width rotary axes are both exercised)
+IMAGE = (np.random.default_rng(0).random((40, 72, 3)) * 255).astype(np.uint8)
+AUDIO = (np.random.default_rng(1).standard_normal(16_000) * 0.1).astype(np.float32)  # 1 s
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_omni_checkpoint(tmp_path_factory.mktemp("qwen3_omni"))
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path) -> Any:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        checkpoint, dtype=torch.float32).eval()
+
+
+def user(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "user", "content": list(parts)}
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+CASES = {
+    "text": [text("What do you hear?")],
+    "image": [{"type": "image", "image": IMAGE}, text("Describe the picture.")],
+    "audio": [{"type": "audio", "audio": AUDIO}, text("What do you hear?")],
+    "image+audio": [{"type": "image", "image": IMAGE}, {"type": "audio", "audio": AUDIO},
+                    text("Describe the picture and the sound.")],
+}
+
+
+def media_of(messages: list[dict[str, Any]], kind: str) -> list[Any]:
+    return [part[kind] for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if part["type"] == kind]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_thinker_tokens_equal_transformers(checkpoint: Path, hf_model: Any,
+                                                 case: str) -> None:
+    """Greedy thinker tokens, and the prompt's ids, equal transformers' processor + generate."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, user(*CASES[case])]
+    processor = hf_processor(checkpoint)
+    prompt = engine.chat_prompt(messages)
+    rendered = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=False)
+    inputs = processor(text=[rendered], images=media_of(messages, "image") or None,
+                       audio=media_of(messages, "audio") or None, return_tensors="pt")
+    ids = prompt if isinstance(prompt, list) else list(engine.prepare(prompt).token_ids)
+    assert ids == inputs["input_ids"][0].tolist()
+    expected = hf_thinker_tokens(hf_model, processor, messages, media_of(messages, "image"),
+                                 media_of(messages, "audio"), GREEDY.max_new_tokens)
+    result = await engine.chat(messages, GREEDY)
+    assert result.token_ids == expected and len(expected) == GREEDY.max_new_tokens
+
+
+async def test_second_turn_reuses_the_first_and_equals_transformers(checkpoint: Path,
+                                                                    hf_model: Any) -> None:
+    """Turn 2 (image and audio in turn 1) reads turn 1's pages from the store, media
+    included, and still gives transformers' tokens for the whole conversation."""
+    engine = TorchEngine.from_pretrained(checkpoint, page_size=4)
+    turn1 = [user(*CASES["image+audio"])]
+    first = await engine.chat(turn1, GREEDY)
+    turn2 = [*turn1, {"role": "assistant", "content": first.text},
+             user(text("And what else?"))]
+    second = await engine.chat(turn2, GREEDY)
+    assert second.cached_tokens > 0
+    processor = hf_processor(checkpoint)
+    assert second.token_ids == hf_thinker_tokens(hf_model, processor, turn2, [IMAGE], [AUDIO],
+                                                 GREEDY.max_new_tokens)
+
+
+async def test_a_different_image_shares_no_page_from_it_on(checkpoint: Path) -> None:
+    """The image's digest is in the page keys: another image reuses only the text before."""
+    engine = TorchEngine.from_pretrained(checkpoint, page_size=4)
+    await engine.chat([user(*CASES["image"])], GREEDY)
+    other = [user({"type": "image", "image": 255 - IMAGE}, text("Describe the picture."))]
+    result = await engine.chat(other, GREEDY)
+    image_start = next(item.start for item in engine.prepare(
+        engine.chat_prompt(other)).media)
+    assert result.cached_tokens <= image_start
+
+
+def test_mrope_equals_transformers_rotary(checkpoint: Path) -> None:
+    """cos / sin at [3, B, T] positions equal the thinker's own rotary embedding."""
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeThinkerTextRotaryEmbedding,
+    )
+
+    text_config = Qwen3OmniMoeConfig.from_pretrained(checkpoint).thinker_config.text_config
+    _, config = load_pretrained(checkpoint)
+    positions = torch.stack([torch.arange(12), torch.arange(12) % 3, torch.arange(12) // 4])
+    reference = Qwen3OmniMoeThinkerTextRotaryEmbedding(text_config)
+    cos, sin = reference(torch.zeros(1, dtype=torch.float32), positions[:, None])
+    ours = RotaryEmbedding(config)(positions[:, None], torch.float32)
+    assert torch.equal(ours[0][:, 0], cos) and torch.equal(ours[1][:, 0], sin)
+
+
+def test_config_reads_the_thinker_text_decoder(checkpoint: Path) -> None:
+    """config.json of a Qwen3-Omni checkpoint -> the thinker's Qwen3-MoE text decoder."""
+    _, config = load_pretrained(checkpoint)
+    assert config.architecture == "qwen3_moe" and config.mrope_section == (2, 1, 1)
+    assert config.num_experts == 8 and config.norm_topk_prob
+    with pytest.raises(ValueError, match="mrope_section"):
+        DecoderConfig(architecture="qwen3_moe", vocab_size=8, hidden_size=32,
+                      intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2,
+                      num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8,
+                      mrope_section=(4, 4, 4))
+
+
+def test_media_parts_must_match_the_templates_placeholders(checkpoint: Path) -> None:
+    """An image part the template writes no placeholder for is refused, by name."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": [{"type": "image", "image": IMAGE},
+                                              {"type": "image", "image": IMAGE}]}]
+    assert isinstance(engine.chat_prompt(messages), Prompt)
+    odd = [{"role": "user", "content": "<|image_pad|> typed by hand"}]
+    with pytest.raises(ValueError, match="placeholder"):
+        engine._with_media(engine.tokenizer.apply_chat_template(odd, tokenize=False),
+                           [Audio(AUDIO)])
+
+
+def test_audio_at_another_rate_is_refused(checkpoint: Path) -> None:
+    engine = TorchEngine.from_pretrained(checkpoint)
+    with pytest.raises(ValueError, match="16000 Hz"):
+        engine.prepare(Prompt([Audio(AUDIO, sample_rate=24_000)]))
+    assert engine.prepare(Prompt([Image(IMAGE)])).media[0].length == 8
