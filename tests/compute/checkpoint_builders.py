@@ -41,17 +41,24 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "norm_topk_prob": True, "mlp_only_layers": [1]}
 
 
-@lru_cache(maxsize=1)
-def trained_tokenizer_json() -> str:
-    """A byte-level BPE tokenizer trained on a few sentences, ChatML tokens as special tokens."""
+def train_bpe(corpus: list[str], specials: list[str], vocab_size: int) -> str:
+    """A byte-level BPE tokenizer trained on `corpus` (20 times over), `specials` numbered
+    first: its tokenizer.json text."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [m["content"] for m in MESSAGES] + ["system user assistant tools text <b>&</b>"]
     tok.train_from_iterator(corpus * 20, trainer)
     return tok.to_str()
+
+
+@lru_cache(maxsize=1)
+def trained_tokenizer_json() -> str:
+    """A byte-level BPE tokenizer trained on a few sentences, ChatML tokens as special tokens."""
+    corpus = [m["content"] for m in MESSAGES] + ["system user assistant tools text <b>&</b>"]
+    return train_bpe(corpus, SPECIALS, 384)
 
 
 def save_tokenizer(directory: Path, template: Any = CHATML, **special: Any) -> Path:

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
+
+from tests.compute.checkpoint_builders import train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>",
             "<|audio_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -54,13 +56,7 @@ CORPUS = ["You are a helpful assistant.", "Describe the picture and the sound.",
 
 @lru_cache(maxsize=1)
 def tokenizer_json() -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    return tok.to_str()
+    return train_bpe(CORPUS, SPECIALS, 400)
 
 
 def save_processor(directory: Path) -> PreTrainedTokenizerFast:
