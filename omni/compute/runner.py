@@ -231,6 +231,17 @@ class ModelRunner:
         r.position_offset = int(multimodal.max()) + 1 - len(ids)
         return multimodal[:, None, start:].to(self.device)
 
+    @torch.inference_mode()
+    def hidden_at(self, tokens: PromptTokens, layer: int) -> torch.Tensor:
+        """The prompt's hidden states ``[T, hidden]`` after layer ``layer - 1`` (see
+        `DecoderLM.hidden_at`), computed over the whole prompt (no cached KV is read: the
+        store keeps KV, not hidden states)."""
+        embeds, deepstack = self.prompt_inputs(tokens)
+        multimodal = self.media.positions(tokens) if tokens.media else None
+        positions = (torch.arange(len(tokens), device=self.device)[None] if multimodal is None
+                     else multimodal[:, None].to(self.device))
+        return self.model.hidden_at(layer, embeds, positions, deepstack)[0]
+
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
         with each image's and audio clip's embeddings at its placeholder positions."""

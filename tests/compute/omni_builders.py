@@ -210,3 +210,37 @@ def hf_thinker_tokens(model: Any, processor: Any, messages: list[dict[str, Any]]
         out = model.generate(**inputs, return_audio=False, thinker_do_sample=False,
                              thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def hf_model(directory: Path) -> Any:
+    """transformers' model of the checkpoint (float32, eval), its talker able to lay out
+    audio positions: with image and audio together it reads `talker_config.audio_config`,
+    which the config lacks (transformers 5.25), so the thinker's is lent to it."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(directory,
+                                                                 dtype=torch.float32).eval()
+    model.talker.config.audio_config = model.config.thinker_config.audio_config
+    return model
+
+
+def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any],
+              audio: list[Any], thinker_tokens: int, talker_tokens: int,
+              talker_min_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' `generate(return_audio=True)`, greedy thinker (EOS: <|im_end|>) and
+    talker: (the reply's ids, the waveform [S])."""
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=False)
+    media: dict[str, Any] = {}
+    if images:
+        media["images"] = images
+    if audio:
+        media["audio"] = audio
+    inputs = processor(text=[text], return_tensors="pt", **media)
+    with torch.inference_mode():
+        sequences, wav = model.generate(
+            **inputs, return_audio=True, thinker_do_sample=False,
+            thinker_max_new_tokens=thinker_tokens, thinker_eos_token_id=ID["<|im_end|>"],
+            talker_do_sample=False, talker_max_new_tokens=talker_tokens,
+            talker_min_new_tokens=talker_min_tokens)
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist(), wav.reshape(-1)

@@ -1,8 +1,9 @@
-"""Qwen3-Omni's thinker on Omni's engine, against transformers (the oracle): a tiny random
+"""Qwen3-Omni on Omni, against transformers (the oracle): a tiny random
 `Qwen3OmniMoeForConditionalGeneration` and its processor saved by transformers (see
-omni_builders); the thinker's greedy tokens equal `generate(return_audio=False)` for text,
+omni_builders). The thinker's greedy tokens equal `generate(return_audio=False)` for text,
 text + image, text + audio and all three, and a second turn reusing the first's KV still
-equals transformers recomputing the whole conversation."""
+equals transformers recomputing the whole conversation; the talker's speech (greedy) equals
+`generate(return_audio=True)`'s waveform for the same four prompts."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from omni.compute import SamplingParams, TorchEngine
 from omni.compute.models import DecoderConfig, load_pretrained
 from omni.compute.models.llama import RotaryEmbedding
 from omni.compute.prompt import Audio, Image, Prompt
+from omni.compute.talker import Talker, TalkerSampling
 from tests.compute.omni_builders import (
+    hf_model,
     hf_processor,
+    hf_speech,
     hf_thinker_tokens,
     save_omni_checkpoint,
 )
@@ -36,11 +40,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_model(checkpoint: Path) -> Any:
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        checkpoint, dtype=torch.float32).eval()
+def hf(checkpoint: Path) -> Any:
+    return hf_model(checkpoint)
 
 
 def user(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def media_of(messages: list[dict[str, Any]], kind: str) -> list[Any]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-async def test_thinker_tokens_equal_transformers(checkpoint: Path, hf_model: Any,
+async def test_thinker_tokens_equal_transformers(checkpoint: Path, hf: Any,
                                                  case: str) -> None:
     """Greedy thinker tokens, and the prompt's ids, equal transformers' processor + generate."""
     engine = TorchEngine.from_pretrained(checkpoint)
@@ -79,14 +80,14 @@ async def test_thinker_tokens_equal_transformers(checkpoint: Path, hf_model: Any
                        audio=media_of(messages, "audio") or None, return_tensors="pt")
     ids = prompt if isinstance(prompt, list) else list(engine.prepare(prompt).token_ids)
     assert ids == inputs["input_ids"][0].tolist()
-    expected = hf_thinker_tokens(hf_model, processor, messages, media_of(messages, "image"),
+    expected = hf_thinker_tokens(hf, processor, messages, media_of(messages, "image"),
                                  media_of(messages, "audio"), GREEDY.max_new_tokens)
     result = await engine.chat(messages, GREEDY)
     assert result.token_ids == expected and len(expected) == GREEDY.max_new_tokens
 
 
 async def test_second_turn_reuses_the_first_and_equals_transformers(checkpoint: Path,
-                                                                    hf_model: Any) -> None:
+                                                                    hf: Any) -> None:
     """Turn 2 (image and audio in turn 1) reads turn 1's pages from the store, media
     included, and still gives transformers' tokens for the whole conversation."""
     engine = TorchEngine.from_pretrained(checkpoint, page_size=4)
@@ -97,7 +98,7 @@ async def test_second_turn_reuses_the_first_and_equals_transformers(checkpoint: 
     second = await engine.chat(turn2, GREEDY)
     assert second.cached_tokens > 0
     processor = hf_processor(checkpoint)
-    assert second.token_ids == hf_thinker_tokens(hf_model, processor, turn2, [IMAGE], [AUDIO],
+    assert second.token_ids == hf_thinker_tokens(hf, processor, turn2, [IMAGE], [AUDIO],
                                                  GREEDY.max_new_tokens)
 
 
@@ -157,3 +158,41 @@ def test_audio_at_another_rate_is_refused(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="16000 Hz"):
         engine.prepare(Prompt([Audio(AUDIO, sample_rate=24_000)]))
     assert engine.prepare(Prompt([Image(IMAGE)])).media[0].length == 8
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_speech_equals_transformers_waveform(checkpoint: Path, hf: Any,
+                                                   case: str) -> None:
+    """Thinker reply, then talker codec frames and code2wav's waveform: the same samples as
+    transformers' generate(return_audio=True), greedy, for text, image, audio and both."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint, engine)
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, user(*CASES[case])]
+    reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=8))
+    speech = await talker.speak(engine.chat_prompt(messages), reply.token_ids,
+                                sampling=TalkerSampling(max_new_tokens=20, min_new_tokens=5))
+    expected_reply, expected_wav = hf_speech(hf, hf_processor(checkpoint), messages,
+                                             media_of(messages, "image"),
+                                             media_of(messages, "audio"), 8, 20, 5)
+    assert reply.token_ids == expected_reply
+    assert speech.codes.shape == (4, 19) and speech.sample_rate == 24_000
+    assert speech.waveform.shape == tuple(expected_wav.shape)
+    assert np.abs(speech.waveform - expected_wav.numpy()).max() <= 1e-4
+
+
+async def test_speech_depends_on_the_conversation_and_the_voice(checkpoint: Path) -> None:
+    """Another prompt, or another voice, gives other codec frames (the comparison above
+    could not pass by a talker that ignores its input); an unknown voice is refused."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint, engine)
+    sampling = TalkerSampling(max_new_tokens=12, min_new_tokens=5)
+    codes = []
+    for messages, voice in (([user(*CASES["text"])], None), ([user(*CASES["audio"])], None),
+                            ([user(*CASES["text"])], "Chelsie")):
+        reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=6))
+        speech = await talker.speak(engine.chat_prompt(messages), reply.token_ids,
+                                    voice=voice, sampling=sampling)
+        codes.append(speech.codes.tolist())
+    assert codes[0] != codes[1] and codes[0] != codes[2]
+    with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
+        await talker.speak(engine.chat_prompt([user(*CASES["text"])]), [5], voice="Nobody")

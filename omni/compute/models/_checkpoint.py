@@ -74,6 +74,12 @@ def _expert_shapes(config: DecoderConfig, prefix: str) -> dict[str, tuple[int, .
         shapes[expert + "gate_proj.weight"] = (inter, hidden)
         shapes[expert + "up_proj.weight"] = (inter, hidden)
         shapes[expert + "down_proj.weight"] = (hidden, inter)
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes[f"{prefix}mlp.shared_expert.gate_proj.weight"] = (shared, hidden)
+        shapes[f"{prefix}mlp.shared_expert.up_proj.weight"] = (shared, hidden)
+        shapes[f"{prefix}mlp.shared_expert.down_proj.weight"] = (hidden, shared)
+        shapes[f"{prefix}mlp.shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 
@@ -85,6 +91,12 @@ def _fuse_experts(config: DecoderConfig, hf: dict[str, Tensor], src: str, dst: s
         [hf.pop(e + "gate_proj.weight"), hf.pop(e + "up_proj.weight")]) for e in experts])
     state[f"{dst}mlp.down_proj"] = torch.stack([hf.pop(e + "down_proj.weight")
                                                 for e in experts])
+    if config.shared_expert_intermediate_size:
+        shared = f"{src}mlp.shared_expert."
+        state[f"{dst}mlp.shared_expert.gate_up_proj.weight"] = torch.cat(
+            [hf.pop(shared + "gate_proj.weight"), hf.pop(shared + "up_proj.weight")])
+        state[f"{dst}mlp.shared_expert.down_proj.weight"] = hf.pop(shared + "down_proj.weight")
+        state[f"{dst}mlp.shared_expert_gate.weight"] = hf.pop(f"{src}mlp.shared_expert_gate.weight")
 
 
 def _split_experts(config: DecoderConfig, state: dict[str, Tensor], src: str, dst: str,
@@ -96,6 +108,15 @@ def _split_experts(config: DecoderConfig, state: dict[str, Tensor], src: str, ds
         expert = f"{dst}mlp.experts.{e}."
         hf.update({expert + "gate_proj.weight": gate, expert + "up_proj.weight": up,
                    expert + "down_proj.weight": state[f"{src}mlp.down_proj"][e]})
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        gate, up = state[f"{src}mlp.shared_expert.gate_up_proj.weight"].split([shared, shared])
+        hf.update({f"{dst}mlp.shared_expert.gate_proj.weight": gate,
+                   f"{dst}mlp.shared_expert.up_proj.weight": up,
+                   f"{dst}mlp.shared_expert.down_proj.weight":
+                       state[f"{src}mlp.shared_expert.down_proj.weight"],
+                   f"{dst}mlp.shared_expert_gate.weight":
+                       state[f"{src}mlp.shared_expert_gate.weight"]})
 
 
 def fuse(config: DecoderConfig, hf: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from omni.kv.layout import KVLayout
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling", "is_qwen3_omni",
-           "weights_prefix"]
+           "qwen3_omni_part", "weights_prefix"]
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
@@ -41,7 +41,7 @@ _HF_DEFAULTS: dict[Architecture, dict[str, Any]] = {
 _OMNI_TEXT_DEFAULTS = {"vocab_size": 3584, "hidden_size": 2048, "intermediate_size": 18944,
                        "num_hidden_layers": 28, "num_attention_heads": 28,
                        "num_key_value_heads": 4, "max_position_embeddings": 32768,
-                       "rope_theta": 1000000.0, "num_experts": 128, "num_experts_per_tok": 8,
+                       "rope_theta": 1000000.0, "num_experts_per_tok": 8,
                        "moe_intermediate_size": 768, "norm_topk_prob": True,
                        "decoder_sparse_step": 1, "mlp_only_layers": []}
 
@@ -93,7 +93,9 @@ class DecoderConfig:
     `moe_intermediate_size`, each token routed to its `num_experts_per_tok` most likely ones
     (their weights renormalised to sum to 1 with `norm_topk_prob`). Layer i is sparse unless it
     is in `mlp_only_layers`, when (i + 1) is a multiple of `decoder_sparse_step`; dense layers
-    keep an MLP of `intermediate_size`.
+    keep an MLP of `intermediate_size`. With `shared_expert_intermediate_size` (Qwen3-Omni's
+    talker) every token also goes through one shared SwiGLU expert, its output scaled by a
+    sigmoid gate.
 
     Multimodal RoPE (`mrope_section`, Qwen3-Omni's thinker): each token has a temporal, a
     height and a width position (equal for text); rotary frequency i turns with the height
@@ -128,6 +130,7 @@ class DecoderConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     mrope_section: tuple[int, int, int] | None = None
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_CLASS:
@@ -154,7 +157,7 @@ class DecoderConfig:
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} is more than "
                                  f"num_experts {self.num_experts}")
-        elif self.num_experts:
+        elif self.num_experts or self.shared_expert_intermediate_size:
             raise ValueError(f"{self.architecture} has no experts: use qwen3_moe")
 
     def _check_mrope(self) -> None:
@@ -283,6 +286,36 @@ class DecoderConfig:
                        decoder_sparse_step=self.decoder_sparse_step,
                        mlp_only_layers=list(self.mlp_only_layers))
         return out
+
+
+# Qwen3OmniMoeTalkerTextConfig's and Qwen3OmniMoeTalkerCodePredictorConfig's defaults
+_TALKER_DEFAULTS = {"vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048,
+                    "num_hidden_layers": 20, "num_attention_heads": 16,
+                    "num_key_value_heads": 2, "max_position_embeddings": 32768,
+                    "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 384, "norm_topk_prob": False}
+_CODE_PREDICTOR_DEFAULTS = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072,
+                            "num_hidden_layers": 5, "num_attention_heads": 16,
+                            "num_key_value_heads": 8, "head_dim": 128,
+                            "max_position_embeddings": 32768}
+
+
+def qwen3_omni_part(hf: Mapping[str, Any], part: Literal["talker", "code_predictor"],
+                    ) -> DecoderConfig:
+    """The decoder config of a Qwen3-Omni checkpoint's talker (Qwen3-MoE with M-RoPE, a shared
+    expert on every layer, all layers sparse) or of its code predictor (a dense Qwen3)."""
+    talker = hf.get("talker_config")
+    if not is_qwen3_omni(hf) or not isinstance(talker, Mapping):
+        raise ValueError("not a Qwen3-Omni config.json with a talker_config")
+    if part == "code_predictor":
+        fields = {**_CODE_PREDICTOR_DEFAULTS, **(talker.get("code_predictor_config") or {})}
+        return DecoderConfig.from_hf({**fields, "architectures": ["Qwen3ForCausalLM"]})
+    text = {**_TALKER_DEFAULTS, **(talker.get("text_config") or {})}
+    base = DecoderConfig.from_hf({**text, "architectures": ["Qwen3MoeForCausalLM"],
+                                  "mlp_only_layers": [], "decoder_sparse_step": 1})
+    return replace(base, mrope_section=_mrope_of(text),
+                   shared_expert_intermediate_size=int(
+                       text.get("shared_expert_intermediate_size") or 0))
 
 
 def weights_prefix(hf: Mapping[str, Any]) -> str:

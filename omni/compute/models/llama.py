@@ -177,12 +177,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused (`gate_up_proj`: gate rows first)."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
-                                   bias=config.mlp_bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:  # [B, T, E] -> [B, T, E]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B, T, I] each
@@ -198,7 +196,12 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoE(config) if config.is_sparse_layer(layer) else MLP(config)
+        self.mlp: nn.Module
+        if config.is_sparse_layer(layer):
+            shared = config.shared_expert_intermediate_size
+            self.mlp = SparseMoE(config, MLP(config.hidden_size, shared) if shared else None)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None,
                 mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -267,6 +270,27 @@ class DecoderLM(nn.Module):
                 x = x + deepstack[i]
             new_kv.append(kv)
         return self.norm(x), new_kv
+
+    def hidden_at(self, layer: int, hidden: Tensor, positions: Tensor,
+                  deepstack: Tensor | None = None) -> Tensor:
+        """What transformers' ``output_hidden_states[layer]`` holds for a prompt computed
+        alone (causal, no past): the input embeddings at 0, what layer ``layer - 1`` outputs
+        (before deepstack features are added to it) in between, the final norm's output at
+        `num_layers`. Shapes as `forward`'s."""
+        if not 0 <= layer <= self.config.num_layers:
+            raise ValueError(f"layer must be in 0..{self.config.num_layers}, got {layer}")
+        if layer == self.config.num_layers:
+            return self.forward(hidden, positions, deepstack=deepstack)[0]
+        self._check_inputs(hidden, positions, None, None)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        x = hidden
+        for i, block in enumerate(self.layers[:layer]):
+            x = block(x, cos, sin, None, None)[0]
+            if i == layer - 1:
+                return x
+            if deepstack is not None and i < len(deepstack):
+                x = x + deepstack[i]
+        return x
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., E] -> float32 logits [..., vocab] (computed in the model's dtype)."""

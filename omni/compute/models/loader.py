@@ -8,6 +8,7 @@ tensors) before any weight is read, so a bad one fails with one ValueError that 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from omni.compute.models._safetensors import (
 from omni.compute.models.config import DecoderConfig, is_qwen3_omni, weights_prefix
 from omni.compute.models.llama import DecoderLM, rope_inv_freq
 
-__all__ = ["load_media", "load_pretrained", "save_pretrained", "tiny_config", "tiny_model"]
+__all__ = ["load_decoder", "load_media", "load_pretrained", "save_pretrained", "tiny_config",
+           "tiny_model"]
 
 _MAX_NAMED = 5  # names listed per kind of problem in an error message
 
@@ -51,11 +53,28 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
         raise FileNotFoundError(f"no such directory: {root}")
     hf = read_json(root / "config.json")
     config = DecoderConfig.from_hf(hf)
-    prefix = weights_prefix(hf)
-    files = under(weight_files(root), prefix, ("model.", "lm_head."))
-    _check_tensors(root, config, files, prefix)
+    return load_decoder(root, config, weights_prefix(hf), dtype=dtype, device=device), config
+
+
+def load_decoder(path: str | Path, config: DecoderConfig, prefix: str = "",
+                 parts: tuple[str, ...] = ("model.", "lm_head."),
+                 renamed: Mapping[str, str] | None = None, *,
+                 dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> DecoderLM:
+    """A `DecoderLM` of `config` from the tensors of a checkpoint directory under `prefix` +
+    one of `parts` (a decoder inside a larger model: Qwen3-Omni's talker under "talker.").
+    `renamed` maps a transformers decoder's tensor names to the names this one stores them
+    under (the talker's "model.codec_embedding.weight" for "model.embed_tokens.weight").
+
+    Raises: as `load_pretrained`.
+    """
+    root = Path(path)
+    stored = {name: standard for standard, name in (renamed or {}).items()}
+    files = under(weight_files(root), prefix, parts)
+    _check_tensors(root, config, files, prefix, stored)
     tensors = read_named(files, dtype, torch.device(device), prefix)
-    return _build(config, tensors, torch.device(device)), config
+    return _build(config, {stored.get(n, n): t for n, t in tensors.items()},
+                  torch.device(device))
 
 
 def load_media(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -117,7 +136,7 @@ def tiny_model(seed: int = 0, **overrides: Any) -> tuple[DecoderLM, DecoderConfi
 
 
 def _check_tensors(root: Path, config: DecoderConfig, files: dict[Path, list[str]],
-                   prefix: str) -> None:
+                   prefix: str, stored: Mapping[str, str]) -> None:
     """ValueError naming missing, unexpected and misshapen tensors; reads headers only."""
     expected = hf_shapes(config)
     found: dict[str, tuple[int, ...]] = {}
@@ -126,7 +145,7 @@ def _check_tensors(root: Path, config: DecoderConfig, files: dict[Path, list[str
             present = set(f.keys())
             for name in names:
                 if prefix + name in present:
-                    found[name] = tuple(f.get_slice(prefix + name).get_shape())
+                    found[stored.get(name, name)] = tuple(f.get_slice(prefix + name).get_shape())
     tied_head = config.tie_word_embeddings and "lm_head.weight" in found
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected and not IGNORED.fullmatch(n)

@@ -24,10 +24,11 @@ class SparseMoE(nn.Module):
     """`num_experts` SwiGLU experts behind a top-k router.
 
     Parameters: `gate` (the router, [X, E]); per expert `gate_up_proj` [X, 2I, E] (gate rows
-    first) and `down_proj` [X, E, I].
+    first) and `down_proj` [X, E, I]; with a `shared_expert` (an MLP every token goes through,
+    Qwen3-Omni's talker), its `shared_expert_gate` [1, E], a sigmoid scaling its output.
     """
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         experts, inter, hidden = (config.num_experts, config.moe_intermediate_size,
                                   config.hidden_size)
@@ -35,6 +36,10 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden, experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
+        # Qwen3-Omni's talker: every token also through one shared expert, scaled by a gate
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (Linear(hidden, 1, bias=False) if shared_expert is not None
+                                   else None)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [N, E] -> (weights [N, K] in x's dtype, experts [N, K])."""
@@ -59,4 +64,6 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(flat[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert])
             out.index_add_(0, tokens, y * weights.flatten()[slot, None])
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view_as(x)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from omni.compute.encoders import Encoded
-from omni.compute.models._safetensors import read_tensors
+from omni.compute.models.qwen3_omni._modules import load_module
 from omni.compute.prompt import Audio, Image, PromptTokens
 
 __all__ = ["Qwen3OmniMedia", "mrope_positions"]
@@ -60,9 +60,9 @@ class Qwen3OmniMedia:
         self.merge = int(config.vision_config.spatial_merge_size)
         self.n_window = int(config.audio_config.n_window)
         self.dtype, self.device = dtype, torch.device(device)
-        self.visual = _load_tower(hf.Qwen3OmniMoeVisionEncoder, config.vision_config, root,
+        self.visual = load_module(hf.Qwen3OmniMoeVisionEncoder, config.vision_config, root,
                                   "thinker.visual.", dtype, self.device)
-        self.audio_tower = _load_tower(hf.Qwen3OmniMoeAudioEncoder, config.audio_config, root,
+        self.audio_tower = load_module(hf.Qwen3OmniMoeAudioEncoder, config.audio_config, root,
                                        "thinker.audio_tower.", dtype, self.device)
         self._output_lengths = hf._get_feat_extract_output_lengths
 
@@ -168,24 +168,3 @@ def _smart_resize(processor: Any, height: int, width: int) -> tuple[int, int]:
     return smart_resize(height, width, int(kwargs["patch_size"]) * int(kwargs["merge_size"]),
                         min_pixels=kwargs["size"].shortest_edge,
                         max_pixels=kwargs["size"].longest_edge)
-
-
-def _load_tower(cls: Any, config: Any, root: Path, prefix: str, dtype: torch.dtype,
-                device: torch.device) -> Any:
-    """transformers' module `cls(config)` with the checkpoint's tensors under `prefix`."""
-    from transformers.initialization import no_init_weights
-
-    with no_init_weights():
-        module = cls._from_config(config)
-    state = read_tensors(root, prefix, dtype, device)
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshapen = sorted(n for n in set(state) & set(expected) if state[n].shape != expected[n].shape)
-    if missing or unexpected or misshapen:
-        raise ValueError(f"{prefix.rstrip('.')} weights in {root} do not match config.json: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                         f"wrong shape {misshapen[:5]}")
-    module.load_state_dict(state)
-    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
-

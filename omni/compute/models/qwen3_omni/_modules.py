@@ -1,0 +1,35 @@
+"""transformers' own modules of a Qwen3-Omni checkpoint (towers, projections, code2wav),
+built from their config and given the checkpoint's tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni.compute.models._safetensors import read_tensors
+
+__all__ = ["load_module"]
+
+
+def load_module(cls: Any, config: Any, root: Path, prefix: str, dtype: torch.dtype,
+                device: torch.device) -> Any:
+    """transformers' module `cls(config)` with the checkpoint's tensors under `prefix`
+    (a `PreTrainedModel` built without initialising weights it is about to be given)."""
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        module = getattr(cls, "_from_config", cls)(config)
+    state = read_tensors(root, prefix, dtype, device)
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshapen = sorted(n for n in set(state) & set(expected) if state[n].shape != expected[n].shape)
+    if missing or unexpected or misshapen:
+        raise ValueError(f"{prefix.rstrip('.')} weights in {root} do not match config.json: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                         f"wrong shape {misshapen[:5]}")
+    module.load_state_dict(state)
+    return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
