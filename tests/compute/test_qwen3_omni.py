@@ -196,3 +196,31 @@ async def test_speech_depends_on_the_conversation_and_the_voice(checkpoint: Path
     assert codes[0] != codes[1] and codes[0] != codes[2]
     with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
         await talker.speak(engine.chat_prompt([user(*CASES["text"])]), [5], voice="Nobody")
+
+
+async def test_speech_streams_before_the_reply_ends(checkpoint: Path, hf: Any) -> None:
+    """Speaking while the thinker writes: the first audio chunk comes before the thinker's
+    last token, and the chunks together are transformers' waveform."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint, engine)
+    messages = [user(*CASES["image"])]
+    prompt = engine.chat_prompt(messages)
+    events: list[str] = []
+
+    async def reply() -> Any:
+        stream = engine.stream(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+        async for token in stream:
+            events.append("token")
+            yield token
+
+    chunks = []
+    async for chunk in talker.stream(prompt, reply(), sampling=TalkerSampling(
+            max_new_tokens=20, min_new_tokens=5)):
+        events.append("audio")
+        chunks.append(chunk)
+    assert events.count("token") == 8 and len(chunks) > 1
+    assert events.index("audio") < len(events) - 1 - events[::-1].index("token")
+    _, expected = hf_speech(hf, hf_processor(checkpoint), messages, [IMAGE], [], 8, 20, 5)
+    streamed = np.concatenate(chunks)
+    assert streamed.shape == tuple(expected.shape)
+    assert np.abs(streamed - expected.numpy()).max() <= 1e-4

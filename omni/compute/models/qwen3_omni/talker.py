@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,7 +38,7 @@ from omni.compute.models.qwen3_omni._modules import load_module
 from omni.compute.models.qwen3_omni.thinker import mrope_positions
 from omni.compute.prompt import MediaItem, PromptTokens
 
-__all__ = ["Qwen3OmniTalker", "TalkerPrompt", "TalkerSampling"]
+__all__ = ["Code2WavStream", "Qwen3OmniTalker", "TalkerPrompt", "TalkerRun", "TalkerSampling"]
 
 SAMPLE_RATE = 24_000  # code2wav's output rate
 SUPPRESSED = 1024  # transformers suppresses the talker's top 1,024 ids (but codec EOS)
@@ -46,14 +47,16 @@ CHUNK, LEFT_CONTEXT = 300, 25  # code2wav frames per decode and of left context 
 
 @dataclass(frozen=True)
 class TalkerPrompt:
-    """What the talker reads: its prompt's embeddings [L, E] and M-RoPE positions [3, L],
-    the reply's projected embeddings [R, E] its steps add one by one, and what they add
-    after those (`<tts_pad>`'s, [E])."""
+    """What the talker reads before its first step: its prompt's embeddings [L, E] and M-RoPE
+    positions [3, L]; and what it adds to later steps' inputs: the projected `<tts_pad>` and
+    `<tts_text_eod>` [E], and the projection of reply tokens (`project`)."""
 
     embeds: Tensor
     positions: Tensor
-    trailing: Tensor
+    first: int  # the reply's first token
     pad: Tensor
+    eos: Tensor
+    project: Any  # reply token id -> its projected thinker embedding [E]
 
 
 @dataclass(frozen=True)
@@ -119,32 +122,30 @@ class Qwen3OmniTalker:
         return speakers[name]
 
     @torch.inference_mode()
-    def prompt(self, tokens: PromptTokens, reply: list[int], embed: Any,
-               media_hidden: dict[int, Tensor], media: Any, voice: str | None,
-               eos_ids: tuple[int, ...]) -> TalkerPrompt:
-        """What the talker reads for a conversation `tokens` whose reply the thinker gave as
-        `reply` (at least one token). `embed` maps token ids to the thinker's input
-        embeddings; `media_hidden[p]` is the thinker's hidden state at media position p after
-        layer `accept_hidden_layer`; `media` (the thinker's `Qwen3OmniMedia`) lays out images."""
+    def prompt(self, tokens: PromptTokens, first: int, embed: Any,
+               media_hidden: dict[int, Tensor], media: Any, voice: str | None) -> TalkerPrompt:
+        """What the talker reads for a conversation `tokens` whose reply starts with token
+        `first`. `embed` maps token ids to the thinker's input embeddings; `media_hidden[p]` is
+        the thinker's hidden state at media position p after layer `accept_hidden_layer`;
+        `media` (the thinker's `Qwen3OmniMedia`) lays out images."""
         cfg = self.config
-        ids = torch.tensor(tokens.token_ids, device=self.device)
+
+        def project(ids: list[int]) -> Tensor:
+            x = embed(torch.tensor(ids, device=self.device)).to(self.dtype)
+            return self.text_projection(x)
+
         user = self._user_positions(tokens.token_ids)
         media_at = {p for item in tokens.media for p in range(item.start,
                                                                  item.start + item.length)}
-        rows = []
-        for p in user:
-            if p in media_at:
-                rows.append(self.hidden_projection(media_hidden[p].to(self.dtype)))
-            else:
-                rows.append(self.text_projection(embed(ids[p:p + 1])[0].to(self.dtype)))
+        texts = project([tokens.token_ids[p] for p in user]) if user else None
+        rows = [self.hidden_projection(media_hidden[p].to(self.dtype)) if p in media_at
+                else texts[i] for i, p in enumerate(user)]  # type: ignore[index]
         user_embeds = (torch.stack(rows) if rows
                        else torch.empty(0, self.decoder_config.hidden_size, device=self.device))
         start = self._assistant_start(tokens.token_ids)
-        sequence = torch.tensor(list(tokens.token_ids) + list(reply), device=self.device)
-        assistant = self.text_projection(embed(sequence[start:-1]).to(self.dtype))
-        bos, eos, pad = self.text_projection(embed(torch.tensor(
-            [cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id],
-            device=self.device)).to(self.dtype))
+        assistant = project([*tokens.token_ids[start:], first])[:4]
+        bos, eos, pad = project([cfg.tts_bos_token_id, cfg.tts_eos_token_id,
+                                 cfg.tts_pad_token_id])
         talker = self.talker_hf
         codec = self.decoder.embed(torch.tensor(
             [talker.codec_nothink_id, talker.codec_think_bos_id, talker.codec_think_eos_id,
@@ -153,13 +154,9 @@ class Qwen3OmniTalker:
         text_part = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         codec_part = torch.cat([torch.zeros_like(codec[:3]), codec])
         embeds = torch.cat([user_embeds, text_part + codec_part])
-        trailing = torch.cat([assistant[4:], eos[None]])
-        first_eos = next((i for i, t in enumerate(reply) if t in eos_ids), len(reply))
-        if first_eos < len(trailing):
-            trailing[first_eos] = eos
-            trailing[first_eos + 1:] = pad
         positions = self._positions(tokens, user, len(embeds), media)
-        return TalkerPrompt(embeds, positions, trailing, pad)
+        return TalkerPrompt(embeds, positions, first, pad, eos,
+                            lambda token: project([token])[0])
 
     def _user_positions(self, ids: tuple[int, ...]) -> list[int]:
         """The prompt positions in user turns: each token's role is the token after the last
@@ -198,34 +195,11 @@ class Qwen3OmniTalker:
 
     # -- generation -------------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def codes(self, prompt: TalkerPrompt, sampling: TalkerSampling) -> Tensor:
-        """The codec frames [Q, N] of one reply, decoded greedily (see `TalkerSampling`);
-        the last codec token (EOS, or the one at `max_new_tokens`) makes no frame, as in
-        transformers."""
-        length, trailing = len(prompt.embeds), prompt.trailing
-        hidden, past = self.decoder.forward(prompt.embeds[None], prompt.positions[:, None])
-        offset = int(prompt.positions.max()) + 1 - length
-        generated: list[int] = []
-        frames: list[list[int]] = []
-        last_hidden = hidden[:, -1:]
-        while True:
-            token = self._pick(self.decoder.logits(last_hidden[:, -1])[0], generated, sampling)
-            generated.append(token)
-            if token == self.talker_hf.codec_eos_token_id or len(generated) >= \
-                    sampling.max_new_tokens:
-                break
-            step = len(generated) - 1
-            frame, frame_embed = self._frame(last_hidden, token)
-            frames.append(frame)
-            x = frame_embed + (trailing[step] if step < len(trailing) else prompt.pad)
-            pos = torch.full((1, 1), length + step + offset, device=self.device)
-            last_hidden, new_kv = self.decoder.forward(x[None, None], pos, past)
-            past = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
-                    for (k, v), (nk, nv) in zip(past, new_kv, strict=True)]
-        if not frames:
-            return torch.empty(self.talker_hf.num_code_groups, 0, dtype=torch.long)
-        return torch.tensor(frames, dtype=torch.long).T
+    def start(self, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
+              sampling: TalkerSampling) -> TalkerRun:
+        """Prefill the talker on `prompt`: a `TalkerRun` that speaks as the reply's tokens
+        are fed to it (`eos_ids`: the thinker's, which end a reply)."""
+        return TalkerRun(self, prompt, eos_ids, sampling)
 
     def _pick(self, logits: Tensor, generated: list[int], sampling: TalkerSampling) -> int:
         """transformers' logits processors for the talker, then the argmax."""
@@ -266,12 +240,131 @@ class Qwen3OmniTalker:
             x = embedded[None, None]
         return codes, total
 
+
+class TalkerRun:
+    """One reply being spoken, step by step: each step turns the current codec token into a
+    frame (its residual codes from the code predictor) and feeds the frame, plus the reply's
+    next projected token, back to the talker for the next codec token.
+
+    Step k adds reply token k + 1 (`<tts_text_eod>` in place of the reply's last token,
+    `<tts_pad>` after it), so it can run once the thinker has given token k + 2 or ended:
+    `feed` the reply's tokens after the first as they come, `end` when it is complete, and
+    call `step` while `ready`.
+    """
+
+    def __init__(self, talker: Qwen3OmniTalker, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
+                 sampling: TalkerSampling):
+        self.talker, self.prompt, self.sampling = talker, prompt, sampling
+        self.eos_ids = frozenset(eos_ids)
+        self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
+        self.ended = False
+        self.generated: list[int] = []  # the talker's codec tokens
+        with torch.inference_mode():
+            hidden, self.past = talker.decoder.forward(prompt.embeds[None],
+                                                       prompt.positions[:, None])
+        self.length = len(prompt.embeds)
+        self.offset = int(prompt.positions.max()) + 1 - self.length
+        self.hidden = hidden[:, -1:]
+        self._sample()
+
+    def feed(self, token: int) -> None:
+        """The reply's next token (the second on: the first is in the prompt)."""
+        if self.ended:
+            raise RuntimeError("the reply has ended")
+        self.reply.append(int(token))
+
+    def end(self) -> None:
+        """The reply is complete."""
+        self.ended = True
+
+    @property
+    def done(self) -> bool:
+        """Whether the talker has stopped (codec EOS, or `max_new_tokens`)."""
+        return (self.generated[-1] == self.talker.talker_hf.codec_eos_token_id
+                or len(self.generated) >= self.sampling.max_new_tokens)
+
+    @property
+    def ready(self) -> bool:
+        """Whether `step` can run now (not done, and the reply's text it adds is known)."""
+        return not self.done and self._text(len(self.generated) - 1) is not None
+
     @torch.inference_mode()
-    def waveform(self, codes: Tensor) -> Tensor:
-        """code2wav on frames [Q, N]: float samples [S] at 24 kHz, in chunks of 300 frames
-        with 25 frames of left context, as transformers decodes them."""
-        if codes.shape[1] == 0:
-            return torch.zeros(0)
-        wav = self.code2wav.chunked_decode(codes[None].to(self.device), chunk_size=CHUNK,
-                                           left_context_size=LEFT_CONTEXT)
-        return wav.reshape(-1).float().cpu()
+    def step(self) -> list[int]:
+        """The current codec token's frame [Q codes]; the talker then reads it and picks the
+        next codec token. RuntimeError unless `ready`."""
+        k = len(self.generated) - 1
+        text = self._text(k)
+        if self.done or text is None:
+            raise RuntimeError("the talker cannot step now (see TalkerRun.ready)")
+        frame, frame_embed = self.talker._frame(self.hidden, self.generated[-1])
+        position = torch.full((1, 1), self.length + k + self.offset,
+                              device=self.talker.device)
+        self.hidden, new_kv = self.talker.decoder.forward((frame_embed + text)[None, None],
+                                                          position, self.past)
+        self.past = [(torch.cat([k_, nk], dim=2), torch.cat([v_, nv], dim=2))
+                     for (k_, v_), (nk, nv) in zip(self.past, new_kv, strict=True)]
+        self._sample()
+        return frame
+
+    def _sample(self) -> None:
+        logits = self.talker.decoder.logits(self.hidden[:, -1])[0]
+        self.generated.append(self.talker._pick(logits, self.generated, self.sampling))
+
+    def _text(self, j: int) -> Tensor | None:
+        """What step j adds, as transformers lays out `trailing_text_hidden`: the projected
+        reply token j + 1, `<tts_text_eod>` in place of the reply's last token (and at its
+        first end-of-sequence token, should one come earlier), `<tts_pad>` past either; None
+        while unknown (reply token j + 1, and whether it is the last, are not known yet)."""
+        known = len(self.reply)
+        if not self.ended and known < j + 3:
+            return None
+        if self.ended and j >= known - 1:
+            return self.prompt.pad
+        eos_at = next((i for i, t in enumerate(self.reply) if t in self.eos_ids), None)
+        if eos_at is not None and j >= eos_at:
+            return self.prompt.eos if j == eos_at else self.prompt.pad
+        if self.ended and j == known - 2:
+            return self.prompt.eos
+        return self.prompt.project(self.reply[j + 1])
+
+
+class Code2WavStream:
+    """code2wav as frames arrive: the samples transformers' `chunked_decode` gives (chunks of
+    300 frames, 25 frames of left context), sent early. code2wav is causal, so decoding a
+    chunk's first n frames gives the first samples of decoding all of them; a chunk is
+    decoded again at 1, 2, 4, ... of its frames (and at its end), and each time the samples
+    not sent yet go out (up to float rounding, ~1e-6, the same samples)."""
+
+    def __init__(self, code2wav: Any, first: int = 1):
+        self.code2wav, self.first = code2wav, first
+        self.upsample = int(code2wav.total_upsample)
+        self.frames: list[list[int]] = []
+        self.chunk_start = 0  # the first frame of the current chunk
+        self.sent = 0  # samples of the current chunk sent
+        self.next_at = first  # frames of the chunk at which it is decoded next
+
+    def push(self, frame: list[int]) -> np.ndarray:
+        """Take a frame; the samples it makes ready (often none)."""
+        self.frames.append(frame)
+        in_chunk = len(self.frames) - self.chunk_start
+        if in_chunk < self.next_at and in_chunk < CHUNK:
+            return np.zeros(0, np.float32)
+        out = self._decode()
+        self.next_at = min(2 * in_chunk, CHUNK)
+        if in_chunk == CHUNK:  # the next chunk starts, with its left context
+            self.chunk_start, self.sent, self.next_at = len(self.frames), 0, self.first
+        return out
+
+    def finish(self) -> np.ndarray:
+        """The remaining samples (the last frames' tail)."""
+        if len(self.frames) == self.chunk_start:
+            return np.zeros(0, np.float32)
+        return self._decode()
+
+    @torch.inference_mode()
+    def _decode(self) -> np.ndarray:
+        context = min(LEFT_CONTEXT, self.chunk_start)
+        codes = torch.tensor(self.frames[self.chunk_start - context:]).T[None]
+        wav = self.code2wav(codes)[0, 0, context * self.upsample:].float().cpu().numpy()
+        out, self.sent = wav[self.sent:], len(wav)
+        return out
