@@ -166,10 +166,10 @@ async def test_speech_equals_transformers_waveform(checkpoint: Path, hf: Any,
     """Thinker reply, then talker codec frames and code2wav's waveform: the same samples as
     transformers' generate(return_audio=True), greedy, for text, image, audio and both."""
     engine = TorchEngine.from_pretrained(checkpoint)
-    talker = Talker.from_pretrained(checkpoint, engine)
+    talker = Talker.from_pretrained(checkpoint)
     messages = [{"role": "system", "content": "You are a helpful assistant."}, user(*CASES[case])]
     reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=8))
-    speech = await talker.speak(engine.chat_prompt(messages), reply.token_ids,
+    speech = await talker.speak(engine, engine.chat_prompt(messages), reply.token_ids,
                                 sampling=TalkerSampling(max_new_tokens=20, min_new_tokens=5))
     expected_reply, expected_wav = hf_speech(hf, hf_processor(checkpoint), messages,
                                              media_of(messages, "image"),
@@ -184,25 +184,26 @@ async def test_speech_depends_on_the_conversation_and_the_voice(checkpoint: Path
     """Another prompt, or another voice, gives other codec frames (the comparison above
     could not pass by a talker that ignores its input); an unknown voice is refused."""
     engine = TorchEngine.from_pretrained(checkpoint)
-    talker = Talker.from_pretrained(checkpoint, engine)
+    talker = Talker.from_pretrained(checkpoint)
     sampling = TalkerSampling(max_new_tokens=12, min_new_tokens=5)
     codes = []
     for messages, voice in (([user(*CASES["text"])], None), ([user(*CASES["audio"])], None),
                             ([user(*CASES["text"])], "Chelsie")):
         reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=6))
-        speech = await talker.speak(engine.chat_prompt(messages), reply.token_ids,
+        speech = await talker.speak(engine, engine.chat_prompt(messages), reply.token_ids,
                                     voice=voice, sampling=sampling)
         codes.append(speech.codes.tolist())
     assert codes[0] != codes[1] and codes[0] != codes[2]
     with pytest.raises(ValueError, match="unknown voice 'Nobody'"):
-        await talker.speak(engine.chat_prompt([user(*CASES["text"])]), [5], voice="Nobody")
+        await talker.speak(engine, engine.chat_prompt([user(*CASES["text"])]), [5],
+                           voice="Nobody")
 
 
 async def test_speech_streams_before_the_reply_ends(checkpoint: Path, hf: Any) -> None:
     """Speaking while the thinker writes: the first audio chunk comes before the thinker's
     last token, and the chunks together are transformers' waveform."""
     engine = TorchEngine.from_pretrained(checkpoint)
-    talker = Talker.from_pretrained(checkpoint, engine)
+    talker = Talker.from_pretrained(checkpoint)
     messages = [user(*CASES["image"])]
     prompt = engine.chat_prompt(messages)
     events: list[str] = []
@@ -214,7 +215,7 @@ async def test_speech_streams_before_the_reply_ends(checkpoint: Path, hf: Any) -
             yield token
 
     chunks = []
-    async for chunk in talker.stream(prompt, reply(), sampling=TalkerSampling(
+    async for chunk in talker.stream(engine, prompt, reply(), sampling=TalkerSampling(
             max_new_tokens=20, min_new_tokens=5)):
         events.append("audio")
         chunks.append(chunk)

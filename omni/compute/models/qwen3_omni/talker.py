@@ -35,10 +35,10 @@ from omni.compute.models._safetensors import read_json, read_tensors
 from omni.compute.models.config import qwen3_omni_part
 from omni.compute.models.loader import load_decoder
 from omni.compute.models.qwen3_omni._modules import load_module
-from omni.compute.models.qwen3_omni.thinker import mrope_positions
-from omni.compute.prompt import MediaItem, PromptTokens
+from omni.compute.models.qwen3_omni.thinker import MediaLayout, mrope_positions
 
-__all__ = ["Code2WavStream", "Qwen3OmniTalker", "TalkerPrompt", "TalkerRun", "TalkerSampling"]
+__all__ = ["Code2WavStream", "Qwen3OmniTalker", "TalkerPrompt", "TalkerRun", "TalkerSampling",
+           "ThinkerContext"]
 
 SAMPLE_RATE = 24_000  # code2wav's output rate
 SUPPRESSED = 1024  # transformers suppresses the talker's top 1,024 ids (but codec EOS)
@@ -46,17 +46,32 @@ CHUNK, LEFT_CONTEXT = 300, 25  # code2wav frames per decode and of left context 
 
 
 @dataclass(frozen=True)
+class ThinkerContext:
+    """What the talker reads of the thinker's prompt (a stage value: the talker may run
+    in another process than the thinker): the prompt's ids, where its media are, and per
+    position the thinker's input embedding (text) or its hidden state after layer
+    `accept_hidden_layer` (media) [T, E]; and the thinker's input embeddings of
+    `<tts_text_bos>`, `<tts_text_eod>` and `<tts_pad>` [3, E]."""
+
+    token_ids: tuple[int, ...]
+    media: tuple[MediaLayout, ...]
+    inputs: Tensor
+    specials: Tensor
+
+
+@dataclass(frozen=True)
 class TalkerPrompt:
     """What the talker reads before its first step: its prompt's embeddings [L, E] and M-RoPE
     positions [3, L]; and what it adds to later steps' inputs: the projected `<tts_pad>` and
-    `<tts_text_eod>` [E], and the projection of reply tokens (`project`)."""
+    `<tts_text_eod>` [E], and reply tokens' embeddings through `text_projection`
+    (`project`)."""
 
     embeds: Tensor
     positions: Tensor
     first: int  # the reply's first token
     pad: Tensor
     eos: Tensor
-    project: Any  # reply token id -> its projected thinker embedding [E]
+    project: Any  # a reply token's thinker embedding [E] -> what a step adds [E]
 
 
 @dataclass(frozen=True)
@@ -122,30 +137,23 @@ class Qwen3OmniTalker:
         return speakers[name]
 
     @torch.inference_mode()
-    def prompt(self, tokens: PromptTokens, first: int, embed: Any,
-               media_hidden: dict[int, Tensor], media: Any, voice: str | None) -> TalkerPrompt:
-        """What the talker reads for a conversation `tokens` whose reply starts with token
-        `first`. `embed` maps token ids to the thinker's input embeddings; `media_hidden[p]` is
-        the thinker's hidden state at media position p after layer `accept_hidden_layer`;
-        `media` (the thinker's `Qwen3OmniMedia`) lays out images."""
-        cfg = self.config
-
-        def project(ids: list[int]) -> Tensor:
-            x = embed(torch.tensor(ids, device=self.device)).to(self.dtype)
-            return self.text_projection(x)
-
-        user = self._user_positions(tokens.token_ids)
-        media_at = {p for item in tokens.media for p in range(item.start,
-                                                                 item.start + item.length)}
-        texts = project([tokens.token_ids[p] for p in user]) if user else None
-        rows = [self.hidden_projection(media_hidden[p].to(self.dtype)) if p in media_at
-                else texts[i] for i, p in enumerate(user)]  # type: ignore[index]
+    def prompt(self, context: ThinkerContext, first: int, first_embed: Tensor,
+               voice: str | None) -> TalkerPrompt:
+        """What the talker reads for the thinker's prompt `context` whose reply starts with
+        token `first` (its thinker embedding `first_embed` [E])."""
+        ids = context.token_ids
+        user = self._user_positions(ids)
+        media_at = {p for item in context.media for p in range(item.start,
+                                                                  item.start + item.length)}
+        inputs = context.inputs.to(self.device, self.dtype)
+        texts = self.text_projection(inputs)  # every position: the media rows go unused
+        rows = [self.hidden_projection(inputs[p]) if p in media_at else texts[p] for p in user]
         user_embeds = (torch.stack(rows) if rows
                        else torch.empty(0, self.decoder_config.hidden_size, device=self.device))
-        start = self._assistant_start(tokens.token_ids)
-        assistant = project([*tokens.token_ids[start:], first])[:4]
-        bos, eos, pad = project([cfg.tts_bos_token_id, cfg.tts_eos_token_id,
-                                 cfg.tts_pad_token_id])
+        start = self._assistant_start(ids)
+        assistant = torch.cat([texts[start:start + 3], self.text_projection(
+            first_embed.to(self.device, self.dtype))[None]])
+        bos, eos, pad = self.text_projection(context.specials.to(self.device, self.dtype))
         talker = self.talker_hf
         codec = self.decoder.embed(torch.tensor(
             [talker.codec_nothink_id, talker.codec_think_bos_id, talker.codec_think_eos_id,
@@ -154,9 +162,9 @@ class Qwen3OmniTalker:
         text_part = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         codec_part = torch.cat([torch.zeros_like(codec[:3]), codec])
         embeds = torch.cat([user_embeds, text_part + codec_part])
-        positions = self._positions(tokens, user, len(embeds), media)
-        return TalkerPrompt(embeds, positions, first, pad, eos,
-                            lambda token: project([token])[0])
+        positions = self._positions(context, user, len(embeds))
+        return TalkerPrompt(embeds, positions, first, pad, eos, lambda embed: (
+            self.text_projection(embed.to(self.device, self.dtype))))
 
     def _user_positions(self, ids: tuple[int, ...]) -> list[int]:
         """The prompt positions in user turns: each token's role is the token after the last
@@ -179,18 +187,13 @@ class Qwen3OmniTalker:
                              "(<|im_start|>assistant)")
         return starts[-1]
 
-    def _positions(self, tokens: PromptTokens, user: list[int], length: int,
-                   media: Any) -> Tensor:
+    def _positions(self, context: ThinkerContext, user: list[int], length: int) -> Tensor:
         """M-RoPE positions of the talker's prompt: its user tokens' media laid out as the
         thinker lays them out, everything else text."""
         index = {p: i for i, p in enumerate(user)}
-        items = tuple(MediaItem(item.kind, index[item.start], item.length, item.segment)
-                      for item in tokens.media if item.start in index)
-        ids = tuple(tokens.token_ids[p] for p in user)
-        shifted = PromptTokens(ids + (self.config.tts_pad_token_id,) * (length - len(ids)),
-                               items)
-        grids = {id(item): media.grid(item.segment) for item in items if item.kind == "image"}
-        return mrope_positions(shifted, grids, int(self.talker_hf.spatial_merge_size),
+        media = [MediaLayout(index[item.start], item.length, item.grid)
+                 for item in context.media if item.start in index]
+        return mrope_positions(length, media, int(self.talker_hf.spatial_merge_size),
                                float(self.talker_hf.position_id_per_seconds))
 
     # -- generation -------------------------------------------------------------------------
@@ -257,6 +260,7 @@ class TalkerRun:
         self.talker, self.prompt, self.sampling = talker, prompt, sampling
         self.eos_ids = frozenset(eos_ids)
         self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
+        self.embeds: list[Tensor | None] = [None]  # the reply tokens' thinker embeddings
         self.ended = False
         self.generated: list[int] = []  # the talker's codec tokens
         with torch.inference_mode():
@@ -267,11 +271,13 @@ class TalkerRun:
         self.hidden = hidden[:, -1:]
         self._sample()
 
-    def feed(self, token: int) -> None:
-        """The reply's next token (the second on: the first is in the prompt)."""
+    def feed(self, token: int, embed: Tensor) -> None:
+        """The reply's next token (the second on: the first is in the prompt) and its thinker
+        input embedding [E]."""
         if self.ended:
             raise RuntimeError("the reply has ended")
         self.reply.append(int(token))
+        self.embeds.append(embed)
 
     def end(self) -> None:
         """The reply is complete."""
@@ -325,7 +331,7 @@ class TalkerRun:
             return self.prompt.eos if j == eos_at else self.prompt.pad
         if self.ended and j == known - 2:
             return self.prompt.eos
-        return self.prompt.project(self.reply[j + 1])
+        return self.prompt.project(self.embeds[j + 1])
 
 
 class Code2WavStream:

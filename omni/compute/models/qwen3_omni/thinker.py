@@ -16,6 +16,8 @@ Video is not served (a `Video` segment does not exist yet); neither is audio ins
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from omni.compute.encoders import Encoded
 from omni.compute.models.qwen3_omni._modules import load_module
 from omni.compute.prompt import Audio, Image, PromptTokens
 
-__all__ = ["Qwen3OmniMedia", "mrope_positions"]
+__all__ = ["MediaLayout", "Qwen3OmniMedia", "mrope_positions"]
 
 SAMPLE_RATE = 16_000  # the feature extractor's (Whisper's) rate
 
@@ -53,8 +55,12 @@ class Qwen3OmniMedia:
         if not (root / "preprocessor_config.json").is_file():
             raise FileNotFoundError(f"no preprocessor_config.json in {root}: a Qwen3-Omni "
                                     "checkpoint needs its image processor and feature extractor")
-        config = Qwen3OmniMoeConfig.from_pretrained(root).thinker_config
-        self.config = config
+        whole = Qwen3OmniMoeConfig.from_pretrained(root)
+        config = self.config = whole.thinker_config
+        # what the talker reads of the thinker (`omni.compute.talker.thinker_context`)
+        self.accept_hidden_layer = int(whole.talker_config.accept_hidden_layer)
+        self.tts_token_ids = (int(whole.tts_bos_token_id), int(whole.tts_eos_token_id),
+                              int(whole.tts_pad_token_id))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(root)
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(root)
         self.merge = int(config.vision_config.spatial_merge_size)
@@ -118,27 +124,41 @@ class Qwen3OmniMedia:
 
     # -- positions --------------------------------------------------------------------------
 
+    def layout(self, tokens: PromptTokens) -> tuple[MediaLayout, ...]:
+        """Where the prompt's media are, and each image's patch grid."""
+        return tuple(MediaLayout(item.start, item.length,
+                                 self.grid(item.segment) if isinstance(item.segment, Image)
+                                 else None) for item in tokens.media)
+
     def positions(self, tokens: PromptTokens) -> torch.Tensor:
         """The prompt's M-RoPE positions [3, T] (see `mrope_positions`)."""
-        grids = {id(item): self.grid(item.segment) for item in tokens.media
-                 if isinstance(item.segment, Image)}
-        return mrope_positions(tokens, grids, self.merge,
+        return mrope_positions(len(tokens), self.layout(tokens), self.merge,
                                float(self.config.position_id_per_seconds))
 
 
-def mrope_positions(tokens: PromptTokens, grids: dict[int, tuple[int, int, int]], merge: int,
+@dataclass(frozen=True)
+class MediaLayout:
+    """A media item's positions in a prompt, and an image's patch grid (temporal, rows,
+    columns, before merging; None for audio)."""
+
+    start: int
+    length: int
+    grid: tuple[int, int, int] | None = None
+
+
+def mrope_positions(length: int, media: Sequence[MediaLayout], merge: int,
                     per_second: float) -> torch.Tensor:
-    """[3, T] temporal / height / width positions, as transformers' `get_rope_index` gives
-    them for text, images (`grids[id(item)]`, unmerged patches) and audio."""
-    out = torch.empty(3, len(tokens), dtype=torch.long)
+    """[3, length] temporal / height / width positions of a prompt with `media` (in order),
+    as transformers' `get_rope_index` gives them for text, images and audio."""
+    out = torch.empty(3, length, dtype=torch.long)
     next_pos = cursor = 0
-    for item in tokens.media:
+    for item in media:
         n_text = item.start - cursor
         out[:, cursor:item.start] = torch.arange(next_pos, next_pos + n_text)
         next_pos += n_text
         span = slice(item.start, item.start + item.length)
-        if isinstance(item.segment, Image):
-            t, h, w = grids[id(item)]
+        if item.grid is not None:
+            t, h, w = item.grid
             h, w = h // merge, w // merge
             out[0, span] = (torch.arange(t) * per_second).long().repeat_interleave(h * w)
             out[1, span] = torch.arange(h).repeat_interleave(w).repeat(t)
@@ -149,7 +169,7 @@ def mrope_positions(tokens: PromptTokens, grids: dict[int, tuple[int, int, int]]
             out[:, span] = torch.arange(next_pos, next_pos + item.length)
             next_pos += item.length
         cursor = item.start + item.length
-    out[:, cursor:] = torch.arange(next_pos, next_pos + len(tokens) - cursor)
+    out[:, cursor:] = torch.arange(next_pos, next_pos + length - cursor)
     return out
 
 
