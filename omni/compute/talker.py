@@ -36,14 +36,15 @@ from omni.compute.models.qwen3_omni import (
     Qwen3OmniMedia,
     Qwen3OmniTalker,
     TalkerRun,
-    TalkerSampling,
     ThinkerContext,
+    talker_params,
 )
 from omni.compute.models.qwen3_omni.talker import SAMPLE_RATE
 from omni.compute.prompt import PromptTokens
+from omni.compute.sampling import SamplingParams
 
-__all__ = ["SAMPLE_RATE", "Speech", "SpeechSession", "Talker", "TalkerSampling",
-           "ThinkerContext", "reply_embeddings", "thinker_context"]
+__all__ = ["SAMPLE_RATE", "Speech", "SpeechSession", "Talker", "ThinkerContext",
+           "reply_embeddings", "talker_params", "thinker_context"]
 
 
 def _omni_media(engine: TorchEngine) -> Qwen3OmniMedia:
@@ -93,7 +94,7 @@ class SpeechSession:
     reply token k + 2 (or the reply's end), so speech follows the text two tokens behind."""
 
     def __init__(self, talker: Talker, context: ThinkerContext, voice: str | None,
-                 sampling: TalkerSampling):
+                 sampling: SamplingParams):
         talker.model.speaker_id(voice)  # an unknown voice fails before any work
         self.talker, self.context = talker, context
         self.voice, self.sampling = voice, sampling
@@ -169,13 +170,15 @@ class Talker:
         return cls(model, eos_ids)
 
     def session(self, context: ThinkerContext, *, voice: str | None = None,
-                sampling: TalkerSampling | None = None) -> SpeechSession:
-        """A reply to speak for the thinker's prompt `context` (ValueError: unknown voice)."""
-        return SpeechSession(self, context, voice, sampling or TalkerSampling())
+                sampling: SamplingParams | None = None) -> SpeechSession:
+        """A reply to speak for the thinker's prompt `context`, the talker sampling as
+        `sampling` says (None: `talker_params()`, transformers' defaults). ValueError: an
+        unknown voice."""
+        return SpeechSession(self, context, voice, sampling or talker_params())
 
     async def speak(self, engine: TorchEngine, prompt: object, reply: list[int], *,
                     voice: str | None = None,
-                    sampling: TalkerSampling | None = None) -> Speech:
+                    sampling: SamplingParams | None = None) -> Speech:
         """Speak a whole `reply`: the tokens `engine` (the thinker) gave for `prompt` (what
         `engine.chat_prompt` gives)."""
         tokens = engine.prepare(prompt)
@@ -193,7 +196,7 @@ class Talker:
 
     async def stream(self, engine: TorchEngine, prompt: object,
                      reply: AsyncIterator[int], *, voice: str | None = None,
-                     sampling: TalkerSampling | None = None) -> AsyncIterator[np.ndarray]:
+                     sampling: SamplingParams | None = None) -> AsyncIterator[np.ndarray]:
         """Speak a reply as the thinker writes it (`reply`: its tokens, say from
         `engine.stream(prompt, ...)`): audio chunks as soon as they decode."""
         tokens = engine.prepare(prompt)

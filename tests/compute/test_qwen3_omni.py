@@ -7,6 +7,7 @@ equals transformers recomputing the whole conversation; the talker's speech (gre
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from omni.compute import SamplingParams, TorchEngine
 from omni.compute.models import DecoderConfig, load_pretrained
 from omni.compute.models.llama import RotaryEmbedding
 from omni.compute.prompt import Audio, Image, Prompt
-from omni.compute.talker import Talker, TalkerSampling
+from omni.compute.talker import Talker, talker_params
 from tests.compute.omni_builders import (
     hf_model,
     hf_processor,
@@ -28,6 +29,9 @@ from tests.compute.omni_builders import (
 )
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+# the talker greedy (transformers' repetition penalty of 1.05 still applies), 20 codec tokens
+# at most and at least 5 (a random talker may stop at once)
+TALKER = talker_params(temperature=0, max_new_tokens=20, min_new_tokens=5)
 # 40 x 72 px: a grid of 4 x 8 patches, 2 x 4 positions (rows and columns differ, so the
 # height and width rotary axes are both exercised)
 IMAGE = (np.random.default_rng(0).random((40, 72, 3)) * 255).astype(np.uint8)
@@ -170,7 +174,7 @@ async def test_speech_equals_transformers_waveform(checkpoint: Path, hf: Any,
     messages = [{"role": "system", "content": "You are a helpful assistant."}, user(*CASES[case])]
     reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=8))
     speech = await talker.speak(engine, engine.chat_prompt(messages), reply.token_ids,
-                                sampling=TalkerSampling(max_new_tokens=20, min_new_tokens=5))
+                                sampling=TALKER)
     expected_reply, expected_wav = hf_speech(hf, hf_processor(checkpoint), messages,
                                              media_of(messages, "image"),
                                              media_of(messages, "audio"), 8, 20, 5)
@@ -185,7 +189,7 @@ async def test_speech_depends_on_the_conversation_and_the_voice(checkpoint: Path
     could not pass by a talker that ignores its input); an unknown voice is refused."""
     engine = TorchEngine.from_pretrained(checkpoint)
     talker = Talker.from_pretrained(checkpoint)
-    sampling = TalkerSampling(max_new_tokens=12, min_new_tokens=5)
+    sampling = dataclasses.replace(TALKER, max_new_tokens=12)
     codes = []
     for messages, voice in (([user(*CASES["text"])], None), ([user(*CASES["audio"])], None),
                             ([user(*CASES["text"])], "Chelsie")):
@@ -215,8 +219,7 @@ async def test_speech_streams_before_the_reply_ends(checkpoint: Path, hf: Any) -
             yield token
 
     chunks = []
-    async for chunk in talker.stream(engine, prompt, reply(), sampling=TalkerSampling(
-            max_new_tokens=20, min_new_tokens=5)):
+    async for chunk in talker.stream(engine, prompt, reply(), sampling=TALKER):
         events.append("audio")
         chunks.append(chunk)
     assert events.count("token") == 8 and len(chunks) > 1
@@ -225,3 +228,20 @@ async def test_speech_streams_before_the_reply_ends(checkpoint: Path, hf: Any) -
     streamed = np.concatenate(chunks)
     assert streamed.shape == tuple(expected.shape)
     assert np.abs(streamed - expected.numpy()).max() <= 1e-4
+
+
+async def test_sampled_speech_follows_its_seed(checkpoint: Path) -> None:
+    """The talker samples as SGLang does (here transformers' defaults: temperature 0.9,
+    top-k 50): a seed gives the same frames again, another seed others."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint)
+    prompt = engine.chat_prompt([user(*CASES["text"])])
+    reply = (await engine.generate(prompt, SamplingParams(temperature=0,
+                                                          max_new_tokens=6))).token_ids
+    codes = []
+    for seed in (7, 7, 8):
+        sampling = talker_params(max_new_tokens=12, min_new_tokens=10, sampling_seed=seed)
+        speech = await talker.speak(engine, prompt, reply, sampling=sampling)
+        codes.append(speech.codes.tolist())
+        assert speech.codes.shape[1] >= 9 and np.isfinite(speech.waveform).all()
+    assert codes[0] == codes[1] and codes[0] != codes[2]

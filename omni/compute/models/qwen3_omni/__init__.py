@@ -7,10 +7,10 @@ from omni.compute.models.qwen3_omni.talker import (
     Qwen3OmniTalker,
     TalkerPrompt,
     TalkerRun,
-    TalkerSampling,
     ThinkerContext,
+    talker_params,
 )
 from omni.compute.models.qwen3_omni.thinker import MediaLayout, Qwen3OmniMedia, mrope_positions
 
 __all__ = ["Code2WavStream", "MediaLayout", "Qwen3OmniMedia", "Qwen3OmniTalker", "TalkerPrompt",
-           "TalkerRun", "TalkerSampling", "ThinkerContext", "mrope_positions"]
+           "TalkerRun", "ThinkerContext", "mrope_positions", "talker_params"]

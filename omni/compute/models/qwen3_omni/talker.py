@@ -36,9 +36,15 @@ from omni.compute.models.config import qwen3_omni_part
 from omni.compute.models.loader import load_decoder
 from omni.compute.models.qwen3_omni._modules import load_module
 from omni.compute.models.qwen3_omni.thinker import MediaLayout, mrope_positions
+from omni.compute.sampling import (
+    RequestSamplingState,
+    SamplingParams,
+    TokenSampler,
+    TokenSamplingState,
+)
 
-__all__ = ["Code2WavStream", "Qwen3OmniTalker", "TalkerPrompt", "TalkerRun", "TalkerSampling",
-           "ThinkerContext"]
+__all__ = ["Code2WavStream", "Qwen3OmniTalker", "TalkerPrompt", "TalkerRun", "ThinkerContext",
+           "talker_params"]
 
 SAMPLE_RATE = 24_000  # code2wav's output rate
 SUPPRESSED = 1024  # transformers suppresses the talker's top 1,024 ids (but codec EOS)
@@ -74,15 +80,27 @@ class TalkerPrompt:
     project: Any  # a reply token's thinker embedding [E] -> what a step adds [E]
 
 
-@dataclass(frozen=True)
-class TalkerSampling:
-    """How the talker picks codec tokens: greedy, with transformers' defaults of
-    `generate(return_audio=True)` for the rest (repetition penalty 1.05 over the codec tokens
-    so far; at least `min_new_tokens` before codec EOS may end it)."""
+def talker_params(**fields: Any) -> SamplingParams:
+    """The talker's sampling: transformers' defaults of `generate(return_audio=True)`
+    (temperature 0.9, top-k 50, repetition penalty 1.05 over the codec tokens so far, at
+    most 4,096 codec tokens) with `fields` (SGLang's `SamplingParams` names) over them."""
+    defaults = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
+                "max_new_tokens": 4096}
+    return SamplingParams(**{**defaults, **fields})
 
-    max_new_tokens: int = 4096
-    min_new_tokens: int = 0
-    repetition_penalty: float = 1.05
+
+class _SuppressControls:
+    """transformers suppresses the talker's top 1,024 ids (its control codes) but codec EOS
+    (a logit processor, in SGLang's terms)."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    def __call__(self, logits: Tensor, custom_param_list: list[Any]) -> Tensor:
+        keep = logits[:, self.eos].clone()
+        logits[:, max(0, logits.shape[-1] - SUPPRESSED):] = float("-inf")
+        logits[:, self.eos] = keep
+        return logits
 
 
 class Qwen3OmniTalker:
@@ -199,31 +217,16 @@ class Qwen3OmniTalker:
     # -- generation -------------------------------------------------------------------------
 
     def start(self, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
-              sampling: TalkerSampling) -> TalkerRun:
+              sampling: SamplingParams) -> TalkerRun:
         """Prefill the talker on `prompt`: a `TalkerRun` that speaks as the reply's tokens
         are fed to it (`eos_ids`: the thinker's, which end a reply)."""
         return TalkerRun(self, prompt, eos_ids, sampling)
 
-    def _pick(self, logits: Tensor, generated: list[int], sampling: TalkerSampling) -> int:
-        """transformers' logits processors for the talker, then the argmax."""
-        scores = logits.float().clone()
-        if generated and sampling.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(generated)), device=scores.device)
-            picked = scores[seen]
-            scores[seen] = torch.where(picked < 0, picked * sampling.repetition_penalty,
-                                       picked / sampling.repetition_penalty)
-        vocab, eos = scores.numel(), self.talker_hf.codec_eos_token_id
-        keep = scores[eos].clone()
-        scores[max(0, vocab - SUPPRESSED):] = float("-inf")
-        scores[eos] = keep
-        if len(generated) < sampling.min_new_tokens:
-            scores[eos] = float("-inf")
-        return int(scores.argmax())
-
-    def _frame(self, talker_hidden: Tensor, token: int) -> tuple[list[int], Tensor]:
-        """The residual codes of a codec token from the code predictor (greedy), and the
-        frame's input embedding for the talker's next step (every codebook's embedding
-        summed)."""
+    def _frame(self, talker_hidden: Tensor, token: int,
+               pick: Any) -> tuple[list[int], Tensor]:
+        """The residual codes of a codec token from the code predictor (each drawn by
+        `pick(logits [V]) -> id`), and the frame's input embedding for the talker's next step
+        (every codebook's embedding summed)."""
         first = self.decoder.embed(torch.tensor([[token]], device=self.device))  # [1, 1, E]
         x = torch.cat([talker_hidden[:, -1:], first], dim=1)
         codes, total = [token], first[0, 0]
@@ -236,7 +239,7 @@ class Qwen3OmniTalker:
                 (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
                 for (k, v), (nk, nv) in zip(past, new_kv, strict=True)]
             start += x.shape[1]
-            code = int(F.linear(hidden[0, -1], head).float().argmax())
+            code = pick(F.linear(hidden[0, -1], head).float())
             codes.append(code)
             embedded = self.group_embeds[group][code]
             total = total + embedded
@@ -256,9 +259,22 @@ class TalkerRun:
     """
 
     def __init__(self, talker: Qwen3OmniTalker, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
-                 sampling: TalkerSampling):
+                 sampling: SamplingParams):
         self.talker, self.prompt, self.sampling = talker, prompt, sampling
         self.eos_ids = frozenset(eos_ids)
+        codec_eos = int(talker.talker_hf.codec_eos_token_id)
+        self.max_new_tokens = (sampling.max_new_tokens
+                               or talker.decoder_config.max_position_embeddings)
+        self._sampler = TokenSampler()
+        self._state = TokenSamplingState([RequestSamplingState(
+            sampling, eos_token_ids=(codec_eos,), logit_processor=_SuppressControls(codec_eos),
+            vocab_size=talker.decoder_config.vocab_size)])
+        # the code predictor samples when the talker does, as transformers lets it (top-k 50,
+        # top-p 0.8), from a generator of its own
+        predictor = (SamplingParams(temperature=0) if sampling.is_greedy else SamplingParams(
+            top_k=50, top_p=0.8, sampling_seed=None if sampling.sampling_seed is None
+            else sampling.sampling_seed + 1))
+        self._predictor_state = RequestSamplingState(predictor)
         self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
         self.embeds: list[Tensor | None] = [None]  # the reply tokens' thinker embeddings
         self.ended = False
@@ -287,7 +303,7 @@ class TalkerRun:
     def done(self) -> bool:
         """Whether the talker has stopped (codec EOS, or `max_new_tokens`)."""
         return (self.generated[-1] == self.talker.talker_hf.codec_eos_token_id
-                or len(self.generated) >= self.sampling.max_new_tokens)
+                or len(self.generated) >= self.max_new_tokens)
 
     @property
     def ready(self) -> bool:
@@ -302,7 +318,8 @@ class TalkerRun:
         text = self._text(k)
         if self.done or text is None:
             raise RuntimeError("the talker cannot step now (see TalkerRun.ready)")
-        frame, frame_embed = self.talker._frame(self.hidden, self.generated[-1])
+        frame, frame_embed = self.talker._frame(self.hidden, self.generated[-1],
+                                                self._pick_residual)
         position = torch.full((1, 1), self.length + k + self.offset,
                               device=self.talker.device)
         self.hidden, new_kv = self.talker.decoder.forward((frame_embed + text)[None, None],
@@ -313,8 +330,14 @@ class TalkerRun:
         return frame
 
     def _sample(self) -> None:
-        logits = self.talker.decoder.logits(self.hidden[:, -1])[0]
-        self.generated.append(self.talker._pick(logits, self.generated, self.sampling))
+        logits = self.talker.decoder.logits(self.hidden[:, -1])  # [1, V]
+        self.generated.append(int(self._sampler.step(logits, self._state)[0]))
+
+    def _pick_residual(self, logits: Tensor) -> int:
+        """A residual code from the code predictor's logits [V] (a fresh one-row batch each
+        time: its penalties, none, need no history)."""
+        state = TokenSamplingState([self._predictor_state])
+        return int(self._sampler.step(logits[None], state)[0])
 
     def _text(self, j: int) -> Tensor | None:
         """What step j adds, as transformers lays out `trailing_text_hidden`: the projected
