@@ -87,7 +87,9 @@ import trio
 import omni
 from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
 from omni.compute.models import DecoderConfig, tiny_config
+from omni.compute.models.config import is_qwen3_omni
 from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter, read_wav
+from omni.compute.talker import Talker, reply_embeddings, talker_params, thinker_context
 from omni.serve.openai import (
     AudioPart,
     ChatAudio,
@@ -105,24 +107,30 @@ PAGE_SIZE = 16
 MAX_SESSIONS = 256
 TOKENS_PER_CHUNK = 4
 MAX_TOKENS_LIMIT = 4096
+MAX_TALKER_TOKENS = 4096  # codec tokens of one spoken reply at most (transformers' default)
 SYSTEM = "A conversation between a curious user and a helpful assistant.\n"
+GREEDY_TALKER = {"temperature": 0}  # `dialogue` speaks deterministically, as it writes
 
 
-def llm_config(model: str) -> DecoderConfig:
-    """The LLM's config, read without loading its weights (for KV_LAYOUT and the vocabulary)."""
+def llm_config(model: str) -> tuple[DecoderConfig, bool]:
+    """The LLM's config, read without loading its weights (for KV_LAYOUT and the vocabulary),
+    and whether it is a Qwen3-Omni checkpoint (the thinker; its talker speaks)."""
     if not model:
-        return tiny_config()
+        return tiny_config(), False
     config = Path(model) / "config.json"
     try:
-        return DecoderConfig.from_hf(json.loads(config.read_text()))
+        hf = json.loads(config.read_text())
+        return DecoderConfig.from_hf(hf), is_qwen3_omni(hf)
     except (OSError, ValueError) as exc:
         raise ValueError(f"OMNI_MODEL={model!r}: cannot read {config} ({exc}); give a Hugging "
                          "Face model folder, or unset OMNI_MODEL for the built-in tiny "
                          "model") from None
 
 
-CONFIG = llm_config(MODEL)
+CONFIG, QWEN3_OMNI = llm_config(MODEL)
 KV_LAYOUT = CONFIG.kv_layout(PAGE_SIZE, torch.float32)  # `omni run` builds the store from it
+# the spoken reply's rate: Qwen3-Omni's code2wav speaks at 24 kHz, the built-in decoder at 16
+SPEECH_RATE = 24_000 if QWEN3_OMNI else SAMPLE_RATE
 
 
 # -- what flows between the nodes -----------------------------------------------------------
@@ -154,6 +162,11 @@ class Started(Event):
     cached_tokens: int  # prompt tokens whose KV came from the store
     trimmed_turns: int  # oldest turns dropped so that the prompt fits the context
     speak: bool = True  # the speech decoder voices this reply
+    # Qwen3-Omni: what its talker reads of the prompt (a ThinkerContext), the voice and the
+    # talker's sampling fields
+    context: Any = None
+    voice: str | None = None
+    talker: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -162,11 +175,12 @@ class Token(Event):
 
     id: int
     text: str = ""
+    embed: Any = None  # Qwen3-Omni: the token's thinker embedding, which the talker reads
 
 
 @dataclass(frozen=True)
 class AudioChunk(Event):
-    """Samples (float32, mono, `SAMPLE_RATE`) of a few tokens, in order."""
+    """Samples (float32, mono, `SPEECH_RATE`) of a few tokens, in order."""
 
     samples: np.ndarray
 
@@ -260,19 +274,22 @@ class Dialogue:
         self.engine.check_length(Prompt(turn.text))  # a text too long: refused untokenized
         session = self._session((turn.salt, turn.session))
         if self.templated:
-            if (heard + seen).segments:
+            media = (heard + seen).segments
+            if media and not QWEN3_OMNI:
                 raise ValueError(f"{self.engine.model_id} is a text model: its chat template "
                                  "takes no audio or image")
             message: list = []
-            session.messages.append({"role": "user", "content": turn.text})
-            trimmed, ids = await self._fit_template(session, turn.max_tokens)
-            prompt = Prompt(Text(ids))
+            session.messages.append({"role": "user", "content": _content(turn.text, media)
+                                     if QWEN3_OMNI else turn.text})
+            trimmed, prompt = await self._fit_template(session, turn.max_tokens)
         else:
             message = self._message(turn.text, heard + seen, first=not session.turns)
             trimmed = self._fit(session, message, turn.max_tokens)
             prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
                              *message])
         tokens = self.engine.prepare(prompt)
+        context = (await trio.to_thread.run_sync(thinker_context, self.engine, tokens)
+                   if QWEN3_OMNI else None)
         before = self._kv_counters()
         number = session.turns + 1
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
@@ -285,12 +302,12 @@ class Dialogue:
             async for token_id in stream:
                 if not reply:  # the prefill is done: how much of the prompt came from the store
                     yield Started(turn.session, number, len(tokens), stream.cached_tokens,
-                                  trimmed)
+                                  trimmed, context=context, talker=GREEDY_TALKER)
                 reply.append(token_id)
-                yield Token(token_id)
+                yield Token(token_id, embed=_embedding(self.engine, token_id))
         if not reply:
             yield Started(turn.session, number, len(tokens), stream.result.cached_tokens,
-                          trimmed)
+                          trimmed, context=context, talker=GREEDY_TALKER)
         # The reply goes into the history as the generated ids, not as re-tokenized text:
         # the next turn's prompt then has exactly the tokens whose pages were just stored.
         # (With a chat template the history is text the template renders anew each turn:
@@ -336,20 +353,21 @@ class Dialogue:
         return trimmed
 
 
-    async def _fit_template(self, session: _Session, max_tokens: int) -> tuple[int, list[int]]:
+    async def _fit_template(self, session: _Session, max_tokens: int) -> tuple[int, Prompt]:
         """Drop the session's oldest exchanges until its rendered conversation and the reply
-        fit the context; how many, and the prompt's ids (rendered in a worker thread)."""
+        fit the context; how many, and the prompt (rendered in a worker thread)."""
         limit, trimmed = self.engine.config.max_position_embeddings, 0
         while True:
-            ids = await trio.to_thread.run_sync(self.engine.chat_prompt, session.messages)
-            if len(ids) + max_tokens <= limit or len(session.messages) <= 1:
+            prompt, size = await trio.to_thread.run_sync(_render, self.engine,
+                                                         session.messages)
+            if size + max_tokens <= limit or len(session.messages) <= 1:
                 break
             del session.messages[:2]  # the oldest user message and its reply
             trimmed += 1
-        if len(ids) + max_tokens > limit:
-            raise ValueError(f"the message ({len(ids)} tokens) and max_tokens={max_tokens} "
+        if size + max_tokens > limit:
+            raise ValueError(f"the message ({size} tokens) and max_tokens={max_tokens} "
                              f"do not fit the model's context of {limit} tokens")
-        return trimmed, ids
+        return trimmed, prompt
 
     def _kv_counters(self) -> dict[str, int]:
         if self.store is None:
@@ -374,6 +392,27 @@ def _engine(model: str, seed: int) -> TorchEngine:
     return engine
 
 
+def _render(engine: TorchEngine, messages: list[dict]) -> tuple[Prompt, int]:
+    """The conversation through the checkpoint's chat template: the prompt and its tokens
+    (images and audio in place, with a Qwen3-Omni checkpoint)."""
+    rendered = engine.chat_prompt(messages)
+    if isinstance(rendered, Prompt):
+        return rendered, len(engine.prepare(rendered))
+    return Prompt(Text(rendered)), len(rendered)
+
+
+def _content(text: str, media: tuple) -> list[dict]:
+    """A user message's parts as a Qwen3-Omni chat template takes them: media, then text."""
+    parts = [{"type": "image", "image": m} if isinstance(m, Image) else
+             {"type": "audio", "audio": m} for m in media]
+    return [*parts, {"type": "text", "text": text}]
+
+
+def _embedding(engine: TorchEngine, token_id: int) -> Any:
+    """A reply token's thinker embedding, for Qwen3-Omni's talker (None otherwise)."""
+    return reply_embeddings(engine, [token_id])[0] if QWEN3_OMNI else None
+
+
 def _count(segments: list) -> int:
     """Tokens of prompt segments whose text is token ids."""
     return sum(len(s.content) if isinstance(s, Text) else s.num_positions for s in segments)
@@ -384,11 +423,17 @@ class Speech:
     """The speech decoder: passes the LLM's events on and adds an `AudioChunk` after every
     `tokens_per_chunk` tokens (and after the last ones)."""
 
-    def __init__(self, tokens_per_chunk: int = TOKENS_PER_CHUNK, seed: int = 0):
+    def __init__(self, tokens_per_chunk: int = TOKENS_PER_CHUNK, model: str = MODEL,
+                 seed: int = 0):
+        self.talker = Talker.from_pretrained(model) if QWEN3_OMNI else None
         self.decoder = SpeechDecoder(CONFIG.vocab_size, sample_rate=SAMPLE_RATE, seed=seed)
         self.tokens_per_chunk = tokens_per_chunk
 
     async def __call__(self, reply: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        if self.talker is not None:
+            async for event in self._talk(reply):
+                yield event
+            return
         pending: list[int] = []
         speak = True
         async for event in reply:
@@ -408,6 +453,36 @@ class Speech:
         samples = await trio.to_thread.run_sync(self.decoder.decode_chunk, token_ids)
         return AudioChunk(samples)
 
+    async def _talk(self, reply: AsyncIterator[Event]) -> AsyncIterator[Event]:
+        """Qwen3-Omni's talker: it reads the thinker's prompt (`Started.context`) and each
+        token as it comes, and speaks two tokens behind the text."""
+        assert self.talker is not None
+        session = None
+        async for event in reply:
+            if isinstance(event, Started) and event.speak and event.context is not None:
+                sampling = _talker_sampling(event.talker or {})
+                session = self.talker.session(event.context, voice=event.voice,
+                                              sampling=sampling)
+            chunks = []
+            if isinstance(event, Finished) and session is not None:
+                chunks = await session.finish()
+            for samples in chunks:
+                yield AudioChunk(samples)
+            yield event
+            if isinstance(event, Token) and session is not None:
+                for samples in await session.feed(event.id, event.embed):
+                    yield AudioChunk(samples)
+
+
+def _talker_sampling(fields: dict) -> SamplingParams:
+    """The talker's sampling: the request's fields over transformers' defaults, at most the
+    talker's context in codec tokens."""
+    params = talker_params(**fields)
+    if params.max_new_tokens is None or params.max_new_tokens > MAX_TALKER_TOKENS:
+        raise ValueError(f"stages.talker.max_new_tokens must be at most {MAX_TALKER_TOKENS}, "
+                         f"got {params.max_new_tokens}")
+    return params
+
 
 @omni.node
 async def write_reply(turn: Turn, spoken: AsyncIterator[Event]) -> dict:
@@ -419,7 +494,7 @@ async def write_reply(turn: Turn, spoken: AsyncIterator[Event]) -> dict:
             now = time.perf_counter() - turn.started
             if isinstance(event, Started):
                 started = event
-                writer = WavWriter(_wav_path(turn, event.turn), SAMPLE_RATE)
+                writer = WavWriter(_wav_path(turn, event.turn), SPEECH_RATE)
             elif isinstance(event, Token) and ttft is None:
                 ttft = now
             elif isinstance(event, AudioChunk):
@@ -490,6 +565,11 @@ class Chat:
                 yield Finished(sample.text or "", tuple(sample.token_ids),
                                sample.finish_reason, {}, index=i)
             return
+        context = None
+        if request.audio and QWEN3_OMNI:  # what the talker reads of the prompt
+            tokens = self.engine.prepare(prompt)
+            context = await trio.to_thread.run_sync(thinker_context, self.engine, tokens)
+        talker = (request.stages or {}).get("talker")
         stream = self.engine.stream(prompt, params, cache_salt=request.cache_salt)
         deltas, started = _Deltas(self.tokenizer, params.stop), False
         async with contextlib.aclosing(stream):
@@ -497,12 +577,15 @@ class Chat:
                 if not started:
                     started = True
                     yield Started("", 0, stream.prompt_tokens, stream.cached_tokens, 0,
-                                  speak=request.audio)
-                yield Token(token_id, deltas.add(token_id))
+                                  speak=request.audio, context=context,
+                                  voice=request.voice, talker=talker)
+                yield Token(token_id, deltas.add(token_id),
+                            _embedding(self.engine, token_id) if context else None)
         result = stream.result
         if not started:
             yield Started("", 0, result.prompt_tokens, result.cached_tokens, 0,
-                          speak=request.audio)
+                          speak=request.audio, context=context, voice=request.voice,
+                          talker=talker)
         yield Finished(result.text or "", tuple(result.token_ids), result.finish_reason, {})
 
     async def _prompt(self, messages: tuple[ChatMessage, ...]) -> tuple[Prompt, int]:
@@ -515,11 +598,14 @@ class Chat:
         too long for its context from its length and tokenizes a long one off the loop."""
         if not self.templated:
             return Prompt(self._render(messages)), 0
-        turns = [{"role": m.role, "content": _text_of(m, self.engine.model_id)}
-                 for m in messages]
-        self.engine.check_length(Prompt([Text(t["content"]) for t in turns]))
-        ids = await trio.to_thread.run_sync(self.engine.chat_prompt, turns)
-        return Prompt(Text(ids)), len(ids)
+        if QWEN3_OMNI:  # text, images and audio, in place
+            turns = [{"role": m.role, "content": _parts(m)} for m in messages]
+            self.engine.check_length(Prompt([_segment(p) for m in messages for p in m.parts]))
+        else:
+            turns = [{"role": m.role, "content": _text_of(m, self.engine.model_id)}
+                     for m in messages]
+            self.engine.check_length(Prompt([Text(t["content"]) for t in turns]))
+        return await trio.to_thread.run_sync(_render, self.engine, turns)
 
     def _render(self, messages: tuple[ChatMessage, ...]) -> list:
         """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them (each
@@ -554,6 +640,17 @@ def _text_of(message: ChatMessage, model: str) -> str:
     return "".join(message.parts)
 
 
+def _parts(message: ChatMessage) -> list[dict]:
+    """A message's parts as a Qwen3-Omni chat template takes them."""
+    parts = []
+    for part in message.parts:
+        segment = _segment(part)
+        kind = ("image" if isinstance(segment, Image) else "audio"
+                if isinstance(segment, Audio) else "text")
+        parts.append({"type": kind, kind: part if kind == "text" else segment})
+    return parts
+
+
 def _segment(part: object) -> object:
     """A message part as a prompt segment; ValueError for audio the encoder cannot take."""
     if isinstance(part, ImagePart):
@@ -574,7 +671,7 @@ async def to_openai(spoken: AsyncIterator[Event]) -> AsyncIterator[object]:
         if isinstance(event, Started):
             yield ChatStart(event.prompt_tokens, event.cached_tokens)
         elif isinstance(event, AudioChunk):
-            yield ChatAudio(event.samples, SAMPLE_RATE)
+            yield ChatAudio(event.samples, SPEECH_RATE)
         elif isinstance(event, Token) and event.text:
             sent[0] = sent.get(0, 0) + len(event.text)
             yield ChatText(event.text)

@@ -226,7 +226,7 @@ def hf_model(directory: Path) -> Any:
 
 def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any],
               audio: list[Any], thinker_tokens: int, talker_tokens: int,
-              talker_min_tokens: int) -> tuple[list[int], torch.Tensor]:
+              talker_min_tokens: int, speaker: str = "Ethan") -> tuple[list[int], torch.Tensor]:
     """transformers' `generate(return_audio=True)`, greedy thinker (EOS: <|im_end|>) and
     talker: (the reply's ids, the waveform [S])."""
     text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -242,5 +242,5 @@ def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images
             **inputs, return_audio=True, thinker_do_sample=False,
             thinker_max_new_tokens=thinker_tokens, thinker_eos_token_id=ID["<|im_end|>"],
             talker_do_sample=False, talker_max_new_tokens=talker_tokens,
-            talker_min_new_tokens=talker_min_tokens)
+            talker_min_new_tokens=talker_min_tokens, speaker=speaker)
     return sequences[0, inputs["input_ids"].shape[1]:].tolist(), wav.reshape(-1)

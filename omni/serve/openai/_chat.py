@@ -102,7 +102,8 @@ class _Reply:
                        else np.zeros(0, np.float32))
             data = (_audio.wav_bytes(samples, choice.sample_rate or 16_000)
                     if self.audio_format == "wav" else _audio.pcm16(samples))
-            message["content"] = None  # OpenAI: a spoken reply's text is its transcript
+            # the text stays in content too (OpenAI leaves it null: a client reading content
+            # still gets the reply), and is the audio's transcript
             message["audio"] = {"id": _audio.audio_id(), "data": _audio.b64(data),
                                 "expires_at": _audio.expires_at(), "transcript": text}
         return {"index": index, "message": message, "logprobs": None,

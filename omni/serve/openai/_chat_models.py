@@ -57,7 +57,8 @@ class StreamOptions(_Strict):
 
 
 class AudioOptions(_Strict):
-    """The spoken reply: `voice` is accepted (the example's speech decoder has one voice);
+    """The spoken reply: `voice` names the speaker (a Qwen3-Omni checkpoint's; the built-in
+    speech decoder has one voice and takes any name);
     `format` is "wav" (a whole reply) or "pcm16" (raw 16-bit samples); a stream always
     sends PCM16 chunks."""
 
@@ -77,10 +78,24 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchema | None = None
 
 
+class StageSampling(_Strict):
+    """One later stage's sampling (a talker's), in SGLang's `SamplingParams` names."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    seed: int | None = None
+
+
 class ChatCompletionRequest(_Strict):
     """The fields Omni serves: OpenAI's, plus SGLang's ``top_k``, ``min_p`` and
-    ``repetition_penalty`` and vLLM's ``cache_salt`` (as ``extra_body`` from the official
-    client)."""
+    ``repetition_penalty``, vLLM's ``cache_salt`` and, per later stage, its own sampling
+    (``stages: {"talker": {...}}``; the request's own fields are the first stage's) (as
+    ``extra_body`` from the official client)."""
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -104,3 +119,4 @@ class ChatCompletionRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
+    stages: dict[Literal["talker"], StageSampling] | None = None

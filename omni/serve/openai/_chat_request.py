@@ -74,8 +74,33 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy, tenant: 
     given = given_sampling(body)
     if policy.json_whitespace == "compact" and "json_schema" in given:
         given["ebnf"] = await _compact_json(given.pop("json_schema"))
+    stages = {name: _stage_sampling(name, fields) for name, fields in (body.stages or {}).items()}
     return ChatRequest(body.model, messages, sampling_params(given), audio,
-                       cache_salt(tenant, body.cache_salt or ""), given)
+                       cache_salt(tenant, body.cache_salt or ""), given,
+                       voice=_voice(body) if audio else None, stages=stages)
+
+
+def _voice(body: ChatCompletionRequest) -> str | None:
+    """The voice's name (OpenAI's {"id": ...} form too)."""
+    voice = body.audio.voice if body.audio is not None else None
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    return voice if isinstance(voice, str) else None
+
+
+def _stage_sampling(name: str, fields: Any) -> dict[str, Any]:
+    """A later stage's sampling fields, checked as `SamplingParams` checks them (`ApiError`
+    400 naming the field)."""
+    from omni.compute.sampling_params import SamplingParams
+
+    given = {("sampling_seed" if k == "seed" else k): v
+             for k, v in fields.model_dump(exclude_none=True).items()}
+    try:
+        SamplingParams(**given)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise ApiError(400, f"stages.{name}: {exc}", param=f"stages.{name}.{field}") from None
+    return given
 
 
 def given_sampling(body: ChatCompletionRequest) -> dict[str, Any]:

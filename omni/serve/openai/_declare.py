@@ -106,6 +106,9 @@ class ChatRequest:
     # the SamplingParams fields the client set itself (`params` lays them over SGLang's
     # defaults; `params_over` over the model's own)
     sampling: Any = None
+    voice: str | None = None  # the spoken reply's voice (audio.voice)
+    # later stages' sampling fields, by stage ("talker"), as the client set them
+    stages: Any = None
 
     def params_over(self, defaults: Any) -> Any:
         """The request's sampling laid over `defaults` (a model's `SamplingParams`, e.g. its

@@ -3,6 +3,7 @@ built from their config and given the checkpoint's tensors."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,22 @@ import torch
 
 from omni.compute.models._safetensors import read_tensors
 
-__all__ = ["load_module"]
+__all__ = ["load_config", "load_module"]
+
+
+def load_config(root: Path) -> Any:
+    """transformers' `Qwen3OmniMoeConfig` of a checkpoint directory, read without its
+    warning that M-RoPE's keys (`mrope_section`, `interleaved`) are not those of a default
+    RoPE: its own rotary embeddings read them."""
+    from transformers import Qwen3OmniMoeConfig
+
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    level = rope_log.level
+    rope_log.setLevel(logging.ERROR)
+    try:
+        return Qwen3OmniMoeConfig.from_pretrained(root)
+    finally:
+        rope_log.setLevel(level)
 
 
 def load_module(cls: Any, config: Any, root: Path, prefix: str, dtype: torch.dtype,

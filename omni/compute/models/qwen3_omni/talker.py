@@ -34,7 +34,7 @@ from torch import Tensor
 from omni.compute.models._safetensors import read_json, read_tensors
 from omni.compute.models.config import qwen3_omni_part
 from omni.compute.models.loader import load_decoder
-from omni.compute.models.qwen3_omni._modules import load_module
+from omni.compute.models.qwen3_omni._modules import load_config, load_module
 from omni.compute.models.qwen3_omni.thinker import MediaLayout, mrope_positions
 from omni.compute.sampling import (
     RequestSamplingState,
@@ -112,12 +112,11 @@ class Qwen3OmniTalker:
 
     def __init__(self, root: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
-        from transformers import Qwen3OmniMoeConfig
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
         root = Path(root)
         hf_json = read_json(root / "config.json")
-        config = Qwen3OmniMoeConfig.from_pretrained(root)
+        config = load_config(root)
         self.config, self.talker_hf = config, config.talker_config
         self.dtype, self.device = dtype, torch.device(device)
         self.decoder_config = qwen3_omni_part(hf_json, "talker")

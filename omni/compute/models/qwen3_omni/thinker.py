@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from omni.compute.encoders import Encoded
-from omni.compute.models.qwen3_omni._modules import load_module
+from omni.compute.models.qwen3_omni._modules import load_config, load_module
 from omni.compute.prompt import Audio, Image, PromptTokens
 
 __all__ = ["MediaLayout", "Qwen3OmniMedia", "mrope_positions"]
@@ -46,7 +46,6 @@ class Qwen3OmniMedia:
                  device: str | torch.device = "cpu"):
         from transformers import (
             Qwen2VLImageProcessorPil,
-            Qwen3OmniMoeConfig,
             WhisperFeatureExtractor,
         )
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
@@ -55,7 +54,7 @@ class Qwen3OmniMedia:
         if not (root / "preprocessor_config.json").is_file():
             raise FileNotFoundError(f"no preprocessor_config.json in {root}: a Qwen3-Omni "
                                     "checkpoint needs its image processor and feature extractor")
-        whole = Qwen3OmniMoeConfig.from_pretrained(root)
+        whole = load_config(root)
         config = self.config = whole.thinker_config
         # what the talker reads of the thinker (`omni.compute.talker.thinker_context`)
         self.accept_hidden_layer = int(whole.talker_config.accept_hidden_layer)
