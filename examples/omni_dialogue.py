@@ -46,9 +46,13 @@ tokenizer.json) it is that model, loaded with `TorchEngine.from_pretrained`, in 
 the CPU; the prompt is then a plain "User: ... Assistant:" transcript, not the model's chat
 template. The speech decoder stays the built-in, untrained
 `omni.compute.speech.SpeechDecoder` either way: it makes one tone per token, not words; a
-real vocoder takes its place through the same `decode_chunk` method. The model is chosen per
-process, because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
-before any request runs.
+real vocoder takes its place through the same `decode_chunk` method. With a Qwen3-Omni folder
+as ``OMNI_MODEL`` the LLM is its thinker (audio and images through the checkpoint's own
+encoders, rendered by its chat template) and `Speech` is its talker and code2wav
+(`omni.compute.talker`): `Dialogue`/`Chat` send the thinker's prompt context with `Started`
+and each token's embedding with `Token`, and 24 kHz speech follows the text two tokens
+behind. The model is chosen per process, because `omni run` builds the KV store from
+`KV_LAYOUT`, the model's page layout, before any request runs.
 
 The file's second graph, `chat`, serves the same LLM and speech decoder to chat clients:
 ``omni serve examples/omni_dialogue.py`` answers ``POST /v1/chat/completions`` with it

@@ -16,12 +16,12 @@ from omni.compute.models._linear import (
 from omni.compute.models.config import SUPPORTED_ARCHITECTURES, DecoderConfig, RopeScaling
 from omni.compute.models.llama import DecoderLM, KVList
 from omni.compute.models.loader import (
-    load_media,
     load_pretrained,
     save_pretrained,
     tiny_config,
     tiny_model,
 )
+from omni.compute.models.media import load_media
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES", "DecoderConfig", "DecoderLM", "KVList", "RopeScaling",

@@ -25,10 +25,10 @@ from omni.compute.models._safetensors import (
     under,
     weight_files,
 )
-from omni.compute.models.config import DecoderConfig, is_qwen3_omni, weights_prefix
+from omni.compute.models.config import DecoderConfig, weights_prefix
 from omni.compute.models.llama import DecoderLM, rope_inv_freq
 
-__all__ = ["load_decoder", "load_media", "load_pretrained", "save_pretrained", "tiny_config",
+__all__ = ["load_decoder", "load_pretrained", "save_pretrained", "tiny_config",
            "tiny_model"]
 
 _MAX_NAMED = 5  # names listed per kind of problem in an error message
@@ -75,18 +75,6 @@ def load_decoder(path: str | Path, config: DecoderConfig, prefix: str = "",
     tensors = read_named(files, dtype, torch.device(device), prefix)
     return _build(config, {stored.get(n, n): t for n, t in tensors.items()},
                   torch.device(device))
-
-
-def load_media(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> Any:
-    """The media encoders of a checkpoint directory that has its own (Qwen3-Omni: a
-    `Qwen3OmniMedia`), else None (the engine's built-in ones serve)."""
-    root = Path(path)
-    if not is_qwen3_omni(read_json(root / "config.json")):
-        return None
-    from omni.compute.models.qwen3_omni import Qwen3OmniMedia
-
-    return Qwen3OmniMedia(root, dtype, device)
 
 
 def save_pretrained(model: DecoderLM, config: DecoderConfig, path: str | Path) -> None:
