@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
               "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window",
-              "cpu_linear")
+              "cpu_linear", "omni_model")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -582,7 +582,33 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
           lambda k: _other_backends(k.c),
           headline=False),
+    Known("omni_model", "first_audio",
+          lambda k: (f"Qwen3-Omni, time to first audio (text + image + audio in, speech out; "
+                     f"tiny random checkpoint, {_omni_size(k)}), greedy, equal output"),
+          lambda k: f"≥ {k.c['target']:g}× sooner than transformers",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['ours_ms']))} ms)",
+          lambda k: (f"transformers {k.d['env']['transformers']} `generate(return_audio=True)`: "
+                     f"{fig(med(k.c['theirs_ms']))} ms")),
+    Known("omni_model", "turn_ttft",
+          lambda k: (f"Qwen3-Omni, time to first token of turns 2–{len(k.d['turns']) + 1} "
+                     f"(turn 1 with image and audio) vs transformers recomputing the "
+                     f"conversation"),
+          lambda k: f"speedup ≥ {k.c['target']:g}× the ideal FLOP ratio, lowest turn",
+          lambda k: f"{x(k.c['lowest_efficiency'])} of ideal",
+          lambda k: "; ".join(f"turn {t['turn']}: {x(t['speedup'])} vs "
+                              f"{x(t['ideal_flop_ratio'])} ideal" for t in k.d["turns"])),
+    Known("omni_model", "decode",
+          lambda k: "Qwen3-Omni thinker decode tokens/s vs transformers' `generate`",
+          lambda k: f"≥ {k.c['target']:g}× transformers",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['ours_tokens_per_s']))} tokens/s)",
+          lambda k: f"transformers: {fig(med(k.c['theirs_tokens_per_s']))} tokens/s"),
 )
+
+
+def _omni_size(k: Ctx) -> str:
+    p = k.d["parameters"]
+    return (f"{p['thinker'] / 1e6:.1f} M-parameter thinker, {p['talker'] / 1e6:.1f} M talker, "
+            f"{k.d['params']['repeats']} paired rounds")
 
 _BACKENDS = {"mkl_packed": "MKL, packed weights", "onednn": "oneDNN", "mkl": "MKL"}
 

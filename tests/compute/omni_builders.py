@@ -91,18 +91,21 @@ def save_processor(directory: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def omni_config(vocab_size: int) -> Any:
+def omni_config(vocab_size: int, hidden: int = 32, layers: int = 2) -> Any:
+    """The tiny config (`hidden` and `layers` of the thinker's and the talker's decoders:
+    larger for a benchmark)."""
     from transformers import Qwen3OmniMoeConfig
 
-    hidden, heads, head_dim = 32, 4, 8
-    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+    heads, head_dim = 4, hidden // 4
+    quarter = head_dim // 8  # M-RoPE: half the rotary frequencies temporal, a quarter each
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "interleaved": True,
+            "mrope_section": [head_dim // 2 - 2 * quarter, quarter, quarter]}
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2,
            "norm_topk_prob": True, "decoder_sparse_step": 1}
-    text = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": 2,
-            "head_dim": head_dim, "max_position_embeddings": 512, "initializer_range": 0.1,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [2, 1, 1], "interleaved": True},
-            **moe}
+    text = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 2, "head_dim": head_dim, "max_position_embeddings": 2048,
+            "initializer_range": 0.1, "rope_parameters": rope, **moe}
     thinker = {
         "text_config": text,
         "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
@@ -120,13 +123,11 @@ def omni_config(vocab_size: int) -> Any:
     }
     talker = {
         "text_config": {"vocab_size": TALKER_VOCAB, "hidden_size": hidden,
-                        "intermediate_size": 64, "num_hidden_layers": 2,
+                        "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
                         "num_attention_heads": heads, "num_key_value_heads": 2,
-                        "head_dim": head_dim, "max_position_embeddings": 1024,
-                        "shared_expert_intermediate_size": 32, "initializer_range": 0.1,
-                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                            "mrope_section": [2, 1, 1], "interleaved": True},
-                        **moe},
+                        "head_dim": head_dim, "max_position_embeddings": 4096,
+                        "shared_expert_intermediate_size": hidden, "initializer_range": 0.1,
+                        "rope_parameters": rope, **moe},
         "code_predictor_config": {"vocab_size": CODEBOOK, "hidden_size": hidden,
                                   "intermediate_size": 64, "num_hidden_layers": 1,
                                   "num_attention_heads": heads, "num_key_value_heads": 2,
@@ -150,12 +151,13 @@ def omni_config(vocab_size: int) -> Any:
         assistant_token_id=-1)
 
 
-def save_omni_checkpoint(directory: Path, seed: int = 0) -> Path:
+def save_omni_checkpoint(directory: Path, seed: int = 0, hidden: int = 32,
+                         layers: int = 2) -> Path:
     """A tiny random Qwen3-Omni (about 0.5 M parameters) and its processor in `directory`."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     tokenizer = save_processor(directory)
-    config = omni_config(len(tokenizer))
+    config = omni_config(len(tokenizer), hidden, layers)
     roles = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(role)
              for role in ("system", "user", "assistant")}
     for key, value in roles.items():

@@ -165,3 +165,23 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(
         assert turns["baseline"]["median"] > 0 and turns["error"] is None
         assert turns["ratio"] == pytest.approx(
             turns["measured"]["median"] / turns["baseline"]["median"], abs=0.01)
+
+
+def test_omni_model_benchmark_quick_mode_compares_with_transformers(tmp_path, monkeypatch,
+                                                                    capsys):
+    """perf/omni_model.py --quick reports time to first audio, later turns' TTFT against the
+    ideal FLOP ratio and thinker decode tokens/s, each against transformers in the same run,
+    with equal tokens and audio; a quick run (1 round) reports, never passes."""
+    report = run_quick("omni_model.py", tmp_path, monkeypatch, capsys)
+    assert report["tokens_equal"] is True and report["audio_max_abs_diff"] <= 1e-4
+    audio = report["first_audio"]
+    assert audio["ours_ms"]["median"] > 0 and audio["theirs_ms"]["median"] > 0
+    assert audio["ratio"] == pytest.approx(audio["theirs_ms"]["median"]
+                                           / audio["ours_ms"]["median"], rel=0.02)
+    turns = report["turns"]
+    assert [t["turn"] for t in turns] == list(range(2, report["params"]["turns"] + 1))
+    assert all(t["cached_tokens"] > 0 and t["ideal_flop_ratio"] > 1 for t in turns)
+    assert report["turn_ttft"]["lowest_efficiency"] == min(t["efficiency"] for t in turns)
+    assert report["decode"]["target"] == 1.0 and report["first_audio"]["target"] == 2.0
+    assert report["claim"]["paired_runs"] == 1 and report["claim"]["all_pass"] is False
+    assert not any(report[k]["pass"] for k in ("first_audio", "turn_ttft", "decode"))
