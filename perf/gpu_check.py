@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU_TEST_FILES = (
     "tests/compute/test_default_store.py",
     "tests/compute/test_engine_cuda.py",
+    "tests/compute/test_qwen3_omni_cuda.py",
     "tests/kv/test_store_cuda.py",
     "tests/kv/tiers/test_arena.py",
     "tests/kv/tiers/test_memory.py",

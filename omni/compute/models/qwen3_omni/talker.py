@@ -179,7 +179,7 @@ class Qwen3OmniTalker:
         text_part = torch.cat([assistant[:3], pad.expand(4, -1), bos[None], assistant[3:4]])
         codec_part = torch.cat([torch.zeros_like(codec[:3]), codec])
         embeds = torch.cat([user_embeds, text_part + codec_part])
-        positions = self._positions(context, user, len(embeds))
+        positions = self._positions(context, user, len(embeds)).to(self.device)
         return TalkerPrompt(embeds, positions, first, pad, eos, lambda embed: (
             self.text_projection(embed.to(self.device, self.dtype))))
 
@@ -366,6 +366,7 @@ class Code2WavStream:
     def __init__(self, code2wav: Any, first: int = 1):
         self.code2wav, self.first = code2wav, first
         self.upsample = int(code2wav.total_upsample)
+        self.device = next(code2wav.parameters()).device
         self.frames: list[list[int]] = []
         self.chunk_start = 0  # the first frame of the current chunk
         self.sent = 0  # samples of the current chunk sent
@@ -392,7 +393,8 @@ class Code2WavStream:
     @torch.inference_mode()
     def _decode(self) -> np.ndarray:
         context = min(LEFT_CONTEXT, self.chunk_start)
-        codes = torch.tensor(self.frames[self.chunk_start - context:]).T[None]
+        codes = torch.tensor(self.frames[self.chunk_start - context:],
+                             device=self.device).T[None]
         wav = self.code2wav(codes)[0, 0, context * self.upsample:].float().cpu().numpy()
         out, self.sent = wav[self.sent:], len(wav)
         return out
