@@ -25,26 +25,35 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from omni._openmp import run_in_worker
+from omni.compute._batch import BatchKV
 from omni.compute.engine import TorchEngine
 from omni.compute.models.qwen3_omni import (
-    Code2WavStream,
+    CHUNK,
+    LEFT_CONTEXT,
+    SAMPLE_RATE,
+    SUPPRESSED,
     Qwen3OmniMedia,
     Qwen3OmniTalker,
-    TalkerRun,
+    TalkerPrompt,
     ThinkerContext,
-    talker_params,
 )
-from omni.compute.models.qwen3_omni.talker import SAMPLE_RATE
 from omni.compute.prompt import PromptTokens
-from omni.compute.sampling import SamplingParams
+from omni.compute.sampling import (
+    RequestSamplingState,
+    SamplingParams,
+    TokenSampler,
+    TokenSamplingState,
+)
 
-__all__ = ["SAMPLE_RATE", "Speech", "SpeechSession", "Talker", "ThinkerContext",
-           "reply_embeddings", "talker_params", "thinker_context"]
+__all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerRun",
+           "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
 
 
 def _omni_media(engine: TorchEngine) -> Qwen3OmniMedia:
@@ -76,6 +85,189 @@ def thinker_context(engine: TorchEngine, tokens: PromptTokens) -> ThinkerContext
 def reply_embeddings(engine: TorchEngine, token_ids: list[int]) -> torch.Tensor:
     """The thinker's input embeddings [n, E] of reply tokens (what the talker adds per step)."""
     return engine.runner.model.embed(torch.tensor(token_ids, device=engine.device)).cpu()
+
+
+def talker_params(**fields: Any) -> SamplingParams:
+    """The talker's sampling: transformers' defaults of `generate(return_audio=True)`
+    (temperature 0.9, top-k 50, repetition penalty 1.05 over the codec tokens so far, at
+    most 4,096 codec tokens) with `fields` (SGLang's `SamplingParams` names) over them."""
+    defaults = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
+                "max_new_tokens": 4096}
+    return SamplingParams(**{**defaults, **fields})
+
+
+class _SuppressControls:
+    """transformers suppresses the talker's top 1,024 ids (its control codes) but codec EOS
+    (a logit processor, in SGLang's terms)."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    def __call__(self, logits: Tensor, custom_param_list: list[Any]) -> Tensor:
+        keep = logits[:, self.eos].clone()
+        logits[:, max(0, logits.shape[-1] - SUPPRESSED):] = float("-inf")
+        logits[:, self.eos] = keep
+        return logits
+
+
+
+class TalkerRun:
+    """One reply being spoken, step by step: each step turns the current codec token into a
+    frame (its residual codes from the code predictor) and feeds the frame, plus the reply's
+    next projected token, back to the talker for the next codec token.
+
+    Step k adds reply token k + 1 (`<tts_text_eod>` in place of the reply's last token,
+    `<tts_pad>` after it), so it can run once the thinker has given token k + 2 or ended:
+    `feed` the reply's tokens after the first as they come, `end` when it is complete, and
+    call `step` while `ready`.
+    """
+
+    def __init__(self, talker: Qwen3OmniTalker, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
+                 sampling: SamplingParams):
+        self.talker, self.prompt, self.sampling = talker, prompt, sampling
+        self.eos_ids = frozenset(eos_ids)
+        codec_eos = int(talker.talker_hf.codec_eos_token_id)
+        self.max_new_tokens = (sampling.max_new_tokens
+                               or talker.decoder_config.max_position_embeddings)
+        self._sampler = TokenSampler()
+        self._state = TokenSamplingState([RequestSamplingState(
+            sampling, eos_token_ids=(codec_eos,), logit_processor=_SuppressControls(codec_eos),
+            vocab_size=talker.decoder_config.vocab_size)])
+        # the code predictor samples when the talker does, as transformers lets it (top-k 50,
+        # top-p 0.8), from a generator of its own
+        predictor = (SamplingParams(temperature=0) if sampling.is_greedy else SamplingParams(
+            top_k=50, top_p=0.8, sampling_seed=None if sampling.sampling_seed is None
+            else sampling.sampling_seed + 1))
+        self._predictor_state = RequestSamplingState(predictor)
+        self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
+        self.embeds: list[Tensor | None] = [None]  # the reply tokens' thinker embeddings
+        self.ended = False
+        self.generated: list[int] = []  # the talker's codec tokens
+        config = talker.decoder_config
+        # the run's KV: one row of a batch buffer, grown by doubling (not a copy per step)
+        self.kv = BatchKV(config.num_layers, config.num_kv_heads, int(config.head_dim or 0), 1,
+                          talker.dtype, talker.device, capacity=len(prompt.embeds) + 64)
+        self.kv.open_row(len(prompt.embeds))
+        with torch.inference_mode():
+            hidden, new_kv = talker.decoder.forward(prompt.embeds[None],
+                                                    prompt.positions[:, None])
+        self.kv.extend(0, new_kv)
+        self.length = len(prompt.embeds)
+        self.offset = int(prompt.positions.max()) + 1 - self.length
+        self.hidden = hidden[:, -1:]
+        self._sample()
+
+    def feed(self, token: int, embed: Tensor) -> None:
+        """The reply's next token (the second on: the first is in the prompt) and its thinker
+        input embedding [E]."""
+        if self.ended:
+            raise RuntimeError("the reply has ended")
+        self.reply.append(int(token))
+        self.embeds.append(embed)
+
+    def end(self) -> None:
+        """The reply is complete."""
+        self.ended = True
+
+    @property
+    def done(self) -> bool:
+        """Whether the talker has stopped (codec EOS, or `max_new_tokens`)."""
+        return (self.generated[-1] == self.talker.talker_hf.codec_eos_token_id
+                or len(self.generated) >= self.max_new_tokens)
+
+    @property
+    def ready(self) -> bool:
+        """Whether `step` can run now (not done, and the reply's text it adds is known)."""
+        return not self.done and self._text(len(self.generated) - 1) is not None
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """The current codec token's frame [Q codes]; the talker then reads it and picks the
+        next codec token. RuntimeError unless `ready`."""
+        k = len(self.generated) - 1
+        text = self._text(k)
+        if self.done or text is None:
+            raise RuntimeError("the talker cannot step now (see TalkerRun.ready)")
+        frame, frame_embed = self.talker.frame(self.hidden, self.generated[-1],
+                                                self._pick_residual)
+        position = torch.full((1, 1), self.length + k + self.offset,
+                              device=self.talker.device)
+        self.hidden, new_kv = self.talker.decoder.forward((frame_embed + text)[None, None],
+                                                          position, self.kv.past())
+        self.kv.append(new_kv)
+        self._sample()
+        return frame
+
+    def _sample(self) -> None:
+        logits = self.talker.decoder.logits(self.hidden[:, -1])  # [1, V]
+        self.generated.append(int(self._sampler.step(logits, self._state)[0]))
+
+    def _pick_residual(self, logits: Tensor) -> int:
+        """A residual code from the code predictor's logits [V] (a fresh one-row batch each
+        time: its penalties, none, need no history)."""
+        state = TokenSamplingState([self._predictor_state])
+        return int(self._sampler.step(logits[None], state)[0])
+
+    def _text(self, j: int) -> Tensor | None:
+        """What step j adds, as transformers lays out `trailing_text_hidden`: the projected
+        reply token j + 1, `<tts_text_eod>` in place of the reply's last token (and at its
+        first end-of-sequence token, should one come earlier), `<tts_pad>` past either; None
+        while unknown (reply token j + 1, and whether it is the last, are not known yet)."""
+        known = len(self.reply)
+        if not self.ended and known < j + 3:
+            return None
+        if self.ended and j >= known - 1:
+            return self.prompt.pad
+        eos_at = next((i for i, t in enumerate(self.reply) if t in self.eos_ids), None)
+        if eos_at is not None and j >= eos_at:
+            return self.prompt.eos if j == eos_at else self.prompt.pad
+        if self.ended and j == known - 2:
+            return self.prompt.eos
+        return self.prompt.project(self.embeds[j + 1])
+
+
+class Code2WavStream:
+    """code2wav as frames arrive: the samples transformers' `chunked_decode` gives (chunks of
+    300 frames, 25 frames of left context), sent early. code2wav is causal, so decoding a
+    chunk's first n frames gives the first samples of decoding all of them; a chunk is
+    decoded again at 1, 2, 4, ... of its frames (and at its end), and each time the samples
+    not sent yet go out (up to float rounding, ~1e-6, the same samples)."""
+
+    def __init__(self, code2wav: Any, first: int = 1):
+        self.code2wav, self.first = code2wav, first
+        self.upsample = int(code2wav.total_upsample)
+        self.device = next(code2wav.parameters()).device
+        self.frames: list[list[int]] = []
+        self.chunk_start = 0  # the first frame of the current chunk
+        self.sent = 0  # samples of the current chunk sent
+        self.next_at = first  # frames of the chunk at which it is decoded next
+
+    def push(self, frame: list[int]) -> np.ndarray:
+        """Take a frame; the samples it makes ready (often none)."""
+        self.frames.append(frame)
+        in_chunk = len(self.frames) - self.chunk_start
+        if in_chunk < self.next_at and in_chunk < CHUNK:
+            return np.zeros(0, np.float32)
+        out = self._decode()
+        self.next_at = min(2 * in_chunk, CHUNK)
+        if in_chunk == CHUNK:  # the next chunk starts, with its left context
+            self.chunk_start, self.sent, self.next_at = len(self.frames), 0, self.first
+        return out
+
+    def finish(self) -> np.ndarray:
+        """The remaining samples (the last frames' tail)."""
+        if len(self.frames) == self.chunk_start:
+            return np.zeros(0, np.float32)
+        return self._decode()
+
+    @torch.inference_mode()
+    def _decode(self) -> np.ndarray:
+        context = min(LEFT_CONTEXT, self.chunk_start)
+        codes = torch.tensor(self.frames[self.chunk_start - context:],
+                             device=self.device).T[None]
+        wav = self.code2wav(codes)[0, 0, context * self.upsample:].float().cpu().numpy()
+        out, self.sent = wav[self.sent:], len(wav)
+        return out
 
 
 @dataclass(frozen=True)
@@ -122,7 +314,7 @@ class SpeechSession:
     def _start(self, token: int, embed: torch.Tensor) -> TalkerRun:
         model = self.talker.model
         prompt = model.prompt(self.context, token, embed, self.voice)
-        return model.start(prompt, self.talker.eos_ids, self.sampling)
+        return TalkerRun(model, prompt, self.talker.eos_ids, self.sampling)
 
     async def _steps(self) -> list[np.ndarray]:
         """Run every talker step the reply so far allows (in a worker thread)."""

@@ -3,14 +3,15 @@ and multimodal positions (`thinker`; its text decoder is a `DecoderLM`, Qwen3-Mo
 M-RoPE), and speech out (`talker`: the talker, its code predictor and code2wav)."""
 
 from omni.compute.models.qwen3_omni.talker import (
-    Code2WavStream,
+    CHUNK,
+    LEFT_CONTEXT,
+    SAMPLE_RATE,
+    SUPPRESSED,
     Qwen3OmniTalker,
     TalkerPrompt,
-    TalkerRun,
     ThinkerContext,
-    talker_params,
 )
 from omni.compute.models.qwen3_omni.thinker import MediaLayout, Qwen3OmniMedia, mrope_positions
 
-__all__ = ["Code2WavStream", "MediaLayout", "Qwen3OmniMedia", "Qwen3OmniTalker", "TalkerPrompt",
-           "TalkerRun", "ThinkerContext", "mrope_positions", "talker_params"]
+__all__ = ["CHUNK", "LEFT_CONTEXT", "SAMPLE_RATE", "SUPPRESSED", "MediaLayout", "Qwen3OmniMedia",
+           "Qwen3OmniTalker", "TalkerPrompt", "ThinkerContext", "mrope_positions"]
