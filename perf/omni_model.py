@@ -53,7 +53,12 @@ from omni.compute import SamplingParams, TorchEngine
 from omni.compute.models import DecoderConfig
 from omni.compute.talker import Talker, talker_params
 from perf._common import benchmark_parser, environment, params_from, write_json
-from tests.compute.omni_builders import hf_model, hf_processor, save_omni_checkpoint
+from tests.compute.omni_builders import (
+    hf_inputs,
+    hf_model,
+    hf_processor,
+    save_omni_checkpoint,
+)
 
 PAIRED_RUNS = 5
 TARGETS = {"first_audio": 2.0, "turn_ttft_efficiency": 0.8, "decode": 1.0}
@@ -112,14 +117,12 @@ def first_message(round_: int) -> dict[str, Any]:
                 {"type": "audio", "audio": AUDIO}, text("What do you hear?"))
 
 
-def hf_inputs(processor: Any, messages: list[dict[str, Any]]) -> Any:
-    rendered = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=False)
-    media = {}
-    if any(p["type"] == "image" for m in messages if isinstance(m["content"], list)
-           for p in m["content"]):
-        media = {"images": [IMAGE], "audio": [AUDIO]}
-    return processor(text=[rendered], return_tensors="pt", **media)
+def their_inputs(processor: Any, messages: list[dict[str, Any]]) -> Any:
+    """The processor's inputs for a conversation (turn 1's image and clip when it has them)."""
+    has_media = any(p["type"] == "image" for m in messages if isinstance(m["content"], list)
+                    for p in m["content"])
+    return hf_inputs(processor, messages, [IMAGE] if has_media else [],
+                     [AUDIO] if has_media else [])
 
 
 class Sides:
@@ -154,7 +157,7 @@ class Sides:
         return float(first or 0.0), tokens, np.concatenate(chunks)
 
     def theirs_audio(self, messages: list[dict[str, Any]]) -> tuple[float, list[int], Any]:
-        inputs = hf_inputs(self.processor, messages)
+        inputs = their_inputs(self.processor, messages)
         started = time.perf_counter()
         with torch.inference_mode():
             sequences, wav = self.hf.generate(
@@ -176,7 +179,7 @@ class Sides:
         return float(ttft or 0.0), result.prompt_tokens, result.cached_tokens, result.text or ""
 
     def theirs_ttft(self, messages: list[dict[str, Any]]) -> float:
-        inputs = hf_inputs(self.processor, messages)
+        inputs = their_inputs(self.processor, messages)
         started = time.perf_counter()
         with torch.inference_mode():
             self.hf.generate(**inputs, return_audio=False, thinker_do_sample=False,
@@ -191,7 +194,7 @@ class Sides:
         return time.perf_counter() - started
 
     def theirs_decode(self, messages: list[dict[str, Any]], new: int) -> float:
-        inputs = hf_inputs(self.processor, messages)
+        inputs = their_inputs(self.processor, messages)
         started = time.perf_counter()
         with torch.inference_mode():
             self.hf.generate(**inputs, return_audio=False, thinker_do_sample=False,

@@ -196,10 +196,9 @@ def hf_processor(directory: Path) -> Any:
     return processor
 
 
-def hf_thinker_tokens(model: Any, processor: Any, messages: list[dict[str, Any]],
-                      images: list[Any], audio: list[Any], max_new_tokens: int) -> list[int]:
-    """transformers: the processor on the rendered conversation and its media, then
-    `generate(return_audio=False)` with a greedy thinker that ignores EOS: the new ids."""
+def hf_inputs(processor: Any, messages: list[dict[str, Any]], images: list[Any],
+              audio: list[Any]) -> Any:
+    """transformers' processor on the rendered conversation and its media."""
     text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                    tokenize=False)
     media: dict[str, Any] = {}
@@ -207,7 +206,14 @@ def hf_thinker_tokens(model: Any, processor: Any, messages: list[dict[str, Any]]
         media["images"] = images
     if audio:
         media["audio"] = audio
-    inputs = processor(text=[text], return_tensors="pt", **media)
+    return processor(text=[text], return_tensors="pt", **media)
+
+
+def hf_thinker_tokens(model: Any, processor: Any, messages: list[dict[str, Any]],
+                      images: list[Any], audio: list[Any], max_new_tokens: int) -> list[int]:
+    """transformers: the processor on the rendered conversation and its media, then
+    `generate(return_audio=False)` with a greedy thinker that ignores EOS: the new ids."""
+    inputs = hf_inputs(processor, messages, images, audio)
     with torch.inference_mode():
         out = model.generate(**inputs, return_audio=False, thinker_do_sample=False,
                              thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=None)
@@ -231,14 +237,7 @@ def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images
               talker_min_tokens: int, speaker: str = "Ethan") -> tuple[list[int], torch.Tensor]:
     """transformers' `generate(return_audio=True)`, greedy thinker (EOS: <|im_end|>) and
     talker: (the reply's ids, the waveform [S])."""
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                   tokenize=False)
-    media: dict[str, Any] = {}
-    if images:
-        media["images"] = images
-    if audio:
-        media["audio"] = audio
-    inputs = processor(text=[text], return_tensors="pt", **media)
+    inputs = hf_inputs(processor, messages, images, audio)
     with torch.inference_mode():
         sequences, wav = model.generate(
             **inputs, return_audio=True, thinker_do_sample=False,
