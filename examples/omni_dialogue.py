@@ -462,20 +462,24 @@ class Speech:
         token as it comes, and speaks two tokens behind the text."""
         assert self.talker is not None
         session = None
-        async for event in reply:
-            if isinstance(event, Started) and event.speak and event.context is not None:
-                sampling = _talker_sampling(event.talker or {})
-                session = self.talker.session(event.context, voice=event.voice,
-                                              sampling=sampling)
-            chunks = []
-            if isinstance(event, Finished) and session is not None:
-                chunks = await session.finish()
-            for samples in chunks:
-                yield AudioChunk(samples)
-            yield event
-            if isinstance(event, Token) and session is not None:
-                for samples in await session.feed(event.id, event.embed):
+        try:
+            async for event in reply:
+                if isinstance(event, Started) and event.speak and event.context is not None:
+                    sampling = _talker_sampling(event.talker or {})
+                    session = self.talker.session(event.context, voice=event.voice,
+                                                  sampling=sampling)
+                chunks = []
+                if isinstance(event, Finished) and session is not None:
+                    chunks = await session.finish()
+                for samples in chunks:
                     yield AudioChunk(samples)
+                yield event
+                if isinstance(event, Token) and session is not None:
+                    for samples in await session.feed(event.id, event.embed):
+                        yield AudioChunk(samples)
+        finally:  # an abandoned reply gives its talker row back
+            if session is not None:
+                session.close()
 
 
 def _talker_sampling(fields: dict) -> SamplingParams:

@@ -116,9 +116,24 @@ class BatchKV:
         self.lengths.pop()
         return moved
 
-    def past(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views ``[B, H, T_max, D]`` per layer over the occupied rows."""
-        b, t = self.size, max(self.lengths)
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two rows (their KV and lengths): a step over the first rows only can
+        then take the rows it needs to the front."""
+        if a == b:
+            return
+        length = max(self.lengths[a], self.lengths[b])
+        for buffers in (self.k, self.v):
+            for buf in buffers:
+                buf[[a, b], :, :length] = buf[[b, a], :, :length]
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+        # each row now holds the other's first `length` positions: finite as far as those were
+        self._clean[a], self._clean[b] = (min(self._clean[b], length),
+                                          min(self._clean[a], length))
+
+    def past(self, rows: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views ``[B, H, T_max, D]`` per layer over the occupied rows (the first `rows`)."""
+        b = self.size if rows is None else rows
+        t = max(self.lengths[:b])
         for row in range(b):
             if self._clean[row] < t:  # garbage this step would read masked: zero it once
                 for buffers in (self.k, self.v):
@@ -127,37 +142,41 @@ class BatchKV:
                 self._clean[row] = t
         return [(k[:b, :, :t], v[:b, :, :t]) for k, v in zip(self.k, self.v, strict=True)]
 
-    def mask(self) -> torch.Tensor | None:
-        """``[B, 1, 1, T_max + 1]`` (True = attend) for one new token per row; None when every
-        row has the same length (plain causal attention is then right)."""
-        if len(set(self.lengths)) <= 1:
+    def mask(self, rows: int | None = None) -> torch.Tensor | None:
+        """``[B, 1, 1, T_max + 1]`` (True = attend) for one new token per row (the first
+        `rows`); None when they all have the same length (plain causal attention is right)."""
+        lengths = self.lengths if rows is None else self.lengths[:rows]
+        if len(set(lengths)) <= 1:
             return None
         device = self.k[0].device
-        t = max(self.lengths)
-        lengths = torch.tensor(self.lengths, device=device)
-        past = torch.arange(t, device=device)[None, :] < lengths[:, None]  # [B, T_max]
-        mask = torch.cat([past, torch.ones(len(self.lengths), 1, dtype=torch.bool,
+        t = max(lengths)
+        lens = torch.tensor(lengths, device=device)
+        past = torch.arange(t, device=device)[None, :] < lens[:, None]  # [B, T_max]
+        mask = torch.cat([past, torch.ones(len(lengths), 1, dtype=torch.bool,
                                            device=device)], dim=1)
         return mask[:, None, None, :]
 
-    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write each row's new token (per layer ``[B, H, 1, D]``) at its length; lengths += 1."""
-        self._ensure(max(self.lengths) + 2)
-        b = self.size
-        if len(set(self.lengths)) == 1:
-            t = self.lengths[0]
+    def append(self, new_kv: list[tuple[torch.Tensor, torch.Tensor]],
+               rows: int | None = None) -> None:
+        """Write each row's new token (per layer ``[B, H, 1, D]``) at its length; lengths += 1
+        (of the first `rows`)."""
+        b = self.size if rows is None else rows
+        self._ensure(max(self.lengths[:b]) + 2)
+        lengths = self.lengths[:b]
+        if len(set(lengths)) == 1:
+            t = lengths[0]
             for layer, (k, v) in enumerate(new_kv):
                 self.k[layer][:b, :, t] = k[:, :, 0]
                 self.v[layer][:b, :, t] = v[:, :, 0]
         else:
-            rows = torch.arange(b, device=self.k[0].device)
-            cols = torch.tensor(self.lengths, device=self.k[0].device)
+            index = torch.arange(b, device=self.k[0].device)
+            cols = torch.tensor(lengths, device=self.k[0].device)
             for layer, (k, v) in enumerate(new_kv):
-                self.k[layer][rows, :, cols] = k[:, :, 0]
-                self.v[layer][rows, :, cols] = v[:, :, 0]
-        self.lengths = [n + 1 for n in self.lengths]
-        for row, n in enumerate(self.lengths):
-            self._clean[row] = max(self._clean[row], n)
+                self.k[layer][index, :, cols] = k[:, :, 0]
+                self.v[layer][index, :, cols] = v[:, :, 0]
+        for row in range(b):
+            self.lengths[row] += 1
+            self._clean[row] = max(self._clean[row], self.lengths[row])
 
     def row_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A row's KV for positions ``[start, end)``, per layer ``[1, H, end - start, D]``."""

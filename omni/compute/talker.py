@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import trio
 from torch import Tensor
 
 from omni._openmp import run_in_worker
@@ -52,8 +53,8 @@ from omni.compute.sampling import (
     TokenSamplingState,
 )
 
-__all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerRun",
-           "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
+__all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerBatch",
+           "TalkerRun", "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
 
 
 def _omni_media(engine: TorchEngine) -> Qwen3OmniMedia:
@@ -112,14 +113,15 @@ class _SuppressControls:
 
 
 class TalkerRun:
-    """One reply being spoken, step by step: each step turns the current codec token into a
-    frame (its residual codes from the code predictor) and feeds the frame, plus the reply's
-    next projected token, back to the talker for the next codec token.
+    """One reply being spoken: what the talker has read of it, its codec tokens, and its
+    frames not yet taken. A `TalkerBatch` steps it (with every other run in flight): each
+    step turns the current codec token into a frame (its residual codes from the code
+    predictor) and feeds the frame, plus the reply's next projected token, back to the talker
+    for the next codec token.
 
     Step k adds reply token k + 1 (`<tts_text_eod>` in place of the reply's last token,
     `<tts_pad>` after it), so it can run once the thinker has given token k + 2 or ended:
-    `feed` the reply's tokens after the first as they come, `end` when it is complete, and
-    call `step` while `ready`.
+    `feed` the reply's tokens after the first as they come and `end` when it is complete.
     """
 
     def __init__(self, talker: Qwen3OmniTalker, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
@@ -129,33 +131,24 @@ class TalkerRun:
         codec_eos = int(talker.talker_hf.codec_eos_token_id)
         self.max_new_tokens = (sampling.max_new_tokens
                                or talker.decoder_config.max_position_embeddings)
-        self._sampler = TokenSampler()
-        self._state = TokenSamplingState([RequestSamplingState(
+        self.state = RequestSamplingState(
             sampling, eos_token_ids=(codec_eos,), logit_processor=_SuppressControls(codec_eos),
-            vocab_size=talker.decoder_config.vocab_size)])
+            vocab_size=talker.decoder_config.vocab_size)
         # the code predictor samples when the talker does, as transformers lets it (top-k 50,
         # top-p 0.8), from a generator of its own
         predictor = (SamplingParams(temperature=0) if sampling.is_greedy else SamplingParams(
             top_k=50, top_p=0.8, sampling_seed=None if sampling.sampling_seed is None
             else sampling.sampling_seed + 1))
-        self._predictor_state = RequestSamplingState(predictor)
+        self.predictor_state = RequestSamplingState(predictor)
         self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
         self.embeds: list[Tensor | None] = [None]  # the reply tokens' thinker embeddings
-        self.ended = False
+        self.ended = self.cancelled = False
         self.generated: list[int] = []  # the talker's codec tokens
-        config = talker.decoder_config
-        # the run's KV: one row of a batch buffer, grown by doubling (not a copy per step)
-        self.kv = BatchKV(config.num_layers, config.num_kv_heads, int(config.head_dim or 0), 1,
-                          talker.dtype, talker.device, capacity=len(prompt.embeds) + 64)
-        self.kv.open_row(len(prompt.embeds))
-        with torch.inference_mode():
-            hidden, new_kv = talker.decoder.forward(prompt.embeds[None],
-                                                    prompt.positions[:, None])
-        self.kv.extend(0, new_kv)
-        self.length = len(prompt.embeds)
-        self.offset = int(prompt.positions.max()) + 1 - self.length
-        self.hidden = hidden[:, -1:]
-        self._sample()
+        self.frames: list[list[int]] = []  # made, not taken yet
+        self.length = len(prompt.embeds)  # KV positions of the prompt
+        self.offset = int(prompt.positions.max()) + 1 - self.length  # M-RoPE's
+        self.hidden: Tensor | None = None  # the talker's last hidden state [E]
+        self.row: int | None = None  # in the batch
 
     def feed(self, token: int, embed: Tensor) -> None:
         """The reply's next token (the second on: the first is in the prompt) and its thinker
@@ -169,44 +162,22 @@ class TalkerRun:
         """The reply is complete."""
         self.ended = True
 
+    def take_frames(self) -> list[list[int]]:
+        frames, self.frames = self.frames, []
+        return frames
+
     @property
     def done(self) -> bool:
         """Whether the talker has stopped (codec EOS, or `max_new_tokens`)."""
-        return (self.generated[-1] == self.talker.talker_hf.codec_eos_token_id
-                or len(self.generated) >= self.max_new_tokens)
+        return bool(self.generated) and (
+            self.generated[-1] == self.talker.talker_hf.codec_eos_token_id
+            or len(self.generated) >= self.max_new_tokens)
 
     @property
     def ready(self) -> bool:
-        """Whether `step` can run now (not done, and the reply's text it adds is known)."""
-        return not self.done and self._text(len(self.generated) - 1) is not None
-
-    @torch.inference_mode()
-    def step(self) -> list[int]:
-        """The current codec token's frame [Q codes]; the talker then reads it and picks the
-        next codec token. RuntimeError unless `ready`."""
-        k = len(self.generated) - 1
-        text = self._text(k)
-        if self.done or text is None:
-            raise RuntimeError("the talker cannot step now (see TalkerRun.ready)")
-        frame, frame_embed = self.talker.frame(self.hidden, self.generated[-1],
-                                                self._pick_residual)
-        position = torch.full((1, 1), self.length + k + self.offset,
-                              device=self.talker.device)
-        self.hidden, new_kv = self.talker.decoder.forward((frame_embed + text)[None, None],
-                                                          position, self.kv.past())
-        self.kv.append(new_kv)
-        self._sample()
-        return frame
-
-    def _sample(self) -> None:
-        logits = self.talker.decoder.logits(self.hidden[:, -1])  # [1, V]
-        self.generated.append(int(self._sampler.step(logits, self._state)[0]))
-
-    def _pick_residual(self, logits: Tensor) -> int:
-        """A residual code from the code predictor's logits [V] (a fresh one-row batch each
-        time: its penalties, none, need no history)."""
-        state = TokenSamplingState([self._predictor_state])
-        return int(self._sampler.step(logits[None], state)[0])
+        """Whether a step can take it now (prefilled, not done, its next text known)."""
+        return (self.row is not None and not self.done and not self.cancelled
+                and self._text(len(self.generated) - 1) is not None)
 
     def _text(self, j: int) -> Tensor | None:
         """What step j adds, as transformers lays out `trailing_text_hidden`: the projected
@@ -224,6 +195,94 @@ class TalkerRun:
         if self.ended and j == known - 2:
             return self.prompt.eos
         return self.prompt.project(self.embeds[j + 1])
+
+
+class TalkerBatch:
+    """Every reply being spoken, stepped together (continuous batching): one row each of a
+    batch KV buffer; a step takes every run that can go on (`TalkerRun.ready`: a run waiting
+    for the thinker's next token sits it out, its rows moved behind the others') through the
+    code predictor and the talker at once. Synchronous: call it from one thread at a time."""
+
+    def __init__(self, model: Qwen3OmniTalker, max_batch: int = 16):
+        config = model.decoder_config
+        self.model, self.max_batch = model, max_batch
+        self.kv = BatchKV(config.num_layers, config.num_kv_heads, int(config.head_dim or 0),
+                          max_batch, model.dtype, model.device)
+        self.runs: list[TalkerRun] = []  # by row
+        self.sampler = TokenSampler()
+        self.steps = 0
+        self.peak = 0  # the most runs one step took
+
+    @torch.inference_mode()
+    def add(self, run: TalkerRun) -> None:
+        """Prefill `run`'s prompt into a new row and pick its first codec token."""
+        self.drop_finished()
+        prompt = run.prompt
+        row = self.kv.open_row(len(prompt.embeds))
+        hidden, new_kv = self.model.decoder.forward(prompt.embeds[None],
+                                                    prompt.positions[:, None])
+        self.kv.extend(row, new_kv)
+        run.row, run.hidden = row, hidden[0, -1]
+        self.runs.append(run)
+        self._sample([run], self.model.decoder.logits(hidden[:, -1]))
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """One step of every ready run; how many."""
+        self.drop_finished()
+        ready = [run for run in self.runs if run.ready]
+        if not ready:
+            return 0
+        for front, run in enumerate(ready):  # the ready rows first: a step reads rows [:B]
+            self._swap(front, int(run.row))  # type: ignore[arg-type]
+        steps = [len(run.generated) - 1 for run in ready]
+        hidden = torch.stack([run.hidden for run in ready])  # type: ignore[misc]
+        frames, frame_embeds = self.model.frames(
+            hidden, [run.generated[-1] for run in ready], self._picker(ready))
+        texts = torch.stack([run._text(k) for run, k in zip(ready, steps, strict=True)])
+        positions = torch.tensor([[run.length + k + run.offset]
+                                  for run, k in zip(ready, steps, strict=True)],
+                                 device=self.model.device)
+        b = len(ready)
+        out, new_kv = self.model.decoder.forward((frame_embeds + texts)[:, None], positions,
+                                                 self.kv.past(b), self.kv.mask(b))
+        self.kv.append(new_kv, b)
+        for run, frame, h in zip(ready, frames, out[:, -1], strict=True):
+            run.frames.append(frame)
+            run.hidden = h
+        self._sample(ready, self.model.decoder.logits(out[:, -1]))
+        self.steps += 1
+        self.peak = max(self.peak, b)
+        return b
+
+    def _picker(self, ready: list[TalkerRun]) -> Any:
+        """Residual codes from the code predictor's logits [B, V], each row with its run's
+        predictor sampling (no history: a fresh state over the same rows each time)."""
+        states = TokenSamplingState([run.predictor_state for run in ready])
+        return lambda logits: self.sampler.step(logits, states).tolist()
+
+    def _sample(self, runs: list[TalkerRun], logits: Tensor) -> None:
+        tokens = self.sampler.step(logits, TokenSamplingState([run.state for run in runs]))
+        for run, token in zip(runs, tokens.tolist(), strict=True):
+            run.generated.append(int(token))
+
+    def _swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        self.kv.swap(a, b)
+        self.runs[a], self.runs[b] = self.runs[b], self.runs[a]
+        self.runs[a].row, self.runs[b].row = a, b
+
+    def drop_finished(self) -> None:
+        """Free the rows of runs that are done or abandoned (the last row moves in)."""
+        for run in [r for r in self.runs if r.done or r.cancelled]:
+            row = int(run.row)  # type: ignore[arg-type]
+            moved = self.kv.remove(row)
+            last = self.runs.pop()
+            if moved is not None:
+                self.runs[row] = last
+                last.row = row
+            run.row = None
 
 
 class Code2WavStream:
@@ -283,7 +342,9 @@ class Speech:
 class SpeechSession:
     """One reply being spoken: `feed` its tokens as the thinker writes them, then `finish`;
     each returns the audio chunks (float32, 24 kHz) that became ready. Talker step k needs
-    reply token k + 2 (or the reply's end), so speech follows the text two tokens behind."""
+    reply token k + 2 (or the reply's end), so speech follows the text two tokens behind.
+    Its talker steps are shared with every other reply in flight (`TalkerBatch`). `close`
+    (also done by `finish`) gives its batch row back: call it when abandoning a reply."""
 
     def __init__(self, talker: Talker, context: ThinkerContext, voice: str | None,
                  sampling: SamplingParams):
@@ -293,46 +354,53 @@ class SpeechSession:
         self.run: TalkerRun | None = None
         self.wav = Code2WavStream(talker.model.code2wav)
         self.frames: list[list[int]] = []
+        self._slot = False  # holds one of the batch's rows
 
     async def feed(self, token: int, embed: torch.Tensor) -> list[np.ndarray]:
         """The reply's next token and its thinker embedding [E] (`reply_embeddings`)."""
         if self.run is None:
-            self.run = await run_in_worker(self._start, token, embed)
+            await self.talker.rows.acquire()
+            self._slot = True
+            self.run = await self.talker.start(self, token, embed)
         else:
             self.run.feed(token, embed)
-        return await self._steps()
+        return await self._audio()
 
     async def finish(self) -> list[np.ndarray]:
         """The reply is complete: the rest of the speech."""
         if self.run is None:
             return []  # an empty reply says nothing
         self.run.end()
-        chunks = await self._steps()
-        tail = await run_in_worker(self.wav.finish)
+        try:
+            chunks = await self._audio()
+            tail = await run_in_worker(self.wav.finish)
+            await self.talker.release()
+        finally:
+            self.close()
         return [*chunks, tail] if tail.size else chunks
 
-    def _start(self, token: int, embed: torch.Tensor) -> TalkerRun:
-        model = self.talker.model
-        prompt = model.prompt(self.context, token, embed, self.voice)
-        return TalkerRun(model, prompt, self.talker.eos_ids, self.sampling)
+    def close(self) -> None:
+        """Stop speaking this reply (its batch row is freed at the next step)."""
+        if self.run is not None:
+            self.run.cancelled = self.run.cancelled or not self.run.done
+        if self._slot:
+            self._slot = False
+            self.talker.rows.release()
 
-    async def _steps(self) -> list[np.ndarray]:
-        """Run every talker step the reply so far allows (in a worker thread)."""
+    async def _audio(self) -> list[np.ndarray]:
+        """Step the batch while this reply can go on; its new frames through code2wav."""
         assert self.run is not None
-        if not self.run.ready:
-            return []
-        return await run_in_worker(self._run_steps)
-
-    def _run_steps(self) -> list[np.ndarray]:
-        assert self.run is not None
-        chunks = []
         while self.run.ready:
-            frame = self.run.step()
-            self.frames.append(frame)
-            samples = self.wav.push(frame)
-            if samples.size:
-                chunks.append(samples)
-        return chunks
+            await self.talker.step()
+        frames = self.run.take_frames()
+        if not frames:
+            return []
+        self.frames += frames
+        return await run_in_worker(self._decode, frames)
+
+    def _decode(self, frames: list[list[int]]) -> list[np.ndarray]:
+        chunks = [self.wav.push(frame) for frame in frames]
+        return [chunk for chunk in chunks if chunk.size]
 
 
 class Talker:
@@ -344,15 +412,41 @@ class Talker:
             text ends for the talker).
     """
 
-    def __init__(self, model: Qwen3OmniTalker, eos_ids: tuple[int, ...]):
+    def __init__(self, model: Qwen3OmniTalker, eos_ids: tuple[int, ...], max_batch: int = 16):
         self.model, self.eos_ids = model, tuple(eos_ids)
+        self.batch = TalkerBatch(model, max_batch)
+        self.rows = trio.Semaphore(max_batch)  # a reply past max_batch waits for a row
+        self._lock = trio.Lock()  # one thread at a time in the batch
+
+    async def start(self, session: SpeechSession, token: int,
+                    embed: torch.Tensor) -> TalkerRun:
+        """A session's run, its prompt prefilled into the batch (its first reply token)."""
+        def prefill() -> TalkerRun:
+            prompt = self.model.prompt(session.context, token, embed, session.voice)
+            run = TalkerRun(self.model, prompt, self.eos_ids, session.sampling)
+            self.batch.add(run)
+            return run
+
+        async with self._lock:
+            return await run_in_worker(prefill)
+
+    async def release(self) -> None:
+        """Free the batch rows of replies that are done or abandoned."""
+        async with self._lock:
+            await run_in_worker(self.batch.drop_finished)
+
+    async def step(self) -> None:
+        """One step of every reply that can go on (the other sessions' frames wait in
+        their runs)."""
+        async with self._lock:
+            await run_in_worker(self.batch.step)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu",
                         eos_ids: tuple[int, ...] | None = None) -> Talker:
         """The talker of a Qwen3-Omni checkpoint directory (the thinker's EOS: its
-        tokenizer's, unless given)."""
+        tokenizer's, unless given), decoding up to 16 replies in one batch."""
         model = Qwen3OmniTalker(path, dtype, device)
         if eos_ids is None:
             from omni.compute.tokenizer import load_tokenizer
@@ -378,9 +472,12 @@ class Talker:
         session = self.session(context, voice=voice, sampling=sampling)
         embeds = reply_embeddings(engine, list(reply)) if reply else None
         chunks: list[np.ndarray] = []
-        for i, token in enumerate(reply):
-            chunks += await session.feed(token, embeds[i])  # type: ignore[index]
-        chunks += await session.finish()
+        try:
+            for i, token in enumerate(reply):
+                chunks += await session.feed(token, embeds[i])  # type: ignore[index]
+            chunks += await session.finish()
+        finally:
+            session.close()
         codes = np.array(session.frames, dtype=np.int64).T.reshape(
             self.model.talker_hf.num_code_groups, -1)
         waveform = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
@@ -394,8 +491,11 @@ class Talker:
         tokens = engine.prepare(prompt)
         context = await run_in_worker(thinker_context, engine, tokens)
         session = self.session(context, voice=voice, sampling=sampling)
-        async for token in reply:
-            for chunk in await session.feed(token, reply_embeddings(engine, [token])[0]):
+        try:
+            async for token in reply:
+                for chunk in await session.feed(token, reply_embeddings(engine, [token])[0]):
+                    yield chunk
+            for chunk in await session.finish():
                 yield chunk
-        for chunk in await session.finish():
-            yield chunk
+        finally:
+            session.close()

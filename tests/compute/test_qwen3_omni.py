@@ -245,3 +245,32 @@ async def test_sampled_speech_follows_its_seed(checkpoint: Path) -> None:
         codes.append(speech.codes.tolist())
         assert speech.codes.shape[1] >= 9 and np.isfinite(speech.waveform).all()
     assert codes[0] == codes[1] and codes[0] != codes[2]
+
+
+async def test_concurrent_replies_share_talker_steps_and_speak_as_alone(
+        checkpoint: Path) -> None:
+    """Two replies spoken at once step through one talker batch (continuous batching: a
+    reply waiting for its text sits a step out) and each gives the frames it gives alone."""
+    import trio
+
+    engine = TorchEngine.from_pretrained(checkpoint)
+    prompts = [engine.chat_prompt([user(*CASES[case])]) for case in ("text", "image")]
+    replies = [(await engine.generate(p, SamplingParams(temperature=0, max_new_tokens=6)))
+               .token_ids for p in prompts]
+    alone = []
+    for prompt, reply in zip(prompts, replies, strict=True):
+        solo = Talker.from_pretrained(checkpoint)
+        alone.append((await solo.speak(engine, prompt, reply, sampling=TALKER)).codes)
+        assert solo.batch.peak == 1
+    talker = Talker.from_pretrained(checkpoint)
+    together: list[Any] = [None, None]
+
+    async def speak(i: int) -> None:
+        together[i] = (await talker.speak(engine, prompts[i], replies[i], sampling=TALKER)).codes
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(speak, i)
+    assert talker.batch.peak == 2 and not talker.batch.runs
+    for got, expected in zip(together, alone, strict=True):
+        assert got.tolist() == expected.tolist()

@@ -186,26 +186,31 @@ class Qwen3OmniTalker:
 
     # -- a step ---------------------------------------------------------------------------
 
-    def frame(self, talker_hidden: Tensor, token: int,
-               pick: Any) -> tuple[list[int], Tensor]:
-        """The residual codes of a codec token from the code predictor (each drawn by
-        `pick(logits [V]) -> id`), and the frame's input embedding for the talker's next step
-        (every codebook's embedding summed)."""
-        first = self.decoder.embed(torch.tensor([[token]], device=self.device))  # [1, 1, E]
-        x = torch.cat([talker_hidden[:, -1:], first], dim=1)
-        codes, total = [token], first[0, 0]
+    def frames(self, talker_hidden: Tensor, tokens: list[int],
+               pick: Any) -> tuple[list[list[int]], Tensor]:
+        """The frames of B codec tokens at once: each token's residual codes from the code
+        predictor (drawn by `pick(logits [B, V]) -> B ids`, a codebook at a time) after the
+        talker's hidden state that chose it (`talker_hidden` [B, E]); and each frame's input
+        embedding for the talker's next step [B, E] (every codebook's embedding summed).
+        Every row's sequence is as long as the others': no mask, shared positions."""
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        first = self.decoder.embed(ids)  # [B, 1, E]
+        x = torch.cat([talker_hidden[:, None], first], dim=1)
+        codes = [[token] for token in tokens]
+        total = first[:, 0]
         past = None
         start = 0
         for group, head in enumerate(self.group_heads):
-            pos = torch.arange(start, start + x.shape[1], device=self.device)[None]
-            hidden, new_kv = self.predictor.forward(x, pos, past)
+            pos = torch.arange(start, start + x.shape[1], device=self.device)
+            hidden, new_kv = self.predictor.forward(x, pos.expand(len(tokens), -1), past)
             past = new_kv if past is None else [
                 (torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2))
                 for (k, v), (nk, nv) in zip(past, new_kv, strict=True)]
             start += x.shape[1]
-            code = pick(F.linear(hidden[0, -1], head).float())
-            codes.append(code)
-            embedded = self.group_embeds[group][code]
+            picked = pick(F.linear(hidden[:, -1], head).float())
+            for row, code in zip(codes, picked, strict=True):
+                row.append(int(code))
+            embedded = self.group_embeds[group][torch.tensor(picked, device=self.device)]
             total = total + embedded
-            x = embedded[None, None]
+            x = embedded[:, None]
         return codes, total
