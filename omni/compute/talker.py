@@ -22,6 +22,7 @@ The talker reads them as transformers' `generate(return_audio=True)` does (see
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from omni._openmp import run_in_worker
 from omni.compute._batch import BatchKV
+from omni.compute._default_store import StoreOption, choose_store
 from omni.compute.engine import TorchEngine
 from omni.compute.models.qwen3_omni import (
     CHUNK,
@@ -52,6 +54,7 @@ from omni.compute.sampling import (
     TokenSampler,
     TokenSamplingState,
 )
+from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys, media_digest
 
 __all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerBatch",
            "TalkerRun", "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
@@ -149,6 +152,7 @@ class TalkerRun:
         self.offset = int(prompt.positions.max()) + 1 - self.length  # M-RoPE's
         self.hidden: Tensor | None = None  # the talker's last hidden state [E]
         self.row: int | None = None  # in the batch
+        self.cached_tokens = 0  # of its prompt, read from the store
 
     def feed(self, token: int, embed: Tensor) -> None:
         """The reply's next token (the second on: the first is in the prompt) and its thinker
@@ -203,11 +207,14 @@ class TalkerBatch:
     for the thinker's next token sits it out, its rows moved behind the others') through the
     code predictor and the talker at once. Synchronous: call it from one thread at a time."""
 
-    def __init__(self, model: Qwen3OmniTalker, max_batch: int = 16):
+    def __init__(self, model: Qwen3OmniTalker, max_batch: int = 16,
+                 store: KVStore | None = None, page_size: int = 16):
         config = model.decoder_config
         self.model, self.max_batch = model, max_batch
+        self.store, self.page_size = store, page_size
         self.kv = BatchKV(config.num_layers, config.num_kv_heads, int(config.head_dim or 0),
                           max_batch, model.dtype, model.device)
+        self.prefill_tokens = self.cached_tokens = 0  # of the prompts added
         self.runs: list[TalkerRun] = []  # by row
         self.sampler = TokenSampler()
         self.steps = 0
@@ -215,16 +222,60 @@ class TalkerBatch:
 
     @torch.inference_mode()
     def add(self, run: TalkerRun) -> None:
-        """Prefill `run`'s prompt into a new row and pick its first codec token."""
+        """Prefill `run`'s prompt into a new row (after the longest prefix the store holds:
+        a conversation's later turns find its earlier user turns there) and pick its first
+        codec token; the prompt's new full pages go to the store."""
         self.drop_finished()
         prompt = run.prompt
-        row = self.kv.open_row(len(prompt.embeds))
-        hidden, new_kv = self.model.decoder.forward(prompt.embeds[None],
-                                                    prompt.positions[:, None])
+        length = len(prompt.embeds)
+        row = self.kv.open_row(length)
+        keys = self._keys(prompt)
+        start = self._load_prefix(row, keys[: (length - 1) // self.page_size])
+        past = self.kv.row_kv(row, 0, start) if start else None
+        hidden, new_kv = self.model.decoder.forward(
+            prompt.embeds[None, start:], prompt.positions[:, None, start:], past)
         self.kv.extend(row, new_kv)
-        run.row, run.hidden = row, hidden[0, -1]
+        self.prefill_tokens += length - start
+        self.cached_tokens += start
+        run.row, run.hidden, run.cached_tokens = row, hidden[0, -1], start
         self.runs.append(run)
+        self._store(row, keys, start)
         self._sample([run], self.model.decoder.logits(hidden[:, -1]))
+
+    def _keys(self, prompt: TalkerPrompt) -> list[bytes]:
+        """The store keys of the prompt's full pages: its ids, and the digests of the rows
+        the ids do not determine."""
+        if self.store is None:
+            return []
+        spans = [MediaSpan(start, n, media_digest(prompt.embeds[start:start + n].float()))
+                 for start, n in prompt.content_spans if n]
+        return block_keys(prompt.ids, self.page_size, extra=("qwen3-omni-talker",),
+                          media=spans)
+
+    def _load_prefix(self, row: int, keys: list[bytes]) -> int:
+        """Copy the longest cached prefix's pages into `row`; its tokens."""
+        if self.store is None or not keys:
+            return 0
+        try:
+            lease = self.store.acquire(keys[: self.store.match(keys)])
+        except KVCapacityError:
+            return 0  # the store cannot lend them now: recompute
+        with lease:
+            if not len(lease):
+                return 0
+            self.kv.write_pages(row, lease.pages)
+            return len(lease) * self.page_size
+
+    def _store(self, row: int, keys: list[bytes], start: int) -> None:
+        """Put the prompt's pages after `start` into the store (best effort)."""
+        first = start // self.page_size
+        if self.store is None or len(keys) <= first:
+            return
+        end = len(keys) * self.page_size
+        pages = self.model.decoder.kv_to_pages(self.kv.row_kv(row, 0, end), start,
+                                               self.page_size)
+        with contextlib.suppress(KVCapacityError):
+            self.store.put(keys[first:], pages.contiguous())
 
     @torch.inference_mode()
     def step(self) -> int:
@@ -410,11 +461,17 @@ class Talker:
         model: the loaded `Qwen3OmniTalker`.
         eos_ids: the thinker's end-of-sequence ids (a reply's first such token is where its
             text ends for the talker).
+        max_batch: replies decoded in one batch (more wait for a row).
+        store: where the talker's prompt pages are kept and found (a `KVStore` of the
+            talker's layout, None: none, "auto": a store of its own, as `TorchEngine`'s).
     """
 
-    def __init__(self, model: Qwen3OmniTalker, eos_ids: tuple[int, ...], max_batch: int = 16):
+    def __init__(self, model: Qwen3OmniTalker, eos_ids: tuple[int, ...], max_batch: int = 16,
+                 store: StoreOption = "auto", page_size: int = 16):
         self.model, self.eos_ids = model, tuple(eos_ids)
-        self.batch = TalkerBatch(model, max_batch)
+        layout = model.decoder_config.kv_layout(page_size, model.dtype)
+        self.store = choose_store(store, layout, model.device)
+        self.batch = TalkerBatch(model, max_batch, self.store, page_size)
         self.rows = trio.Semaphore(max_batch)  # a reply past max_batch waits for a row
         self._lock = trio.Lock()  # one thread at a time in the batch
 
@@ -444,7 +501,7 @@ class Talker:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu",
-                        eos_ids: tuple[int, ...] | None = None) -> Talker:
+                        eos_ids: tuple[int, ...] | None = None, **kwargs: Any) -> Talker:
         """The talker of a Qwen3-Omni checkpoint directory (the thinker's EOS: its
         tokenizer's, unless given), decoding up to 16 replies in one batch."""
         model = Qwen3OmniTalker(path, dtype, device)
@@ -453,7 +510,7 @@ class Talker:
 
             tokenizer = load_tokenizer(path)
             eos_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-        return cls(model, eos_ids)
+        return cls(model, eos_ids, **kwargs)
 
     def session(self, context: ThinkerContext, *, voice: str | None = None,
                 sampling: SamplingParams | None = None) -> SpeechSession:

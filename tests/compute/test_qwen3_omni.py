@@ -274,3 +274,28 @@ async def test_concurrent_replies_share_talker_steps_and_speak_as_alone(
     assert talker.batch.peak == 2 and not talker.batch.runs
     for got, expected in zip(together, alone, strict=True):
         assert got.tolist() == expected.tolist()
+
+
+async def test_the_talker_reuses_earlier_turns_and_still_speaks_as_transformers(
+        checkpoint: Path, hf: Any) -> None:
+    """Turn 2's talker prompt starts with turn 1's user turn (media included): its pages
+    come from the talker's store, and the speech still equals transformers recomputing the
+    whole conversation."""
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    turn1 = [user(*CASES["image+audio"])]
+    reply1 = await engine.chat(turn1, greedy)
+    await talker.speak(engine, engine.chat_prompt(turn1), reply1.token_ids, sampling=TALKER)
+    assert talker.batch.cached_tokens == 0
+    turn2 = [*turn1, {"role": "assistant", "content": reply1.text},
+             user(text("And what else?"))]
+    reply2 = await engine.chat(turn2, greedy)
+    speech = await talker.speak(engine, engine.chat_prompt(turn2), reply2.token_ids,
+                                sampling=TALKER)
+    assert talker.batch.cached_tokens >= 16
+    expected_reply, expected_wav = hf_speech(hf, hf_processor(checkpoint), turn2, [IMAGE],
+                                             [AUDIO], 8, 20, 5)
+    assert reply2.token_ids == expected_reply
+    assert speech.waveform.shape == tuple(expected_wav.shape)
+    assert np.abs(speech.waveform - expected_wav.numpy()).max() <= 1e-4

@@ -72,6 +72,11 @@ class TalkerPrompt:
     pad: Tensor
     eos: Tensor
     project: Any  # a reply token's thinker embedding [E] -> what a step adds [E]
+    # what names the prompt's KV pages: per position the thinker token it projects (the user
+    # turns') or <tts_pad> (the assistant's opening), and the spans whose rows the ids alone
+    # do not determine (media hidden states, the opening with its voice and first token)
+    ids: tuple[int, ...] = ()
+    content_spans: tuple[tuple[int, int], ...] = ()
 
 
 class Qwen3OmniTalker:
@@ -151,8 +156,14 @@ class Qwen3OmniTalker:
         codec_part = torch.cat([torch.zeros_like(codec[:3]), codec])
         embeds = torch.cat([user_embeds, text_part + codec_part])
         positions = self._positions(context, user, len(embeds)).to(self.device)
+        index = {p: i for i, p in enumerate(user)}
+        spans = [(index[item.start], item.length) for item in context.media
+                 if item.start in index]
+        spans.append((len(user), len(embeds) - len(user)))
+        talker_ids = (tuple(ids[p] for p in user)
+                      + (int(self.config.tts_pad_token_id),) * (len(embeds) - len(user)))
         return TalkerPrompt(embeds, positions, first, pad, eos, lambda embed: (
-            self.text_projection(embed.to(self.device, self.dtype))))
+            self.text_projection(embed.to(self.device, self.dtype))), talker_ids, tuple(spans))
 
     def _user_positions(self, ids: tuple[int, ...]) -> list[int]:
         """The prompt positions in user turns: each token's role is the token after the last
