@@ -234,14 +234,27 @@ def hf_model(directory: Path) -> Any:
 
 def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images: list[Any],
               audio: list[Any], thinker_tokens: int, talker_tokens: int,
-              talker_min_tokens: int, speaker: str = "Ethan") -> tuple[list[int], torch.Tensor]:
+              talker_min_tokens: int, speaker: str = "Ethan",
+              codes: list[torch.Tensor] | None = None) -> tuple[list[int], torch.Tensor]:
     """transformers' `generate(return_audio=True)`, greedy thinker (EOS: <|im_end|>) and
-    talker: (the reply's ids, the waveform [S])."""
+    talker: (the reply's ids, the waveform [S]); the talker's codec frames [Q, N] (what it
+    hands code2wav) are appended to `codes` when given."""
     inputs = hf_inputs(processor, messages, images, audio)
-    with torch.inference_mode():
-        sequences, wav = model.generate(
-            **inputs, return_audio=True, thinker_do_sample=False,
-            thinker_max_new_tokens=thinker_tokens, thinker_eos_token_id=ID["<|im_end|>"],
-            talker_do_sample=False, talker_max_new_tokens=talker_tokens,
-            talker_min_new_tokens=talker_min_tokens, speaker=speaker)
+    decode = model.code2wav.chunked_decode
+
+    def recorded(frames: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if codes is not None:
+            codes.append(frames[0].clone())
+        return decode(frames, *args, **kwargs)
+
+    model.code2wav.chunked_decode = recorded
+    try:
+        with torch.inference_mode():
+            sequences, wav = model.generate(
+                **inputs, return_audio=True, thinker_do_sample=False,
+                thinker_max_new_tokens=thinker_tokens, thinker_eos_token_id=ID["<|im_end|>"],
+                talker_do_sample=False, talker_max_new_tokens=talker_tokens,
+                talker_min_new_tokens=talker_min_tokens, speaker=speaker)
+    finally:
+        del model.code2wav.chunked_decode  # the class's own again
     return sequences[0, inputs["input_ids"].shape[1]:].tolist(), wav.reshape(-1)

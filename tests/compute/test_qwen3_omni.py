@@ -3,7 +3,7 @@
 omni_builders). The thinker's greedy tokens equal `generate(return_audio=False)` for text,
 text + image, text + audio and all three, and a second turn reusing the first's KV still
 equals transformers recomputing the whole conversation; the talker's speech (greedy) equals
-`generate(return_audio=True)`'s waveform for the same four prompts."""
+`generate(return_audio=True)`'s codec frames and waveform for the same four prompts."""
 
 from __future__ import annotations
 
@@ -175,11 +175,14 @@ async def test_speech_equals_transformers_waveform(checkpoint: Path, hf: Any,
     reply = await engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=8))
     speech = await talker.speak(engine, engine.chat_prompt(messages), reply.token_ids,
                                 sampling=TALKER)
+    their_codes: list[Any] = []
     expected_reply, expected_wav = hf_speech(hf, hf_processor(checkpoint), messages,
                                              media_of(messages, "image"),
-                                             media_of(messages, "audio"), 8, 20, 5)
+                                             media_of(messages, "audio"), 8, 20, 5,
+                                             codes=their_codes)
     assert reply.token_ids == expected_reply
     assert speech.codes.shape == (4, 19) and speech.sample_rate == 24_000
+    assert speech.codes.tolist() == their_codes[0].tolist()  # the talker's codec tokens
     assert speech.waveform.shape == tuple(expected_wav.shape)
     assert np.abs(speech.waveform - expected_wav.numpy()).max() <= 1e-4
 

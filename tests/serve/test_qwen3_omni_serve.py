@@ -138,3 +138,24 @@ def test_the_dialogue_hears_sees_and_speaks(checkpoint: Path, tmp_path: Path) ->
     samples, rate = wav_samples((tmp_path / "a-1.wav").read_bytes())
     assert rate == 24_000 and samples.size > 0 and first["first_audio_s"] is not None
     assert second["cached_tokens"] > 0 and second["cached_tokens"] >= 16
+
+
+@pytest.mark.proc
+def test_a_real_omni_serve_process_speaks_as_transformers(checkpoint: Path) -> None:
+    """The command itself (``OMNI_MODEL=DIR omni serve examples/omni_dialogue.py``) and the
+    official client over real HTTP: the same reply and 24 kHz speech as transformers."""
+    from tests.serve._server import running
+
+    model, processor = hf_model(checkpoint), hf_processor(checkpoint)
+    reply_ids, expected = hf_speech(model, processor, oracle_messages(), [IMAGE], [AUDIO],
+                                    8, 20, 5, speaker="Chelsie")
+    with running(DIALOGUE, env={"OMNI_MODEL": str(checkpoint)}) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        reply = client.chat.completions.create(**request())
+    message = reply.choices[0].message
+    assert message.content == processor.tokenizer.decode(reply_ids, skip_special_tokens=True)
+    samples, rate = wav_samples(base64.b64decode(message.audio.data))
+    pcm = (np.clip(expected.numpy(), -1, 1) * 32767.0).round()
+    assert rate == 24_000 and samples.size == pcm.size
+    assert np.abs(samples.astype(np.float64) - pcm).max() <= 1
