@@ -112,8 +112,10 @@ MAX_SESSIONS = 256
 TOKENS_PER_CHUNK = 4
 MAX_TOKENS_LIMIT = 4096
 MAX_TALKER_TOKENS = 4096  # codec tokens of one spoken reply at most (transformers' default)
+# unless a request says otherwise, the talker's codec tokens are bounded by the reply's text:
+# 8 frames (0.64 s of speech at Qwen3-Omni's 12.5 Hz) per reply token, and 16 more
+FRAMES_PER_TOKEN = 8
 SYSTEM = "A conversation between a curious user and a helpful assistant.\n"
-GREEDY_TALKER = {"temperature": 0}  # `dialogue` speaks deterministically, as it writes
 
 
 def llm_config(model: str) -> tuple[DecoderConfig, bool]:
@@ -297,6 +299,8 @@ class Dialogue:
         before = self._kv_counters()
         number = session.turns + 1
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
+        # the talker speaks deterministically too, as long as the text allows
+        talker = {"temperature": 0, "max_new_tokens": _talker_frames(turn.max_tokens)}
         reply: list[int] = []
         stream = self.engine.stream(prompt, params, cache_salt=turn.salt)
         # Closed even when the turn is cancelled while this generator waits at a `yield`:
@@ -306,12 +310,12 @@ class Dialogue:
             async for token_id in stream:
                 if not reply:  # the prefill is done: how much of the prompt came from the store
                     yield Started(turn.session, number, len(tokens), stream.cached_tokens,
-                                  trimmed, context=context, talker=GREEDY_TALKER)
+                                  trimmed, context=context, talker=talker)
                 reply.append(token_id)
                 yield Token(token_id, embed=_embedding(self.engine, token_id))
         if not reply:
             yield Started(turn.session, number, len(tokens), stream.result.cached_tokens,
-                          trimmed, context=context, talker=GREEDY_TALKER)
+                          trimmed, context=context, talker=talker)
         # The reply goes into the history as the generated ids, not as re-tokenized text:
         # the next turn's prompt then has exactly the tokens whose pages were just stored.
         # (With a chat template the history is text the template renders anew each turn:
@@ -482,6 +486,11 @@ class Speech:
                 session.close()
 
 
+def _talker_frames(reply_tokens: int | None) -> int:
+    """The talker's codec tokens for a reply of at most `reply_tokens` (FRAMES_PER_TOKEN)."""
+    return min(MAX_TALKER_TOKENS, FRAMES_PER_TOKEN * (reply_tokens or MAX_TOKENS_LIMIT) + 16)
+
+
 def _talker_sampling(fields: dict) -> SamplingParams:
     """The talker's sampling: the request's fields over transformers' defaults, at most the
     talker's context in codec tokens."""
@@ -577,7 +586,8 @@ class Chat:
         if request.audio and QWEN3_OMNI:  # what the talker reads of the prompt
             tokens = self.engine.prepare(prompt)
             context = await trio.to_thread.run_sync(thinker_context, self.engine, tokens)
-        talker = (request.stages or {}).get("talker")
+        talker = {"max_new_tokens": _talker_frames(params.max_new_tokens),
+                  **(request.stages or {}).get("talker", {})}
         stream = self.engine.stream(prompt, params, cache_salt=request.cache_salt)
         deltas, started = _Deltas(self.tokenizer, params.stop), False
         async with contextlib.aclosing(stream):
