@@ -38,7 +38,7 @@ import typer
 from cli._errors import EXIT_TERMINATED, reporting
 from cli._signals import stopped_by_signals
 from omni._shm import shm_directory
-from omni.transport._host import ipc_directory
+from omni.transport.host import ipc_directory
 from perf._common import Samples, claim
 from perf._procs import CliProcess
 

@@ -176,8 +176,8 @@ async def _serve_kv(total_bytes: int) -> None:
     closes, then closes the store (which unlinks its shared memory: not killed for that)."""
     import torch
 
+    from omni.cluster.kv.peers import serve_kv
     from omni.kv import KVStore, TierConfig
-    from omni.transport.kv_peers import serve_kv
 
     layout, keys = _kv_pages(total_bytes)
     raw = torch.randint(0, 256, (len(keys) * layout.page_bytes,), dtype=torch.uint8,
@@ -308,7 +308,7 @@ async def kv_fetch(client: RPCClient, layout: Any, keys: list[bytes], host: str
     memory mapped), seconds until every byte has been read once too, and the bytes' sum."""
     import torch
 
-    from omni.transport.kv_peers import FetchReply, FetchRequest
+    from omni.cluster.kv.peers import FetchReply, FetchRequest
     from omni.transport.movers import unpack
 
     start = time.perf_counter()

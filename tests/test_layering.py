@@ -126,7 +126,7 @@ def test_no_package_has_an_import_cycle() -> None:
 # torch, the OpenAI marks are importable by a graph file without it, and xgrammar loads only
 # when a request is constrained.
 LIGHT_IMPORTS = [("omni", "torch"), ("omni.transport", "torch"),
-                 ("omni.transport.kv_directory", "torch"), ("omni.transport.kv_events", "torch"),
+                 ("omni.cluster.kv.directory", "torch"), ("omni.cluster.kv.events", "torch"),
                  ("omni.serve.openai", "torch"), ("omni.compute", "xgrammar")]
 
 

@@ -48,9 +48,9 @@ from omni.cluster.protocol import (
 from omni.cluster.remote import Deploy, RemoteReplica, Renew
 from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
-from omni.transport._host import host_id
 from omni.transport.credentials import Credentials
 from omni.transport.errors import RPCError, TransportError
+from omni.transport.host import host_id
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import cannot_travel, encode_value

@@ -15,10 +15,10 @@ from typing import Any
 
 import trio
 
+from omni.cluster.kv.directory import KVDirectory, KVSnapshot, request_snapshot
 from omni.cluster.membership import ClientSet, Roster
 from omni.cluster.protocol import MemberView, endpoint_for
 from omni.transport.credentials import Credentials
-from omni.transport.kv_directory import KVDirectory, KVSnapshot, request_snapshot
 
 __all__ = ["follow_members", "kv_directory"]
 

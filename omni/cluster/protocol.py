@@ -8,7 +8,7 @@ import re
 import msgspec
 
 from omni.cluster.errors import ClusterError
-from omni.transport._host import host_id, ipc_enabled
+from omni.transport.host import host_id, ipc_enabled
 
 __all__ = [
     "HEARTBEAT_S", "LOST_KEPT_S", "MISSED_BEATS", "RESERVATION_S", "Beat", "BeatReply",

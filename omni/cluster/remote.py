@@ -30,7 +30,7 @@ import trio
 
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import RemoteNodeError, WorkerLost
-from omni.transport._cuda import cuda_ipc_enabled
+from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient

@@ -10,7 +10,7 @@ status, and it re-registers by itself when the head restarts.
 Its KV store is made when the first deployment that uses KV arrives (the layout comes from the
 driver; the tier sizes from the worker's options). The store's events are published for the
 cluster's KV directory, and pages other workers hold are fetched from them when that beats
-recomputing (`omni.transport.kv_peers`).
+recomputing (`omni.cluster.kv.peers`).
 
 The event loop must keep answering heartbeats, so constructors and synchronous node bodies
 run in worker threads.
@@ -50,13 +50,13 @@ from omni.cluster.remote import (
     split_items,
     unpack_from,
 )
-from omni.graph._hosting import host_replica
 from omni.graph.context import CallContext, current
-from omni.transport._host import host_id, ipc_directory, ipc_enabled
-from omni.transport._unix import remove_stale
+from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
+from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
+from omni.transport.unix import remove_stale
 from omni.transport.values import decode_value
 
 __all__ = ["KVTiers", "Worker"]
@@ -207,7 +207,7 @@ class Worker:
             ClusterError: the head refused the registration.
         """
         # TCP with CURVE for everyone; a Unix socket in a 0700 folder for processes of this
-        # host (no ZeroMQ I/O thread, no encryption: see omni.transport._unix).
+        # host (no ZeroMQ I/O thread, no encryption: see omni.transport.unix).
         self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
                                    options=self.creds.server_options())]
         if ipc_enabled():
@@ -288,16 +288,14 @@ class Worker:
     async def _host(self, key: tuple[str, int], body: Deploy, cls: type, args: list,
                     kwargs: dict, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Hold one replica (see `host_replica`) while it is listed in `_hosted`."""
-        from omni.graph._node import Node, NodeOptions
-
-        node = Node(cls, NodeOptions(), body.node, kind="class")
+        streaming, is_async = call_shape(cls, body.node)
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             instance = await nursery.start(functools.partial(
                 host_replica, functools.partial(cls, *args, **kwargs),
                 CallContext(request_id=None, node=body.node, replica=body.replica, runtime=self),
                 stop, in_thread=True))
-            self._hosted[key] = _Hosted(body.node, instance, node.streaming, node.is_async,
+            self._hosted[key] = _Hosted(body.node, instance, streaming, is_async,
                                         dict(body.resources), body.session,
                                         body.host_id == host_id(), stop)
             task_status.started()
@@ -549,9 +547,9 @@ class Worker:
 
     async def _serve_kv(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Publish the store's events, serve its pages, and fetch pages from peers."""
+        from omni.cluster.kv.directory import KVPublisher
+        from omni.cluster.kv.peers import PeerFetcher, serve_kv
         from omni.cluster.kv_follow import follow_members, kv_directory
-        from omni.transport.kv_directory import KVPublisher
-        from omni.transport.kv_peers import PeerFetcher, serve_kv
 
         assert self._servers and self.link is not None
         publisher = KVPublisher(self.kv, self.name, self.creds, bind=f"tcp://{self.host}:*")

@@ -42,7 +42,7 @@ class CallContext(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Set, around each node call and each replica's construction, by whoever runs it: the
-# scheduler, the replica host (`omni.graph._hosting`) and a cluster worker.
+# scheduler, the replica host (`omni.graph.hosting`) and a cluster worker.
 current: contextvars.ContextVar[CallContext | None] = (
     contextvars.ContextVar("omni_context", default=None))
 

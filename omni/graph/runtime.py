@@ -11,13 +11,13 @@ from typing import Any
 
 import trio
 
-from omni.graph._hosting import host_replica
 from omni.graph._outbox import Outbox
 from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
 from omni.graph.context import CallContext
 from omni.graph.dsl import Graph, Node, NodeClass
 from omni.graph.errors import NodeError, ReplicaLost
+from omni.graph.hosting import host_replica
 from omni.graph.scheduler import run_plan
 
 __all__ = ["ResultStream", "Runtime", "RuntimeStats"]

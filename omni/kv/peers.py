@@ -1,7 +1,7 @@
 """The store's hook for pages held by other workers: the `PeerSource` protocol.
 
 Why a protocol here and not the implementation: `omni.kv` is below the Wire layer and must not
-import it. The transport (`omni.transport.kv_peers.PeerFetcher`) implements this protocol and
+import it. The transport (`omni.cluster.kv.peers.PeerFetcher`) implements this protocol and
 is plugged into a store with ``store.peers = fetcher``; `KVStore.prefetch` then asks it for the
 pages it lacks before the engine recomputes them.
 """

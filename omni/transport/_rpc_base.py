@@ -12,9 +12,9 @@ from typing import Any
 import trio
 import zmq
 
-from omni.transport._unix import UnixSocket, is_unix, open_unix_socket
 from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import Buffer, Socket, background_nursery, open_socket
+from omni.transport.unix import UnixSocket, is_unix, open_unix_socket
 from omni.transport.wire import (
     Codec,
     WireLimits,

@@ -33,7 +33,6 @@ import xxhash
 from omni.kv.errors import KVError
 from omni.kv.handle import Lease, open_descriptor
 from omni.kv.layout import KVLayout, LayoutSpec
-from omni.transport._host import host_id
 from omni.transport._pages import (
     MAX_PAGES,
     Frame,
@@ -48,6 +47,7 @@ from omni.transport._pages import (
     SharedMemoryHeader,
 )
 from omni.transport.errors import TransportError, WireError
+from omni.transport.host import host_id
 
 if TYPE_CHECKING:
     import torch

@@ -12,7 +12,7 @@ msgpack through msgspec, never pickle. A value arrives as the type it left as:
   or any permutation of axes; a view with gaps or negative strides arrives compact in the same
   axis order) and their read-only flag; a CUDA tensor arrives on the same device: with
   ``cuda_ipc`` (the receiver shares the host) by CUDA IPC handle, mapping the sender's memory
-  (`omni.transport._cuda`), else through host memory, moved back to the device where the
+  (`omni.transport.cuda`), else through host memory, moved back to the device where the
   receiver has it (a receiver without CUDA gets it in host memory);
 - async iterators (streams) as a stream id the caller maps (`pack_value`'s ``streams``).
 
@@ -200,7 +200,7 @@ class _Lowering:
         t = tensor.detach()
         device = "" if t.device.type == "cpu" else str(t.device)
         if device.startswith("cuda") and self.cuda_ipc:
-            from omni.transport._cuda import share
+            from omni.transport.cuda import share
 
             return msgspec.msgpack.Ext(_CUDA, _plain.encode(share(t)))
         if device:
@@ -356,7 +356,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code in (_TENSOR, _NDARRAY, _NPSCALAR):
         return _raise_array(code, _array_decoder.decode(data))
     if code == _CUDA:
-        from omni.transport._cuda import CudaHandle, open_handle
+        from omni.transport.cuda import CudaHandle, open_handle
 
         return open_handle(msgspec.msgpack.decode(data, type=CudaHandle))
     if code == _OBJECT:

@@ -13,9 +13,9 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omni.cluster.kv.peers import FetchReply, FetchRequest
 from omni.transport import RPCClient, RPCServer, WireError, WireLimits, wire
 from omni.transport.errors import TransportError
-from omni.transport.kv_peers import FetchReply, FetchRequest
 from omni.transport.movers import (
     FrameHeader,
     FrameMover,

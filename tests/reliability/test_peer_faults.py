@@ -16,8 +16,8 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omni.cluster.kv.peers import FetchReply, FetchRequest, PeerFetcher, make_fetch_handler
 from omni.transport import RPCClient, RPCServer, wire
-from omni.transport.kv_peers import FetchReply, FetchRequest, PeerFetcher, make_fetch_handler
 from omni.transport.movers import FrameHeader, FrameMover, PageBatch, SameProcessHeader
 from omni.transport.rpc import Reply
 from tests._wait import CAP_S, wait_until

@@ -16,10 +16,10 @@ import pytest
 import torch
 import trio
 
+from omni.cluster.kv.peers import FetchReply, FetchRequest, PeerFetcher, serve_kv
 from omni.kv import KVLeaseError, open_descriptor
 from omni.kv.arena import shm_directory
 from omni.transport import RPCClient, RPCServer
-from omni.transport.kv_peers import FetchReply, FetchRequest, PeerFetcher, serve_kv
 from omni.transport.movers import host_id, unpack
 from tests._wait import CAP_S
 from tests.reliability._support import (
@@ -109,7 +109,7 @@ def test_a_worker_killed_while_holding_leases(lease_clock, record):
 SERVER = textwrap.dedent("""
     import trio
     from omni.transport import RPCServer
-    from omni.transport.kv_peers import FetchRequest, make_fetch_handler
+    from omni.cluster.kv.peers import FetchRequest, make_fetch_handler
     from tests.reliability._support import keys_for, make_store, pages_of
 
     keys = keys_for(8, extra="transfer")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from omni.transport import values
-from omni.transport._cuda import CudaHandle
+from omni.transport.cuda import CudaHandle
 from omni.transport.errors import WireError
 from omni.transport.values import pack_value, unpack_value
 

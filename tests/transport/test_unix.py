@@ -193,7 +193,7 @@ async def test_a_server_in_another_process(folder):
 
 
 async def test_remove_stale_takes_the_files_nobody_listens_on_and_leaves_live_ones(folder):
-    from omni.transport._unix import remove_stale
+    from omni.transport.unix import remove_stale
 
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(str(folder / "w-1-dead.sock"))

@@ -16,7 +16,7 @@ broken pipe's: the RPC layer's heartbeats and timeouts report the loss).
 Format: a message is its frame count (u32, little-endian), each frame's length (u64), then
 the frames' bytes back to back. A peer that breaks the limits (too many frames, a frame over
 the size limit) or the format is disconnected. Only processes of this user reach a socket:
-it lives in a 0700 folder (`omni.transport._host.ipc_directory`), and the listener also
+it lives in a 0700 folder (`omni.transport.host.ipc_directory`), and the listener also
 checks each peer's uid (``SO_PEERCRED``).
 
 Frames under 64 KiB arrive as `bytes`, larger ones as memoryviews of a buffer of their own,

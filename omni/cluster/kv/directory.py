@@ -1,7 +1,7 @@
 """The cluster's KV directory: which worker holds which pages, kept current by events.
 
 Routers and workers run a `KVDirectory`: it subscribes to every member's `KVPublisher` (see
-`omni.transport.kv_events`) and keeps one set of keys per member, so `prefix_len` (how much
+`omni.cluster.kv.events`) and keeps one set of keys per member, so `prefix_len` (how much
 of a request's prefix a replica holds) costs one set lookup per page. PUB/SUB drops messages
 (before a subscription is up, past the high-water mark), so a missed event is never ignored:
 a seq gap, an epoch change, a tick ahead of the view or a new member starts a *resync*: the
@@ -28,8 +28,7 @@ import msgspec
 import trio
 import zmq
 
-from omni.transport.errors import TransportError, WireError
-from omni.transport.kv_events import (
+from omni.cluster.kv.events import (
     TOPIC,
     KVEvent,
     KVPublisher,
@@ -37,6 +36,7 @@ from omni.transport.kv_events import (
     SnapshotHeader,
     request_snapshot,
 )
+from omni.transport.errors import TransportError, WireError
 from omni.transport.trio_zmq import Buffer, background_nursery, open_socket
 from omni.transport.wire import MAX_CONTROL_BYTES
 

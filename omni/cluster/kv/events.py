@@ -5,7 +5,7 @@ stored, keys removed) on a PUB socket, numbered by `seq` within an `epoch` (rand
 so a restarted worker is noticed), plus a *tick* (an event with no keys, carrying the current
 seq) every `tick_interval`, so that a lost last event does not go unnoticed for long. It
 answers the RPC method "kv.snapshot" with every key it holds and the seq they are as of
-(`request_snapshot` asks for it). `omni.transport.kv_directory.KVDirectory` follows them.
+(`request_snapshot` asks for it). `omni.cluster.kv.directory.KVDirectory` follows them.
 
 The store calls its listeners from any thread, under its lock: the publisher only queues the
 change and wakes its trio task (`TrioToken.run_sync_soon`, no polling), which coalesces what
@@ -23,8 +23,8 @@ import msgspec
 import trio
 import zmq
 
-from omni.transport._rpc_base import Reply
 from omni.transport.errors import TransportError, WireError
+from omni.transport.rpc import Reply
 from omni.transport.trio_zmq import Socket, background_nursery, open_socket
 from omni.transport.wire import MAX_PAYLOAD_BYTES
 

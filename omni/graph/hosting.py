@@ -15,7 +15,16 @@ import trio
 
 from omni.graph.context import CallContext, current
 
-__all__ = ["host_replica"]
+__all__ = ["call_shape", "host_replica"]
+
+
+def call_shape(cls: type, name: str) -> tuple[bool, bool]:
+    """Whether the calls of class node `cls` (named `name`) stream (an async generator) and
+    whether they are async: how a replica hosted elsewhere is called."""
+    from omni.graph._node import Node, NodeOptions
+
+    node = Node(cls, NodeOptions(), name, kind="class")
+    return node.streaming, node.is_async
 
 
 async def host_replica(build: Callable[[], Any], context: CallContext,

@@ -15,15 +15,15 @@ import torch
 import trio
 import zmq
 
-from omni.kv import KVLayout, KVStore, TierConfig, block_keys
-from omni.transport.credentials import Credentials
-from omni.transport.kv_directory import (
+from omni.cluster.kv.directory import (
     KVDirectory,
     KVEvent,
     KVPublisher,
     KVSnapshot,
     request_snapshot,
 )
+from omni.kv import KVLayout, KVStore, TierConfig, block_keys
+from omni.transport.credentials import Credentials
 from omni.transport.rpc import RPCClient, RPCServer
 from omni.transport.security import ClusterToken
 from tests._wait import CAP_S, wait_until

@@ -32,16 +32,16 @@ import trio
 
 from omni.kv.errors import KVCapacityError
 from omni.transport import movers
-from omni.transport._rpc_base import Reply
 from omni.transport.errors import TransportError, WireError
 from omni.transport.movers import FrameMover, Locality, MoverHeader, choose_mover, unpack
+from omni.transport.rpc import Reply
 from omni.transport.wire import MAX_PAYLOAD_BYTES
 
 if TYPE_CHECKING:
+    from omni.cluster.kv.directory import KVDirectory
     from omni.kv.handle import Lease
     from omni.kv.layout import KVLayout
     from omni.kv.store import KVStore
-    from omni.transport.kv_directory import KVDirectory
     from omni.transport.rpc import RPCClient, RPCServer
 
 __all__ = ["FetchReply", "FetchRequest", "PeerFetcher", "make_fetch_handler",

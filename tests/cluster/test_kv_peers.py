@@ -14,18 +14,18 @@ import pytest
 import torch
 import trio
 
-from omni.kv import KVLayout, KVStore, TierConfig, block_keys
-from omni.transport import kv_peers
-from omni.transport.credentials import Credentials
-from omni.transport.errors import TransportError
-from omni.transport.kv_directory import KVDirectory, KVPublisher, KVSnapshot
-from omni.transport.kv_peers import (
+from omni.cluster.kv import peers as kv_peers
+from omni.cluster.kv.directory import KVDirectory, KVPublisher, KVSnapshot
+from omni.cluster.kv.peers import (
     FetchReply,
     FetchRequest,
     PeerFetcher,
     make_fetch_handler,
     serve_kv,
 )
+from omni.kv import KVLayout, KVStore, TierConfig, block_keys
+from omni.transport.credentials import Credentials
+from omni.transport.errors import TransportError
 from omni.transport.movers import SharedMemoryHeader, host_id, unpack
 from omni.transport.rpc import Reply, RPCClient, RPCServer
 from omni.transport.security import ClusterToken
