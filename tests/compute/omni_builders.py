@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,10 @@ def hf_speech(model: Any, processor: Any, messages: list[dict[str, Any]], images
 
     model.code2wav.chunked_decode = recorded
     try:
-        with torch.inference_mode():
+        # transformers warns that the talker's repetition penalty sees only the codec tokens
+        # it generates: what `generate(return_audio=True)` does, and what Omni matches
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Passing `repetition_penalty`", UserWarning)
             sequences, wav = model.generate(
                 **inputs, return_audio=True, thinker_do_sample=False,
                 thinker_max_new_tokens=thinker_tokens, thinker_eos_token_id=ID["<|im_end|>"],
