@@ -181,7 +181,12 @@ class TalkerRun:
     def ready(self) -> bool:
         """Whether a step can take it now (prefilled, not done, its next text known)."""
         return (self.row is not None and not self.done and not self.cancelled
-                and self._text(len(self.generated) - 1) is not None)
+                and self._text_known(len(self.generated) - 1))
+
+    def _text_known(self, j: int) -> bool:
+        """Whether what step j adds is known: reply token j + 1, and whether it is the
+        last, are (token j + 2 is there, or the reply ended)."""
+        return self.ended or len(self.reply) >= j + 3
 
     def _text(self, j: int) -> Tensor | None:
         """What step j adds, as transformers lays out `trailing_text_hidden`: the projected
@@ -189,7 +194,7 @@ class TalkerRun:
         first end-of-sequence token, should one come earlier), `<tts_pad>` past either; None
         while unknown (reply token j + 1, and whether it is the last, are not known yet)."""
         known = len(self.reply)
-        if not self.ended and known < j + 3:
+        if not self._text_known(j):
             return None
         if self.ended and j >= known - 1:
             return self.prompt.pad
@@ -441,8 +446,7 @@ class SpeechSession:
     async def _audio(self) -> list[np.ndarray]:
         """Step the batch while this reply can go on; its new frames through code2wav."""
         assert self.run is not None
-        while self.run.ready:
-            await self.talker.step()
+        await self.talker.advance(self.run)
         frames = self.run.take_frames()
         if not frames:
             return []
@@ -492,11 +496,16 @@ class Talker:
         async with self._lock:
             await run_in_worker(self.batch.drop_finished)
 
-    async def step(self) -> None:
-        """One step of every reply that can go on (the other sessions' frames wait in
-        their runs)."""
+    async def advance(self, run: TalkerRun) -> None:
+        """Step the batch (every reply that can go on: the other sessions' frames wait in
+        their runs) until `run` cannot go on, in one worker thread hop."""
+        def steps() -> None:
+            while run.ready:
+                self.batch.step()
+
         async with self._lock:
-            await run_in_worker(self.batch.step)
+            if run.ready:
+                await run_in_worker(steps)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32,

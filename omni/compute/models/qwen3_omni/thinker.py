@@ -16,6 +16,8 @@ Video is not served (a `Video` segment does not exist yet); neither is audio ins
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from omni.compute.prompt import Audio, Image, PromptTokens
 __all__ = ["MediaLayout", "Qwen3OmniMedia", "mrope_positions"]
 
 SAMPLE_RATE = 16_000  # the feature extractor's (Whisper's) rate
+ENCODED_KEPT = 16  # media encodings kept (by content digest)
 
 
 class Qwen3OmniMedia:
@@ -70,6 +73,8 @@ class Qwen3OmniMedia:
         self.audio_tower = load_module(hf.Qwen3OmniMoeAudioEncoder, config.audio_config, root,
                                        "thinker.audio_tower.", dtype, self.device)
         self._output_lengths = hf._get_feat_extract_output_lengths
+        self._encoded: OrderedDict[tuple[str, bytes], Encoded] = OrderedDict()
+        self._lock = threading.Lock()  # encode runs in worker threads
 
     # -- how a segment is laid out ----------------------------------------------------------
 
@@ -99,10 +104,21 @@ class Qwen3OmniMedia:
 
     @torch.inference_mode()
     def encode(self, segment: Image | Audio) -> Encoded:
-        """A segment's embeddings (and an image's deepstack features) from the towers."""
-        if isinstance(segment, Image):
-            return self._encode_image(segment)
-        return self._encode_audio(segment)
+        """A segment's embeddings (and an image's deepstack features) from the towers; the
+        last `ENCODED_KEPT` items' are kept by content digest (a prompt's media are encoded
+        once for its prefill and for the talker's context)."""
+        key = (type(segment).__name__, segment.digest)
+        with self._lock:
+            if key in self._encoded:
+                self._encoded.move_to_end(key)
+                return self._encoded[key]
+        encoded = (self._encode_image(segment) if isinstance(segment, Image)
+                   else self._encode_audio(segment))
+        with self._lock:
+            self._encoded[key] = encoded
+            while len(self._encoded) > ENCODED_KEPT:
+                self._encoded.popitem(last=False)
+        return encoded
 
     def _encode_image(self, image: Image) -> Encoded:
         inputs = self.image_processor(images=[np.asarray(image.pixels)], return_tensors="pt")
