@@ -294,8 +294,6 @@ class Dialogue:
             prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
                              *message])
         tokens = self.engine.prepare(prompt)
-        context = (await trio.to_thread.run_sync(thinker_context, self.engine, tokens)
-                   if QWEN3_OMNI else None)
         before = self._kv_counters()
         number = session.turns + 1
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
@@ -309,13 +307,14 @@ class Dialogue:
         async with contextlib.aclosing(stream):
             async for token_id in stream:
                 if not reply:  # the prefill is done: how much of the prompt came from the store
+                    context = await _context(self.engine, tokens, turn.salt)
                     yield Started(turn.session, number, len(tokens), stream.cached_tokens,
                                   trimmed, context=context, talker=talker)
                 reply.append(token_id)
                 yield Token(token_id, embed=_embedding(self.engine, token_id))
         if not reply:
             yield Started(turn.session, number, len(tokens), stream.result.cached_tokens,
-                          trimmed, context=context, talker=talker)
+                          trimmed)
         # The reply goes into the history as the generated ids, not as re-tokenized text:
         # the next turn's prompt then has exactly the tokens whose pages were just stored.
         # (With a chat template the history is text the template renders anew each turn:
@@ -414,6 +413,14 @@ def _content(text: str, media: tuple) -> list[dict]:
     parts = [{"type": "image", "image": m} if isinstance(m, Image) else
              {"type": "audio", "audio": m} for m in media]
     return [*parts, {"type": "text", "text": text}]
+
+
+async def _context(engine: TorchEngine, tokens: Any, salt: str) -> Any:
+    """What Qwen3-Omni's talker reads of a prompt the thinker has just prefilled (None for
+    another model)."""
+    if not QWEN3_OMNI:
+        return None
+    return await trio.to_thread.run_sync(thinker_context, engine, tokens, salt)
 
 
 def _embedding(engine: TorchEngine, token_id: int) -> Any:
@@ -583,9 +590,6 @@ class Chat:
                                sample.finish_reason, {}, index=i)
             return
         context = None
-        if request.audio and QWEN3_OMNI:  # what the talker reads of the prompt
-            tokens = self.engine.prepare(prompt)
-            context = await trio.to_thread.run_sync(thinker_context, self.engine, tokens)
         talker = {"max_new_tokens": _talker_frames(params.max_new_tokens),
                   **(request.stages or {}).get("talker", {})}
         stream = self.engine.stream(prompt, params, cache_salt=request.cache_salt)
@@ -594,6 +598,9 @@ class Chat:
             async for token_id in stream:
                 if not started:
                     started = True
+                    if request.audio:  # what the talker reads of the prompt (prefilled now)
+                        context = await _context(self.engine, self.engine.prepare(prompt),
+                                                 request.cache_salt)
                     yield Started("", 0, stream.prompt_tokens, stream.cached_tokens, 0,
                                   speak=request.audio, context=context,
                                   voice=request.voice, talker=talker)

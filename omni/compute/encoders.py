@@ -35,7 +35,9 @@ class Encoded:
 
 
 class MediaEncoders(Protocol):
-    """A model's media side (see the module docstring)."""
+    """A model's media side (see the module docstring). One may also name a `tap_layer`
+    (an int attribute): the runner then keeps the hidden states after that layer at each
+    media item's positions from the prefills (`ModelRunner.media_hidden`)."""
 
     def num_positions(self, segment: Image | Audio) -> int: ...
 

@@ -14,10 +14,13 @@ order and moves them as the scheduler does when one leaves (checking that they a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni.compute._batch import BatchKV
@@ -34,6 +37,7 @@ __all__ = ["ModelRunner"]
 
 log = logging.getLogger("omni.compute")
 
+MEDIA_HIDDEN_KEPT = 64  # media items whose tapped hidden states a runner keeps
 PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
 STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
 
@@ -66,6 +70,11 @@ class ModelRunner:
         # the checkpoint's encoders, or the built-in ones (one small projection each, on the
         # CPU in float32); embeddings move to the model's device and dtype (`prompt_inputs`)
         self.media: MediaEncoders = media or BuiltinEncoders(config.hidden_size, seed)
+        # a model whose media encoders name a layer (Qwen3-Omni's talker reads the thinker's
+        # hidden states there at media positions): those rows are kept from each prefill,
+        # the last MEDIA_HIDDEN_KEPT items', keyed by everything before them (`_media_key`)
+        self.tap_layer: int | None = getattr(self.media, "tap_layer", None)
+        self._media_hidden: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
                              scheduler.max_batch, self.dtype, self.device)
         self._sampler = TokenSampler()
@@ -164,7 +173,13 @@ class ModelRunner:
         positions = self._prompt_positions(r, start)
         began = time.perf_counter()
         embeds, deepstack = self.prompt_inputs(r.tokens, start)
-        hidden, new_kv = self.model.forward(embeds, positions, past, deepstack=deepstack)
+        if self.tap_layer is not None and r.tokens.media:
+            taps: dict[int, torch.Tensor | None] = {self.tap_layer: None}
+            hidden, new_kv = self.model.forward(embeds, positions, past, deepstack=deepstack,
+                                                taps=taps)
+            self._keep_media_hidden(r, start, taps[self.tap_layer])
+        else:
+            hidden, new_kv = self.model.forward(embeds, positions, past, deepstack=deepstack)
         self._note_prefill(time.perf_counter() - began, len(ids) - start)
         self.counts["prefills"] += 1
         self.counts["prefill_tokens"] += len(ids) - start
@@ -230,6 +245,46 @@ class ModelRunner:
             return torch.arange(start, len(ids), device=self.device)[None]
         r.position_offset = int(multimodal.max()) + 1 - len(ids)
         return multimodal[:, None, start:].to(self.device)
+
+    def _keep_media_hidden(self, r: _Request, start: int, rows: torch.Tensor | None) -> None:
+        """Keep the tapped rows [1, T - start, E] of each media item this prefill computed
+        whole (an item partly in the cached prefix is not kept)."""
+        if rows is None:
+            return
+        for item in r.tokens.media:
+            if item.start < start:
+                continue
+            key = self._media_key(r.tokens, item.start + item.length, r.cache_salt)
+            span = slice(item.start - start, item.start + item.length - start)
+            self._media_hidden[key] = rows[0, span].clone()
+            self._media_hidden.move_to_end(key)
+        while len(self._media_hidden) > MEDIA_HIDDEN_KEPT:
+            self._media_hidden.popitem(last=False)
+
+    def media_hidden(self, tokens: PromptTokens, cache_salt: str = ""
+                     ) -> dict[int, torch.Tensor] | None:
+        """The tapped hidden states of each media item of a prompt an earlier prefill
+        computed ({item start: rows [length, E]}); None when one is not kept (then
+        `hidden_at` computes them)."""
+        found = {}
+        for item in tokens.media:
+            rows = self._media_hidden.get(
+                self._media_key(tokens, item.start + item.length, cache_salt))
+            if rows is None:
+                return None
+            found[item.start] = rows
+        return found
+
+    def _media_key(self, tokens: PromptTokens, end: int, cache_salt: str) -> bytes:
+        """What determines the hidden states of positions before `end`: the model, the salt,
+        the ids and the media digests (and places) up to there."""
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr((self.model_id, cache_salt, end)).encode())
+        digest.update(np.asarray(tokens.token_ids[:end], dtype=np.int64).tobytes())
+        for item in tokens.media:
+            if item.start < end:
+                digest.update(item.start.to_bytes(8, "little") + item.segment.digest)
+        return digest.digest()
 
     @torch.inference_mode()
     def hidden_at(self, tokens: PromptTokens, layer: int) -> torch.Tensor:

@@ -68,19 +68,24 @@ def _omni_media(engine: TorchEngine) -> Qwen3OmniMedia:
 
 
 @torch.inference_mode()
-def thinker_context(engine: TorchEngine, tokens: PromptTokens) -> ThinkerContext:
-    """What the talker reads of a prompt the thinker `engine` answers (run it in a worker
-    thread: with media it computes the prompt's first layers again, see
-    `ModelRunner.hidden_at`)."""
+def thinker_context(engine: TorchEngine, tokens: PromptTokens,
+                    cache_salt: str = "") -> ThinkerContext:
+    """What the talker reads of a prompt the thinker `engine` answers. Its media hidden
+    states come from the thinker's prefill of the prompt (call this after it: after the
+    reply's first token; `cache_salt` the request's); should they be gone, the prompt's
+    first layers are computed again (`ModelRunner.hidden_at`: run this in a worker thread)."""
     media = _omni_media(engine)
     runner = engine.runner
     ids = torch.tensor(tokens.token_ids, device=engine.device)
     inputs = runner.model.embed(ids)
     if tokens.media:
-        hidden = runner.hidden_at(tokens, media.accept_hidden_layer)
+        kept = runner.media_hidden(tokens, cache_salt)
+        if kept is None:
+            hidden = runner.hidden_at(tokens, media.tap_layer)
+            kept = {item.start: hidden[item.start:item.start + item.length]
+                    for item in tokens.media}
         for item in tokens.media:
-            span = slice(item.start, item.start + item.length)
-            inputs[span] = hidden[span]
+            inputs[item.start:item.start + item.length] = kept[item.start]
     specials = runner.model.embed(torch.tensor(media.tts_token_ids, device=engine.device))
     return ThinkerContext(tokens.token_ids, media.layout(tokens), inputs.cpu(), specials.cpu())
 
@@ -112,7 +117,6 @@ class _SuppressControls:
         logits[:, max(0, logits.shape[-1] - SUPPRESSED):] = float("-inf")
         logits[:, self.eos] = keep
         return logits
-
 
 
 class TalkerRun:
@@ -555,10 +559,18 @@ class Talker:
         """Speak a reply as the thinker writes it (`reply`: its tokens, say from
         `engine.stream(prompt, ...)`): audio chunks as soon as they decode."""
         tokens = engine.prepare(prompt)
+        self.model.speaker_id(voice)  # an unknown voice fails before any work
+        source = aiter(reply)
+        first = await anext(source, None)
+        if first is None:
+            return  # an empty reply says nothing
+        # after the reply's first token: the thinker's prefill kept what the talker reads
         context = await run_in_worker(thinker_context, engine, tokens)
         session = self.session(context, voice=voice, sampling=sampling)
         try:
-            async for token in reply:
+            for chunk in await session.feed(first, reply_embeddings(engine, [first])[0]):
+                yield chunk
+            async for token in source:
                 for chunk in await session.feed(token, reply_embeddings(engine, [token])[0]):
                     yield chunk
             for chunk in await session.finish():

@@ -302,3 +302,36 @@ async def test_the_talker_reuses_earlier_turns_and_still_speaks_as_transformers(
     assert reply2.token_ids == expected_reply
     assert speech.waveform.shape == tuple(expected_wav.shape)
     assert np.abs(speech.waveform - expected_wav.numpy()).max() <= 1e-4
+
+
+async def test_the_talkers_context_reads_what_the_prefill_kept(checkpoint: Path,
+                                                               monkeypatch: Any) -> None:
+    """The thinker's hidden states at media positions (what the talker reads) are kept from
+    the prefill, equal to computing them again, and found for a later turn whose prefill
+    read those positions from the store: the prompt's layers are not run again."""
+    from omni.compute.talker import thinker_context
+
+    engine = TorchEngine.from_pretrained(checkpoint)
+    turn1 = [user(*CASES["image+audio"])]
+    tokens = engine.prepare(engine.chat_prompt(turn1))
+    assert engine.runner.media_hidden(tokens) is None  # nothing prefilled yet
+    reply = await engine.chat(turn1, GREEDY)
+    kept = engine.runner.media_hidden(tokens)
+    again = engine.runner.hidden_at(tokens, engine.media.tap_layer)
+    for item in tokens.media:
+        torch.testing.assert_close(kept[item.start],
+                                   again[item.start:item.start + item.length])
+    assert engine.runner.media_hidden(tokens, cache_salt="another tenant") is None
+    turn2 = [*turn1, {"role": "assistant", "content": reply.text}, user(text("And?"))]
+    later = engine.prepare(engine.chat_prompt(turn2))
+    second = await engine.chat(turn2, GREEDY)
+    assert second.cached_tokens > tokens.media[-1].start + tokens.media[-1].length
+
+    def no_recompute(*args: Any) -> None:
+        raise AssertionError("the prompt's layers ran again")
+
+    monkeypatch.setattr(engine.runner, "hidden_at", no_recompute)
+    context = thinker_context(engine, later)
+    for item in later.media:
+        torch.testing.assert_close(context.inputs[item.start:item.start + item.length],
+                                   kept[item.start])

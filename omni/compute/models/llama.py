@@ -234,8 +234,8 @@ class DecoderLM(nn.Module):
         return self.embed_tokens(token_ids)
 
     def forward(self, hidden: Tensor, positions: Tensor, past: KVList | None = None,
-                mask: Tensor | None = None,
-                deepstack: Tensor | None = None) -> tuple[Tensor, KVList]:
+                mask: Tensor | None = None, deepstack: Tensor | None = None,
+                taps: dict[int, Tensor | None] | None = None) -> tuple[Tensor, KVList]:
         """Run the new tokens through every layer.
 
         Args:
@@ -251,6 +251,9 @@ class DecoderLM(nn.Module):
             deepstack: [k, B, T, E] added to the hidden states after each of the first k
                 layers (Qwen3-Omni's deepstack visual features; zero away from image positions),
                 or None.
+            taps: layers whose hidden states to keep, as `hidden_at` defines them: each key
+                `layer` gets its value set to transformers' ``output_hidden_states[layer]`` of
+                the new tokens [B, T, E] (what Qwen3-Omni's talker reads of the thinker).
 
         Returns:
             (hidden [B, T, E] after the final norm, per layer the new tokens' (k, v) [B, Hkv, T, D]
@@ -264,12 +267,19 @@ class DecoderLM(nn.Module):
         mask = self._attention_mask(mask, hidden.shape[1], num_past, hidden.device)
         new_kv: KVList = []
         x = hidden
+        if taps is not None and 0 in taps:
+            taps[0] = x
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, cos, sin, None if past is None else past[i], mask)
+            if taps is not None and i + 1 in taps:
+                taps[i + 1] = x  # before deepstack, as transformers records it
             if deepstack is not None and i < len(deepstack):
                 x = x + deepstack[i]
             new_kv.append(kv)
-        return self.norm(x), new_kv
+        out = self.norm(x)
+        if taps is not None and self.config.num_layers in taps:
+            taps[self.config.num_layers] = out
+        return out, new_kv
 
     def hidden_at(self, layer: int, hidden: Tensor, positions: Tensor,
                   deepstack: Tensor | None = None) -> Tensor:

@@ -59,8 +59,9 @@ class Qwen3OmniMedia:
                                     "checkpoint needs its image processor and feature extractor")
         whole = load_config(root)
         config = self.config = whole.thinker_config
-        # what the talker reads of the thinker (`omni.compute.talker.thinker_context`)
-        self.accept_hidden_layer = int(whole.talker_config.accept_hidden_layer)
+        # what the talker reads of the thinker (`omni.compute.talker.thinker_context`): the
+        # hidden states after this layer at media positions (kept by the runner's prefill)
+        self.tap_layer = int(whole.talker_config.accept_hidden_layer)
         self.tts_token_ids = (int(whole.tts_bos_token_id), int(whole.tts_eos_token_id),
                               int(whole.tts_pad_token_id))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(root)
