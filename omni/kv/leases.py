@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from omni._shm import process_alive, process_start_time
 from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 
@@ -62,7 +63,7 @@ class LeaseTable:
         arena = Arena.create(table_name(store_id), (capacity + 1) * LeaseRecord.itemsize)
         table = cls(arena, owner=True)
         pid = os.getpid()
-        table.records[0] = (_OWNER, pid, _start_time(pid))
+        table.records[0] = (_OWNER, pid, process_start_time(pid))
         return table
 
     @classmethod
@@ -120,27 +121,6 @@ class LeaseTable:
         self.arena.close()
 
 
-def _start_time(pid: int) -> int:
-    """When process `pid` started (clock ticks since boot), or 0 where that is not known."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # the 22nd field; the first two (pid, comm) are before ")"
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def _owner_alive(pid: int, started: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    now = _start_time(pid)
-    return not (started and now and now != started)  # not a reused pid
-
-
 def reclaim_dead_stores() -> list[str]:
     """Unlink the arenas and lease tables of stores whose owner process is gone; their names.
 
@@ -157,7 +137,7 @@ def reclaim_dead_stores() -> list[str]:
         if len(head) < LeaseRecord.itemsize:
             continue
         marker, pid, started = np.frombuffer(head, dtype=LeaseRecord)[0].tolist()
-        if marker != _OWNER or _owner_alive(pid, started):
+        if marker != _OWNER or process_alive(pid, started):
             continue
         store_id = table.name[len("omni-"):-len("-leases")]
         for path in [*folder.glob(f"omni-{store_id}-*")]:

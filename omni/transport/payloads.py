@@ -50,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from omni._shm import shm_directory
+from omni._shm import process_alive, shm_directory
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
@@ -497,7 +497,7 @@ def reclaim_dead_segments() -> int:
     removed = 0
     for path in shm_directory().glob("omni-pay-*"):
         pid = path.name.split("-")[2]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or process_alive(int(pid)):
             continue
         try:
             path.unlink()
@@ -505,16 +505,6 @@ def reclaim_dead_segments() -> int:
         except FileNotFoundError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's: alive
-    return True
 
 
 _mover: PayloadMover | None = None
