@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 import trio
-from PIL import Image
 
 from omni.serve.openai import ChatPolicy
 from tests.serve._inproc import listening, served
+from tests.serve._media import png_data_url, wav_base64
 from tests.serve._server import ROOT
 
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
@@ -111,12 +111,6 @@ async def test_a_spoken_stream_sends_pcm_deltas_and_the_transcript(
     assert pcm == base64.b64decode(whole.choices[0].message.audio.data) and pcm
 
 
-def png_data_url(pixels: np.ndarray) -> str:
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-
-
 async def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(
         client: openai.AsyncOpenAI) -> None:
     text_only = await client.chat.completions.create(model="chat", messages=user("What is it?"),
@@ -127,16 +121,6 @@ async def test_an_image_from_a_data_url_takes_its_place_in_the_prompt(
     with_image = await client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": content}], **GREEDY)
     assert with_image.usage.prompt_tokens > text_only.usage.prompt_tokens
-
-
-def wav_base64(samples: np.ndarray, rate: int = 16000) -> str:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as wav:
-        wav.setnchannels(1)
-        wav.setsampwidth(2)
-        wav.setframerate(rate)
-        wav.writeframes((samples * 32767).astype("<i2").tobytes())
-    return base64.b64encode(out.getvalue()).decode()
 
 
 async def test_input_audio_takes_its_place_in_the_prompt(client: openai.AsyncOpenAI) -> None:

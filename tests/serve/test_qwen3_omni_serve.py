@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from PIL import Image as PILImage
 
 from tests.compute.omni_builders import (
     hf_model,
@@ -26,29 +25,15 @@ from tests.compute.omni_builders import (
     save_omni_checkpoint,
 )
 from tests.serve._inproc import served
+from tests.serve._media import png_data_url, wav_base64
 from tests.serve._server import ROOT
 
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
 IMAGE = (np.random.default_rng(0).random((40, 72, 3)) * 255).astype(np.uint8)
-PCM = (np.random.default_rng(1).standard_normal(16_000) * 0.1 * 32767).astype(np.int16)
-AUDIO = PCM.astype(np.float32) / 32768.0  # what the server hears in the WAV below
+CLIP = (np.random.default_rng(1).standard_normal(16_000) * 0.1).astype(np.float32)
+# what the server hears of CLIP sent as a 16-bit WAV (`wav_base64`)
+AUDIO = (CLIP * 32767).astype("<i2").astype(np.float32) / 32768.0
 TALKER = {"temperature": 0, "max_new_tokens": 20, "min_new_tokens": 5}
-
-
-def png_url(pixels: np.ndarray) -> str:
-    out = io.BytesIO()
-    PILImage.fromarray(pixels).save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-
-
-def wav_b64(pcm: np.ndarray, rate: int = 16_000) -> str:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(pcm.tobytes())
-    return base64.b64encode(out.getvalue()).decode()
 
 
 def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
@@ -59,8 +44,8 @@ def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
 
 def request(**extra: Any) -> dict[str, Any]:
     messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": png_url(IMAGE)}},
-        {"type": "input_audio", "input_audio": {"data": wav_b64(PCM), "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": png_data_url(IMAGE)}},
+        {"type": "input_audio", "input_audio": {"data": wav_base64(CLIP), "format": "wav"}},
         {"type": "text", "text": "What do you hear?"}]}]
     return {"model": "chat", "messages": messages, "max_tokens": 8, "temperature": 0,
             "modalities": ["text", "audio"], "audio": {"voice": "Chelsie", "format": "wav"},
@@ -120,7 +105,7 @@ def test_the_dialogue_hears_sees_and_speaks(checkpoint: Path, tmp_path: Path) ->
     from tests._cli import run_omni
 
     np.save(tmp_path / "image.npy", IMAGE)
-    (tmp_path / "clip.wav").write_bytes(base64.b64decode(wav_b64(PCM)))
+    (tmp_path / "clip.wav").write_bytes(base64.b64decode(wav_base64(CLIP)))
     turns = [{"session": "a", "text": "What do you hear?", "audio": "clip.wav",
               "image": "image.npy", "max_tokens": 8},
              {"session": "a", "text": "And then?", "max_tokens": 8}]
