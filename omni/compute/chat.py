@@ -29,6 +29,7 @@ __all__ = ["ChatTemplate", "load_chat_templates"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"  # a processor's, before chat_template.jinja
 # Names a message's reasoning may come under; templates read the first (transformers aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -107,8 +108,13 @@ def load_chat_templates(directory: str | Path,
     """The chat template(s) of a checkpoint directory, or None when it has none.
 
     `chat_template.jinja` (the "default") and `additional_chat_templates/NAME.jinja` take
-    precedence over the `chat_template` entry of `tokenizer_config.json` (a string, or a list of
+    precedence over a processor's legacy `chat_template.json` (``{"chat_template": ...}``: a
+    multimodal checkpoint's, e.g. Qwen3-Omni's, whose template renders image and audio parts),
+    then over the `chat_template` entry of `tokenizer_config.json` (a string, or a list of
     ``{"name", "template"}``), as in transformers.
+
+    Raises:
+        ValueError: an unreadable `chat_template.json`.
     """
     root = Path(directory)
     found: dict[str, str] = {}
@@ -119,6 +125,14 @@ def load_chat_templates(directory: str | Path,
             found[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
     if found:
         return found["default"] if list(found) == ["default"] else found
+    legacy = root / LEGACY_CHAT_TEMPLATE_FILE
+    if legacy.is_file():
+        try:
+            template = json.loads(legacy.read_text(encoding="utf-8"))["chat_template"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read {legacy}: {exc!r}") from None
+        if isinstance(template, str):
+            return template
     entry = (tokenizer_config or {}).get("chat_template")
     if entry is None or isinstance(entry, str):
         return entry

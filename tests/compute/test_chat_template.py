@@ -195,3 +195,25 @@ def test_named_templates_pick_default_or_tool_use(tmp_path: Path) -> None:
     ours = load_tokenizer(directory)
     assert ours.apply_chat_template(MESSAGES, tools=tools, tokenize=False) == \
         theirs.apply_chat_template(MESSAGES, tools=tools, tokenize=False)
+
+
+def test_a_processors_chat_template_json_comes_before_the_tokenizers(tmp_path: Path) -> None:
+    """A multimodal checkpoint (Qwen3-Omni's) keeps its template, the one that renders image
+    and audio parts, in the processor's legacy chat_template.json: it is the one used, over
+    tokenizer_config.json's; a chat_template.jinja would come first. A broken one is named."""
+    directory = save_tokenizer(tmp_path, "TEXT ONLY " + CHATML)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = "TEXT ONLY " + CHATML
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    legacy = json.dumps({"chat_template": "MEDIA " + CHATML})
+    (directory / "chat_template.json").write_text(legacy)
+    rendered = load_tokenizer(directory).apply_chat_template(MESSAGES, tokenize=False)
+    assert rendered.startswith("MEDIA ")
+    (directory / "chat_template.jinja").write_text("JINJA " + CHATML)
+    assert load_tokenizer(directory).apply_chat_template(MESSAGES, tokenize=False).startswith(
+        "JINJA ")
+    (directory / "chat_template.jinja").unlink()
+    (directory / "chat_template.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"chat_template\.json"):
+        load_tokenizer(directory)
