@@ -335,3 +335,24 @@ async def test_the_talkers_context_reads_what_the_prefill_kept(checkpoint: Path,
     for item in later.media:
         torch.testing.assert_close(context.inputs[item.start:item.start + item.length],
                                    kept[item.start])
+
+
+async def test_an_abandoned_reply_gives_its_talker_row_back(checkpoint: Path) -> None:
+    """A reply closed before its end (a client gone) frees its row and its place in the
+    batch's limit: the next reply finds one."""
+    from omni.compute.talker import reply_embeddings, thinker_context
+
+    engine = TorchEngine.from_pretrained(checkpoint)
+    talker = Talker.from_pretrained(checkpoint, max_batch=1)
+    prompt = engine.chat_prompt([user(*CASES["text"])])
+    reply = (await engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=6))
+             ).token_ids
+    context = thinker_context(engine, engine.prepare(prompt))
+    embeds = reply_embeddings(engine, list(reply))
+    abandoned = talker.session(context, sampling=TALKER)
+    for i in range(3):
+        await abandoned.feed(reply[i], embeds[i])
+    assert len(talker.batch.runs) == 1
+    abandoned.close()
+    speech = await talker.speak(engine, prompt, reply, sampling=TALKER)  # waits for no row
+    assert speech.codes.shape[1] > 0 and not talker.batch.runs
