@@ -14,7 +14,10 @@ caches it. k = 2 roles hold the prompt's KV.
 The dialogue (examples/omni_dialogue.py) is not measured: only its LLM attends to the
 prompt's KV (the speech decoder turns token ids into audio and keeps none), so k = 1 and both
 designs keep one copy by construction. "Omni's KV <= 1/1 of the separate services'" could not
-fail, and a claim that cannot fail is not made.
+fail, and a claim that cannot fail is not made. Nor is Qwen3-Omni's thinker and talker a
+k = 2 case: the talker attends over its own model's KV of its own prompt and reads the
+thinker through hidden states passed as stage values (as vLLM-Omni's and SGLang-Omni's stages
+pass them), so neither design keeps a second copy of the thinker's KV to save.
 
 Every variant's process is spawned (nothing of this process's memory in it) and runs the
 request once; the separate services run one after the other, each in its own process, and
