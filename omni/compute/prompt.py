@@ -187,10 +187,9 @@ def _decode_file(path: str) -> np.ndarray:
         return _decode_bytes(f.read())
 
 
-def tokenize(prompt: Prompt, encode: Any | None, media: Any | None = None) -> PromptTokens:
+def tokenize(prompt: Prompt, encode: Any | None, media: Any) -> PromptTokens:
     """Flatten a prompt: text through `encode` (str -> ids), media as placeholder runs, as
-    many positions and of the id the model's `media` encoders say (None: the built-in
-    encoders' counts and id 0).
+    many positions and of the id the model's `media` encoders say (a `MediaEncoders`).
 
     Raises:
         ValueError: a text segment is a string but there is no tokenizer.
@@ -208,18 +207,14 @@ def tokenize(prompt: Prompt, encode: Any | None, media: Any | None = None) -> Pr
                 ids.extend(segment.content)
             continue
         kind = "image" if isinstance(segment, Image) else "audio"
-        n = _positions(segment, media)
+        n = media.num_positions(segment)
         items.append(MediaItem(kind, len(ids), n, segment))
-        ids.extend([0 if media is None else media.placeholder(segment)] * n)
+        ids.extend([media.placeholder(segment)] * n)
     return PromptTokens(tuple(ids), tuple(items))
 
 
-def _positions(segment: Image | Audio, media: Any | None) -> int:
-    return segment.num_positions if media is None else media.num_positions(segment)
-
-
 def tokenize_for_model(prompt: Prompt, encode: Any | None, context: int,
-                       vocab_size: int, media: Any | None = None) -> PromptTokens:
+                       vocab_size: int, media: Any) -> PromptTokens:
     """`tokenize`, refusing (ValueError) an empty prompt, one as long as the model's
     `context` or longer, and token ids outside its vocabulary."""
     tokens = tokenize(prompt, encode, media)
@@ -235,14 +230,15 @@ def tokenize_for_model(prompt: Prompt, encode: Any | None, context: int,
 
 
 def check_length(prompt: Prompt, context: int, max_token_chars: int | None,
-                 media: Any | None = None) -> int:
+                 media: Any) -> int:
     """The prompt's characters of text; ValueError when they alone prove it as long as the
     model's `context` or longer (no tokenizer runs: a hostile 30 MB prompt costs a sum of
-    lengths). `max_token_chars`: the most characters one token covers (None: unknown)."""
+    lengths). `max_token_chars`: the most characters one token covers (None: unknown);
+    `media`: the model's `MediaEncoders`, which count the positions of its images and audio."""
     chars = fewest = 0  # characters of text; tokens at least (ids and media: exactly)
     for segment in prompt.segments:
         if not isinstance(segment, Text):
-            fewest += _positions(segment, media)
+            fewest += media.num_positions(segment)
         elif isinstance(segment.content, str):
             chars += len(segment.content)
         else:

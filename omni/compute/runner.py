@@ -14,28 +14,25 @@ order and moves them as the scheduler does when one leaves (checking that they a
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import time
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni.compute._batch import BatchKV
 from omni.compute._engine_types import _Request
+from omni.compute._prefix import load_prefix, store_pages
 from omni.compute.encoders import BuiltinEncoders, MediaEncoders
 from omni.compute.models import DecoderLM
 from omni.compute.prompt import PromptTokens
 from omni.compute.sampling import TokenSampler, TokenSamplingState
 from omni.compute.scheduler import Scheduler, StepPlan
 from omni.compute.tokenizer import Tokenizer
-from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys
+from omni.kv import KVStore, MediaSpan, block_keys
 
 __all__ = ["ModelRunner"]
 
-log = logging.getLogger("omni.compute")
 
 MEDIA_HIDDEN_KEPT = 64  # media items whose tapped hidden states a runner keeps
 PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
@@ -205,18 +202,8 @@ class ModelRunner:
 
     def _load_cached_prefix(self, r: _Request) -> None:
         """Copy the longest cached prefix's pages into the request's batch row."""
-        if self.store is None:
-            return
-        usable = self.reusable_keys(r)
-        try:
-            lease = self.store.acquire(usable[: self.store.match(usable)])
-        except KVCapacityError as exc:  # the store cannot lend them now: recompute
-            log.warning("KV prefix not reused: %s", exc)
-            return
-        with lease:
-            if len(lease):
-                self.batch.write_pages(r.row, lease.pages)
-                r.cached_tokens = len(lease) * self.page_size
+        r.cached_tokens = load_prefix(self.store, self.batch, int(r.row),  # type: ignore[arg-type]
+                                      self.reusable_keys(r), self.page_size)
 
     def _note_prefill(self, seconds: float, tokens: int) -> None:
         """Fold one prefill's wall time per page into the recompute-cost estimate."""
@@ -236,15 +223,19 @@ class ModelRunner:
         return int(self._sampler.step(logits, TokenSamplingState([r.sampling]))[0])
 
     def _prompt_positions(self, r: _Request, start: int) -> torch.Tensor:
-        """RoPE positions of the prompt's tokens from `start` on: [1, T'] or, for a model
-        with multimodal positions and a prompt with media, [3, 1, T'] (and the request's
-        decode positions run on from the largest, `position_offset`)."""
-        ids = r.tokens.token_ids
-        multimodal = self.media.positions(r.tokens) if r.tokens.media else None
+        """RoPE positions of the prompt's tokens from `start` on (see `_positions`); the
+        request's decode positions run on from the largest (`position_offset`)."""
+        positions = self._positions(r.tokens)
+        r.position_offset = int(positions.max()) + 1 - len(r.tokens)
+        return positions[..., start:]
+
+    def _positions(self, tokens: PromptTokens) -> torch.Tensor:
+        """RoPE positions of a prompt: [1, T], or [3, 1, T] for a model with multimodal
+        positions and a prompt with media."""
+        multimodal = self.media.positions(tokens) if tokens.media else None
         if multimodal is None:
-            return torch.arange(start, len(ids), device=self.device)[None]
-        r.position_offset = int(multimodal.max()) + 1 - len(ids)
-        return multimodal[:, None, start:].to(self.device)
+            return torch.arange(len(tokens), device=self.device)[None]
+        return multimodal[:, None].to(self.device)
 
     def _keep_media_hidden(self, r: _Request, start: int, rows: torch.Tensor | None) -> None:
         """Keep the tapped rows [1, T - start, E] of each media item this prefill computed
@@ -277,14 +268,11 @@ class ModelRunner:
 
     def _media_key(self, tokens: PromptTokens, end: int, cache_salt: str) -> bytes:
         """What determines the hidden states of positions before `end`: the model, the salt,
-        the ids and the media digests (and places) up to there."""
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr((self.model_id, cache_salt, end)).encode())
-        digest.update(np.asarray(tokens.token_ids[:end], dtype=np.int64).tobytes())
-        for item in tokens.media:
-            if item.start < end:
-                digest.update(item.start.to_bytes(8, "little") + item.segment.digest)
-        return digest.digest()
+        the ids and the media up to there (one page key of `end` tokens)."""
+        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media
+                 if m.start < end]
+        extra = (self.model_id, "hidden", cache_salt)
+        return block_keys(tokens.token_ids[:end], end, extra=extra, media=spans)[0]
 
     @torch.inference_mode()
     def hidden_at(self, tokens: PromptTokens, layer: int) -> torch.Tensor:
@@ -292,10 +280,7 @@ class ModelRunner:
         `DecoderLM.hidden_at`), computed over the whole prompt (no cached KV is read: the
         store keeps KV, not hidden states)."""
         embeds, deepstack = self.prompt_inputs(tokens)
-        multimodal = self.media.positions(tokens) if tokens.media else None
-        positions = (torch.arange(len(tokens), device=self.device)[None] if multimodal is None
-                     else multimodal[:, None].to(self.device))
-        return self.model.hidden_at(layer, embeds, positions, deepstack)[0]
+        return self.model.hidden_at(layer, embeds, self._positions(tokens), deepstack)[0]
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,
@@ -349,18 +334,10 @@ class ModelRunner:
 
     def _store_pages(self, r: _Request, ids: tuple[int, ...]) -> None:
         """Put the request's newly completed full pages into the store (best effort)."""
-        if self.store is None:
-            return
         full = r.length // self.page_size
-        if full <= r.stored_pages:
+        if self.store is None or full <= r.stored_pages:
             return
-        keys = self.page_keys(ids[: full * self.page_size], r.spans,
-                              r.cache_salt)[r.stored_pages:]
-        start = r.stored_pages * self.page_size
-        kv = self.batch.row_kv(r.row, 0, full * self.page_size)
-        pages = self.model.kv_to_pages(kv, start, self.page_size)
-        try:
-            self.store.put(keys, pages.contiguous())
-        except KVCapacityError as exc:
-            log.warning("KV pages not cached: %s", exc)
+        keys = self.page_keys(ids[: full * self.page_size], r.spans, r.cache_salt)
+        store_pages(self.store, self.batch, int(r.row), keys,  # type: ignore[arg-type]
+                    r.stored_pages, self.page_size)
         r.stored_pages = full

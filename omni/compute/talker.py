@@ -22,7 +22,6 @@ The talker reads them as transformers' `generate(return_audio=True)` does (see
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch import Tensor
 from omni._openmp import run_in_worker
 from omni.compute._batch import BatchKV
 from omni.compute._default_store import StoreOption, choose_store
+from omni.compute._prefix import load_prefix, store_pages
 from omni.compute.engine import TorchEngine
 from omni.compute.models.qwen3_omni import (
     CHUNK,
@@ -54,7 +54,7 @@ from omni.compute.sampling import (
     TokenSampler,
     TokenSamplingState,
 )
-from omni.kv import KVCapacityError, KVStore, MediaSpan, block_keys, media_digest
+from omni.kv import KVStore, MediaSpan, block_keys, media_digest
 
 __all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerBatch",
            "TalkerRun", "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
@@ -148,6 +148,8 @@ class TalkerRun:
             else sampling.sampling_seed + 1))
         self.predictor_state = RequestSamplingState(predictor)
         self.reply: list[int] = [prompt.first]  # its projection is in the prompt already
+        # the reply's first end-of-sequence token, where its text ends for the talker
+        self.eos_at: int | None = 0 if prompt.first in self.eos_ids else None
         self.embeds: list[Tensor | None] = [None]  # the reply tokens' thinker embeddings
         self.ended = self.cancelled = False
         self.generated: list[int] = []  # the talker's codec tokens
@@ -156,13 +158,14 @@ class TalkerRun:
         self.offset = int(prompt.positions.max()) + 1 - self.length  # M-RoPE's
         self.hidden: Tensor | None = None  # the talker's last hidden state [E]
         self.row: int | None = None  # in the batch
-        self.cached_tokens = 0  # of its prompt, read from the store
 
     def feed(self, token: int, embed: Tensor) -> None:
         """The reply's next token (the second on: the first is in the prompt) and its thinker
         input embedding [E]."""
         if self.ended:
             raise RuntimeError("the reply has ended")
+        if self.eos_at is None and token in self.eos_ids:
+            self.eos_at = len(self.reply)
         self.reply.append(int(token))
         self.embeds.append(embed)
 
@@ -202,9 +205,8 @@ class TalkerRun:
             return None
         if self.ended and j >= known - 1:
             return self.prompt.pad
-        eos_at = next((i for i, t in enumerate(self.reply) if t in self.eos_ids), None)
-        if eos_at is not None and j >= eos_at:
-            return self.prompt.eos if j == eos_at else self.prompt.pad
+        if self.eos_at is not None and j >= self.eos_at:
+            return self.prompt.eos if j == self.eos_at else self.prompt.pad
         if self.ended and j == known - 2:
             return self.prompt.eos
         return self.prompt.project(self.embeds[j + 1])
@@ -223,10 +225,9 @@ class TalkerBatch:
         self.store, self.page_size = store, page_size
         self.kv = BatchKV(config.num_layers, config.num_kv_heads, int(config.head_dim or 0),
                           max_batch, model.dtype, model.device)
-        self.prefill_tokens = self.cached_tokens = 0  # of the prompts added
+        self.cached_tokens = 0  # of the prompts added, read from the store
         self.runs: list[TalkerRun] = []  # by row
         self.sampler = TokenSampler()
-        self.steps = 0
         self.peak = 0  # the most runs one step took
 
     @torch.inference_mode()
@@ -239,16 +240,16 @@ class TalkerBatch:
         length = len(prompt.embeds)
         row = self.kv.open_row(length)
         keys = self._keys(prompt)
-        start = self._load_prefix(row, keys[: (length - 1) // self.page_size])
+        start = load_prefix(self.store, self.kv, row, keys[: (length - 1) // self.page_size],
+                            self.page_size)
         past = self.kv.row_kv(row, 0, start) if start else None
         hidden, new_kv = self.model.decoder.forward(
             prompt.embeds[None, start:], prompt.positions[:, None, start:], past)
         self.kv.extend(row, new_kv)
-        self.prefill_tokens += length - start
         self.cached_tokens += start
-        run.row, run.hidden, run.cached_tokens = row, hidden[0, -1], start
+        run.row, run.hidden = row, hidden[0, -1]
         self.runs.append(run)
-        self._store(row, keys, start)
+        store_pages(self.store, self.kv, row, keys, start // self.page_size, self.page_size)
         self._sample([run], self.model.decoder.logits(hidden[:, -1]))
 
     def _keys(self, prompt: TalkerPrompt) -> list[bytes]:
@@ -260,31 +261,6 @@ class TalkerBatch:
                  for start, n in prompt.content_spans if n]
         return block_keys(prompt.ids, self.page_size, extra=("qwen3-omni-talker",),
                           media=spans)
-
-    def _load_prefix(self, row: int, keys: list[bytes]) -> int:
-        """Copy the longest cached prefix's pages into `row`; its tokens."""
-        if self.store is None or not keys:
-            return 0
-        try:
-            lease = self.store.acquire(keys[: self.store.match(keys)])
-        except KVCapacityError:
-            return 0  # the store cannot lend them now: recompute
-        with lease:
-            if not len(lease):
-                return 0
-            self.kv.write_pages(row, lease.pages)
-            return len(lease) * self.page_size
-
-    def _store(self, row: int, keys: list[bytes], start: int) -> None:
-        """Put the prompt's pages after `start` into the store (best effort)."""
-        first = start // self.page_size
-        if self.store is None or len(keys) <= first:
-            return
-        end = len(keys) * self.page_size
-        pages = self.model.decoder.kv_to_pages(self.kv.row_kv(row, 0, end), start,
-                                               self.page_size)
-        with contextlib.suppress(KVCapacityError):
-            self.store.put(keys[first:], pages.contiguous())
 
     @torch.inference_mode()
     def step(self) -> int:
@@ -311,7 +287,6 @@ class TalkerBatch:
             run.frames.append(frame)
             run.hidden = h
         self._sample(ready, self.model.decoder.logits(out[:, -1]))
-        self.steps += 1
         self.peak = max(self.peak, b)
         return b
 

@@ -289,18 +289,9 @@ class DecoderLM(nn.Module):
         `num_layers`. Shapes as `forward`'s."""
         if not 0 <= layer <= self.config.num_layers:
             raise ValueError(f"layer must be in 0..{self.config.num_layers}, got {layer}")
-        if layer == self.config.num_layers:
-            return self.forward(hidden, positions, deepstack=deepstack)[0]
-        self._check_inputs(hidden, positions, None, None)
-        cos, sin = self.rotary(positions, hidden.dtype)
-        x = hidden
-        for i, block in enumerate(self.layers[:layer]):
-            x = block(x, cos, sin, None, None)[0]
-            if i == layer - 1:
-                return x
-            if deepstack is not None and i < len(deepstack):
-                x = x + deepstack[i]
-        return x
+        taps: dict[int, Tensor | None] = {layer: None}
+        self.forward(hidden, positions, deepstack=deepstack, taps=taps)
+        return taps[layer]  # type: ignore[return-value]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., E] -> float32 logits [..., vocab] (computed in the model's dtype)."""

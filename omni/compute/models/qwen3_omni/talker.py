@@ -139,12 +139,18 @@ class Qwen3OmniTalker:
         media_at = {p for item in context.media for p in range(item.start,
                                                                   item.start + item.length)}
         inputs = context.inputs.to(self.device, self.dtype)
-        texts = self.text_projection(inputs)  # every position: the media rows go unused
-        rows = [self.hidden_projection(inputs[p]) if p in media_at else texts[p] for p in user]
-        user_embeds = (torch.stack(rows) if rows
-                       else torch.empty(0, self.decoder_config.hidden_size, device=self.device))
+        # as transformers: every text position through `text_projection` at once, every
+        # media position through `hidden_projection` at once
+        is_media = torch.zeros(len(ids), dtype=torch.bool, device=self.device)
+        is_media[sorted(media_at)] = True
+        projected = torch.empty(len(ids), self.decoder_config.hidden_size, device=self.device,
+                                dtype=self.dtype)
+        projected[~is_media] = self.text_projection(inputs[~is_media])
+        if media_at:
+            projected[is_media] = self.hidden_projection(inputs[is_media])
+        user_embeds = projected[user]
         start = self._assistant_start(ids)
-        assistant = torch.cat([texts[start:start + 3], self.text_projection(
+        assistant = torch.cat([projected[start:start + 3], self.text_projection(
             first_embed.to(self.device, self.dtype))[None]])
         bos, eos, pad = self.text_projection(context.specials.to(self.device, self.dtype))
         talker = self.talker_hf

@@ -106,8 +106,8 @@ class Qwen3OmniMedia:
     @torch.inference_mode()
     def encode(self, segment: Image | Audio) -> Encoded:
         """A segment's embeddings (and an image's deepstack features) from the towers; the
-        last `ENCODED_KEPT` items' are kept by content digest (a prompt's media are encoded
-        once for its prefill and for the talker's context)."""
+        last `ENCODED_KEPT` items' are kept by content digest (an image or clip sent again,
+        or a prompt computed again, is not encoded again)."""
         key = (type(segment).__name__, segment.digest)
         with self._lock:
             if key in self._encoded:
