@@ -41,6 +41,20 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
        "norm_topk_prob": True, "mlp_only_layers": [1]}
 
 
+def is_expert_weight(name: str) -> bool:
+    """A mixture-of-experts expert's or router's weight (what transformers' `_init_weights`
+    leaves empty or zero)."""
+    return ".experts." in name or name.endswith("mlp.gate.weight")
+
+
+def draw_experts(model: Any, std: float) -> None:
+    """Draw a model's expert and router weights from normal(0, std)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_expert_weight(name):
+                param.normal_(0.0, std)
+
+
 def train_bpe(corpus: list[str], specials: list[str], vocab_size: int) -> str:
     """A byte-level BPE tokenizer trained on `corpus` (20 times over), `specials` numbered
     first: its tokenizer.json text."""
@@ -88,10 +102,9 @@ def save_checkpoint(directory: Path, arch: str, generation: dict[str, Any] | Non
     model = model_cls(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "mlp.experts" in name or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.15)  # transformers leaves these empty or zero
-            else:
+            if not is_expert_weight(name):
                 param.add_(torch.randn_like(param) * (0.1 if "norm" in name else 0.15))
+    draw_experts(model, 0.15)
     model.save_pretrained(directory)
     save_tokenizer(directory)
     GenerationConfig(**(generation or {"do_sample": False, "eos_token_id": 2})).save_pretrained(

@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from tests.compute.checkpoint_builders import train_bpe
+from tests.compute.checkpoint_builders import draw_experts, train_bpe
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>",
             "<|audio_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -166,10 +166,7 @@ def save_omni_checkpoint(directory: Path, seed: int = 0, hidden: int = 32,
     config.thinker_config.user_token_id = roles["user_token_id"]
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".experts." in name or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, 0.1)  # left empty or zero by _init_weights
+    draw_experts(model, 0.1)  # left empty or zero by _init_weights
     model.save_pretrained(directory)
     return directory
 

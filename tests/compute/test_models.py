@@ -28,6 +28,7 @@ from omni.compute.models import (
     tiny_model,
 )
 from omni.kv import KVLayout
+from tests.compute.checkpoint_builders import draw_experts, is_expert_weight
 
 TOL = 1e-4
 HF_CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -62,11 +63,9 @@ def make_hf(arch: str, *, tie: bool = False, num_kv_heads: int = 2, seed: int = 
     model = model_cls(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            scale = 0.1 if "norm" in name else 0.15
-            if "mlp.experts" in name or name.endswith("mlp.gate.weight"):
-                param.normal_(0.0, scale)  # transformers leaves these empty or zero
-            else:
-                param.add_(torch.randn_like(param) * scale)
+            if not is_expert_weight(name):
+                param.add_(torch.randn_like(param) * (0.1 if "norm" in name else 0.15))
+    draw_experts(model, 0.15)  # transformers leaves these empty or zero
     return model.eval()
 
 
