@@ -92,6 +92,7 @@ import omni
 from omni.compute import Audio, Image, Prompt, SamplingParams, Text, TorchEngine
 from omni.compute.models import DecoderConfig, tiny_config
 from omni.compute.models.config import is_qwen3_omni
+from omni.compute.prompt import PromptTokens
 from omni.compute.speech import SAMPLE_RATE, SpeechDecoder, WavWriter, read_wav
 from omni.compute.talker import Talker, reply_embeddings, talker_params, thinker_context
 from omni.serve.openai import (
@@ -287,13 +288,13 @@ class Dialogue:
             message: list = []
             session.messages.append({"role": "user", "content": _content(turn.text, media)
                                      if QWEN3_OMNI else turn.text})
-            trimmed, prompt = await self._fit_template(session, turn.max_tokens)
+            trimmed, prompt, tokens = await self._fit_template(session, turn.max_tokens)
         else:
             message = self._message(turn.text, heard + seen, first=not session.turns)
             trimmed = self._fit(session, message, turn.max_tokens)
             prompt = Prompt([self.system, *(s for segs, _ in session.exchanges for s in segs),
                              *message])
-        tokens = self.engine.prepare(prompt)
+            tokens = self.engine.prepare(prompt)
         before = self._kv_counters()
         number = session.turns + 1
         params = SamplingParams(max_new_tokens=turn.max_tokens, temperature=0)
@@ -360,21 +361,23 @@ class Dialogue:
         return trimmed
 
 
-    async def _fit_template(self, session: _Session, max_tokens: int) -> tuple[int, Prompt]:
+    async def _fit_template(self, session: _Session, max_tokens: int
+                            ) -> tuple[int, Prompt, PromptTokens]:
         """Drop the session's oldest exchanges until its rendered conversation and the reply
-        fit the context; how many, and the prompt (rendered in a worker thread)."""
+        fit the context; how many, and the prompt and its tokens (rendered in a worker
+        thread)."""
         limit, trimmed = self.engine.config.max_position_embeddings, 0
         while True:
-            prompt, size = await trio.to_thread.run_sync(_render, self.engine,
-                                                         session.messages)
-            if size + max_tokens <= limit or len(session.messages) <= 1:
+            prompt, tokens = await trio.to_thread.run_sync(_templated, self.engine,
+                                                           session.messages)
+            if len(tokens) + max_tokens <= limit or len(session.messages) <= 1:
                 break
             del session.messages[:2]  # the oldest user message and its reply
             trimmed += 1
-        if size + max_tokens > limit:
-            raise ValueError(f"the message ({size} tokens) and max_tokens={max_tokens} "
+        if len(tokens) + max_tokens > limit:
+            raise ValueError(f"the message ({len(tokens)} tokens) and max_tokens={max_tokens} "
                              f"do not fit the model's context of {limit} tokens")
-        return trimmed, prompt
+        return trimmed, prompt, tokens
 
     def _kv_counters(self) -> dict[str, int]:
         if self.store is None:
@@ -399,13 +402,12 @@ def _engine(model: str, seed: int) -> TorchEngine:
     return engine
 
 
-def _render(engine: TorchEngine, messages: list[dict]) -> tuple[Prompt, int]:
+def _templated(engine: TorchEngine, messages: list[dict]) -> tuple[Prompt, PromptTokens]:
     """The conversation through the checkpoint's chat template: the prompt and its tokens
     (images and audio in place, with a Qwen3-Omni checkpoint)."""
     rendered = engine.chat_prompt(messages)
-    if isinstance(rendered, Prompt):
-        return rendered, len(engine.prepare(rendered))
-    return Prompt(Text(rendered)), len(rendered)
+    prompt = rendered if isinstance(rendered, Prompt) else Prompt(Text(rendered))
+    return prompt, engine.prepare(prompt)
 
 
 def _content(text: str, media: tuple) -> list[dict]:
@@ -415,7 +417,7 @@ def _content(text: str, media: tuple) -> list[dict]:
     return [*parts, {"type": "text", "text": text}]
 
 
-async def _context(engine: TorchEngine, tokens: Any, salt: str) -> Any:
+async def _context(engine: TorchEngine, tokens: PromptTokens, salt: str) -> Any:
     """What Qwen3-Omni's talker reads of a prompt the thinker has just prefilled (None for
     another model)."""
     if not QWEN3_OMNI:
@@ -578,9 +580,9 @@ class Chat:
         self.templated = has_chat_template(self.engine)
 
     async def __call__(self, request: ChatRequest) -> AsyncIterator[Event]:
-        prompt, size = await self._prompt(request.messages)
+        prompt, tokens = await self._prompt(request.messages)
         # the client's sampling over the checkpoint's generation_config.json defaults
-        params = request.params_over(self.engine.default_params(size))
+        params = request.params_over(self.engine.default_params(len(tokens) if tokens else 0))
         if params.n > 1:  # one prefill, n rows: the whole replies at the end
             result = await self.engine.generate(prompt, params,
                                                 cache_salt=request.cache_salt)
@@ -598,9 +600,8 @@ class Chat:
             async for token_id in stream:
                 if not started:
                     started = True
-                    if request.audio:  # what the talker reads of the prompt (prefilled now)
-                        context = await _context(self.engine, self.engine.prepare(prompt),
-                                                 request.cache_salt)
+                    if request.audio and tokens:  # what the talker reads of the prompt
+                        context = await _context(self.engine, tokens, request.cache_salt)
                     yield Started("", 0, stream.prompt_tokens, stream.cached_tokens, 0,
                                   speak=request.audio, context=context,
                                   voice=request.voice, talker=talker)
@@ -613,8 +614,9 @@ class Chat:
                           talker=talker)
         yield Finished(result.text or "", tuple(result.token_ids), result.finish_reason, {})
 
-    async def _prompt(self, messages: tuple[ChatMessage, ...]) -> tuple[Prompt, int]:
-        """The conversation as the model's prompt, and its tokens when known (0 otherwise).
+    async def _prompt(self, messages: tuple[ChatMessage, ...]
+                      ) -> tuple[Prompt, PromptTokens | None]:
+        """The conversation as the model's prompt, and its tokens when known (else None).
 
         With the checkpoint's chat template: rendered and tokenized as transformers'
         `apply_chat_template(add_generation_prompt=True)` does, in a worker thread, after
@@ -622,15 +624,17 @@ class Chat:
         transcript `Dialogue` writes; text stays text there, so the engine refuses a prompt
         too long for its context from its length and tokenizes a long one off the loop."""
         if not self.templated:
-            return Prompt(self._render(messages)), 0
+            return Prompt(self._render(messages)), None
         if QWEN3_OMNI:  # text, images and audio, in place
             turns = [{"role": m.role, "content": _parts(m)} for m in messages]
-            self.engine.check_length(Prompt([_segment(p) for m in messages for p in m.parts]))
+            self.engine.check_length(Prompt([Text(p["text"]) if p["type"] == "text"
+                                             else p[p["type"]] for t in turns
+                                             for p in t["content"]]))
         else:
             turns = [{"role": m.role, "content": _text_of(m, self.engine.model_id)}
                      for m in messages]
             self.engine.check_length(Prompt([Text(t["content"]) for t in turns]))
-        return await trio.to_thread.run_sync(_render, self.engine, turns)
+        return await trio.to_thread.run_sync(_templated, self.engine, turns)
 
     def _render(self, messages: tuple[ChatMessage, ...]) -> list:
         """System text, then "User: ..." and "\\nAssistant:..." as `Dialogue` writes them (each
