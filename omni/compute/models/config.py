@@ -223,14 +223,10 @@ class DecoderConfig:
             ValueError: another architecture, a missing size, unsupported RoPE scaling,
                 sliding-window attention or an activation other than silu.
         """
-        arch = _architecture_of(hf)
-        mrope = None
         if is_qwen3_omni(hf):
-            text = _omni_thinker_text(hf)
-            fields = {**_HF_DEFAULTS[arch], **_OMNI_TEXT_DEFAULTS, **text}
-            mrope = _mrope_of(fields)
-        else:
-            fields = {**_HF_DEFAULTS[arch], **hf}
+            return qwen3_omni_part(hf, "thinker")
+        arch = _architecture_of(hf)
+        fields = {**_HF_DEFAULTS[arch], **hf}
         _check_supported_features(arch, fields)
         theta, scaling = _rope_of(fields)
         eos = fields.get("eos_token_id")
@@ -249,7 +245,7 @@ class DecoderConfig:
             mlp_bias=bool(fields.get("mlp_bias", False)) and arch == "llama",
             bos_token_id=fields.get("bos_token_id"),
             eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (eos,),
-            rope_scaling=scaling, mrope_section=mrope, **_moe_fields(arch, fields))
+            rope_scaling=scaling, **_moe_fields(arch, fields))
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers (4.x and 5.x) builds the same model from."""
@@ -300,13 +296,20 @@ _CODE_PREDICTOR_DEFAULTS = {"vocab_size": 2048, "hidden_size": 1024, "intermedia
                             "max_position_embeddings": 32768}
 
 
-def qwen3_omni_part(hf: Mapping[str, Any], part: Literal["talker", "code_predictor"],
-                    ) -> DecoderConfig:
-    """The decoder config of a Qwen3-Omni checkpoint's talker (Qwen3-MoE with M-RoPE, a shared
-    expert on every layer, all layers sparse) or of its code predictor (a dense Qwen3)."""
+def qwen3_omni_part(hf: Mapping[str, Any],
+                    part: Literal["thinker", "talker", "code_predictor"]) -> DecoderConfig:
+    """The decoder config of a Qwen3-Omni checkpoint's thinker (Qwen3-MoE with M-RoPE), its
+    talker (Qwen3-MoE with M-RoPE, a shared expert on every layer, all layers sparse) or its
+    code predictor (a dense Qwen3)."""
+    if not is_qwen3_omni(hf):
+        raise ValueError("not a Qwen3-Omni config.json")
+    if part == "thinker":
+        text = {**_OMNI_TEXT_DEFAULTS, **_omni_thinker_text(hf)}
+        base = DecoderConfig.from_hf({**text, "architectures": ["Qwen3MoeForCausalLM"]})
+        return replace(base, mrope_section=_mrope_of(text))
     talker = hf.get("talker_config")
-    if not is_qwen3_omni(hf) or not isinstance(talker, Mapping):
-        raise ValueError("not a Qwen3-Omni config.json with a talker_config")
+    if not isinstance(talker, Mapping):
+        raise ValueError("config.json of a Qwen3-Omni checkpoint has no talker_config")
     if part == "code_predictor":
         fields = {**_CODE_PREDICTOR_DEFAULTS, **(talker.get("code_predictor_config") or {})}
         return DecoderConfig.from_hf({**fields, "architectures": ["Qwen3ForCausalLM"]})
