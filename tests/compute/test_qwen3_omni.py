@@ -356,3 +356,15 @@ async def test_an_abandoned_reply_gives_its_talker_row_back(checkpoint: Path) ->
     abandoned.close()
     speech = await talker.speak(engine, prompt, reply, sampling=TALKER)  # waits for no row
     assert speech.codes.shape[1] > 0 and not talker.batch.runs
+
+
+def test_a_tower_tensor_missing_is_refused_by_name(tmp_path: Path) -> None:
+    """A Qwen3-Omni checkpoint whose vision tower lacks a tensor fails to load, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    directory = save_omni_checkpoint(tmp_path)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["thinker.visual.blocks.0.attn.proj.bias"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"thinker\.visual weights .*blocks\.0\.attn\.proj\.bias"):
+        TorchEngine.from_pretrained(directory)

@@ -38,14 +38,10 @@ def load_module(cls: Any, config: Any, root: Path, prefix: str, dtype: torch.dty
     with no_init_weights():
         module = getattr(cls, "_from_config", cls)(config)
     state = read_tensors(root, prefix, dtype, device)
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshapen = sorted(n for n in set(state) & set(expected) if state[n].shape != expected[n].shape)
-    if missing or unexpected or misshapen:
+    try:
+        module.load_state_dict(state)  # strict: missing, unexpected and misshapen named
+    except RuntimeError as exc:
+        why = " ".join(str(exc).split())  # torch's message, on one line
         raise ValueError(f"{prefix.rstrip('.')} weights in {root} do not match config.json: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                         f"wrong shape {misshapen[:5]}")
-    module.load_state_dict(state)
+                         f"{why}") from None
     return module.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
