@@ -91,15 +91,9 @@ def _voice(body: ChatCompletionRequest) -> str | None:
 def _stage_sampling(name: str, fields: Any) -> dict[str, Any]:
     """A later stage's sampling fields, checked as `SamplingParams` checks them (`ApiError`
     400 naming the field)."""
-    from omni.compute.sampling_params import SamplingParams
-
     given = {("sampling_seed" if k == "seed" else k): v
              for k, v in fields.model_dump(exclude_none=True).items()}
-    try:
-        SamplingParams(**given)
-    except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise ApiError(400, f"stages.{name}: {exc}", param=f"stages.{name}.{field}") from None
+    sampling_params(given, where=f"stages.{name}", names={"sampling_seed": "seed"})
     return given
 
 
@@ -120,10 +114,12 @@ def given_sampling(body: ChatCompletionRequest) -> dict[str, Any]:
     return fields
 
 
-def sampling_params(given: dict[str, Any]) -> Any:
+def sampling_params(given: dict[str, Any], *, where: str = "",
+                    names: dict[str, str] = _OPENAI_NAMES) -> Any:
     """The `SamplingParams` of a request that set `given` (`given_sampling`: its fields over
     SGLang's defaults, at most `DEFAULT_MAX_TOKENS` new tokens unless it says); `ApiError`
-    400 naming the field out of range."""
+    400 naming the field out of range, as the request spells it (`names`), under `where`
+    (a later stage's: "stages.talker")."""
     from omni.compute.sampling_params import SamplingParams
 
     fields = {"max_new_tokens": DEFAULT_MAX_TOKENS, **given}
@@ -132,9 +128,12 @@ def sampling_params(given: dict[str, Any]) -> Any:
     except ValueError as exc:
         text = str(exc)
         name = text.split(" ", 1)[0]
-        param = _OPENAI_NAMES.get(name, name)
-        raise ApiError(400, text.replace(name, param, 1) if name in _OPENAI_NAMES else text,
-                       param=param) from None
+        param = names.get(name, name)
+        if name in names:
+            text = text.replace(name, param, 1)
+        if where:
+            text, param = f"{where}: {text}", f"{where}.{param}"
+        raise ApiError(400, text, param=param) from None
 
 
 def _json_schema(body: ChatCompletionRequest) -> str | None:
