@@ -511,28 +511,26 @@ class Talker:
                     voice: str | None = None,
                     sampling: SamplingParams | None = None) -> Speech:
         """Speak a whole `reply`: the tokens `engine` (the thinker) gave for `prompt` (what
-        `engine.chat_prompt` gives)."""
-        tokens = engine.prepare(prompt)
-        context = await run_in_worker(thinker_context, engine, tokens)
-        session = self.session(context, voice=voice, sampling=sampling)
-        embeds = reply_embeddings(engine, list(reply)) if reply else None
-        chunks: list[np.ndarray] = []
-        try:
-            for i, token in enumerate(reply):
-                chunks += await session.feed(token, embeds[i])  # type: ignore[index]
-            chunks += await session.finish()
-        finally:
-            session.close()
-        codes = np.array(session.frames, dtype=np.int64).T.reshape(
+        `engine.chat_prompt` gives). `stream`, collected."""
+        async def tokens() -> AsyncIterator[int]:
+            for token in reply:
+                yield token
+
+        frames: list[list[int]] = []
+        chunks = [chunk async for chunk in self.stream(engine, prompt, tokens(), voice=voice,
+                                                       sampling=sampling, frames=frames)]
+        codes = np.array(frames, dtype=np.int64).T.reshape(
             self.model.talker_hf.num_code_groups, -1)
         waveform = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         return Speech(codes, waveform, SAMPLE_RATE)
 
     async def stream(self, engine: TorchEngine, prompt: object,
                      reply: AsyncIterator[int], *, voice: str | None = None,
-                     sampling: SamplingParams | None = None) -> AsyncIterator[np.ndarray]:
+                     sampling: SamplingParams | None = None,
+                     frames: list[list[int]] | None = None) -> AsyncIterator[np.ndarray]:
         """Speak a reply as the thinker writes it (`reply`: its tokens, say from
-        `engine.stream(prompt, ...)`): audio chunks as soon as they decode."""
+        `engine.stream(prompt, ...)`): audio chunks as soon as they decode; the codec frames
+        go to `frames` when given."""
         tokens = engine.prepare(prompt)
         self.model.speaker_id(voice)  # an unknown voice fails before any work
         source = aiter(reply)
@@ -552,3 +550,5 @@ class Talker:
                 yield chunk
         finally:
             session.close()
+            if frames is not None:
+                frames += session.frames
