@@ -27,7 +27,8 @@ KvDiskOption = Annotated[str | None, typer.Option(
 ClusterOption = Annotated[str | None, typer.Option(
     "--cluster", metavar="ADDRESS", show_default=False,
     help="Run class nodes' replicas on the workers of the cluster whose head is at "
-         "ADDRESS (omni cluster start); function nodes run here.")]
+         "ADDRESS (omni cluster start), or on a Ray cluster: 'ray' ($RAY_ADDRESS, else the "
+         "cluster this machine is in) or 'ray://HOST:PORT'; function nodes run here.")]
 
 ReplaceTimeoutOption = Annotated[float, typer.Option(
     "--replace-timeout", metavar="SECONDS", min=0,

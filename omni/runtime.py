@@ -7,11 +7,14 @@ cluster's (`omni.cluster.ClusterLink`) into it, so `graph` never imports `cluste
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni.graph import embed
 from omni.graph import runtime as graph_runtime
 from omni.graph.balance import REPLACE_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from omni.cluster.membership import Membership
 
 __all__ = ["AsyncioRuntime", "Runtime"]
 
@@ -23,11 +26,15 @@ class Runtime(graph_runtime.Runtime):
     `metrics_host`, `metrics`), and:
 
     Args:
-        cluster: the address of a cluster head (``omni cluster start``): class nodes'
-            replicas are then placed on its workers (see `omni.cluster`), which build their
-            own KV stores of `kv`'s layout; function nodes still run here.
-        token_file: the cluster's token file (default: ``$OMNI_TOKEN_FILE`` or
-            ``~/.config/omni/cluster.token``).
+        cluster: where class nodes' replicas run (function nodes still run here): the
+            address of a cluster head (``omni cluster start``), or ``"ray"`` /
+            ``"ray://HOST:PORT"`` for a Ray cluster (`omni.cluster.ray`: an `OmniWorker`
+            actor per Ray node, connecting as ``ray.init`` does: ``$RAY_ADDRESS``, else the
+            cluster this machine is in), or a `omni.cluster.membership.Membership` (such as
+            a `RayCluster` with options of its own). The workers build their own KV stores
+            of `kv`'s layout.
+        token_file: a head's token file (default: ``$OMNI_TOKEN_FILE`` or
+            ``~/.config/omni/cluster.token``); not used with Ray (each run makes its own).
         min_workers: with `cluster`, wait until that many workers are members before placing
             the first replica (at most 10 s), so that replicas spread over all of them.
         replace_timeout: with `cluster`, how long (seconds) a request waits for a class
@@ -37,13 +44,20 @@ class Runtime(graph_runtime.Runtime):
             timeout.
     """
 
-    def __init__(self, *, cluster: str | None = None, token_file: str | None = None,
+    def __init__(self, *, cluster: str | Membership | None = None, token_file: str | None = None,
                  min_workers: int = 0, replace_timeout: float = REPLACE_TIMEOUT_S,
                  kv: Any = None, **options: Any):
         placement = None
         if cluster is not None:
             from omni.cluster.driver import ClusterLink
+            from omni.cluster.errors import ClusterError
+            from omni.cluster.ray import RayCluster, is_ray_address
 
+            if isinstance(cluster, str) and is_ray_address(cluster):
+                if token_file is not None:
+                    raise ClusterError("a token file is not used with a Ray cluster: each run "
+                                     "makes its own token and hands it to its workers")
+                cluster = RayCluster(cluster)
             placement = ClusterLink(cluster, token_file=token_file,
                                     kv_layout=getattr(kv, "layout", kv),
                                     min_workers=min_workers, replace_timeout=replace_timeout)

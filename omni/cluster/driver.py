@@ -37,12 +37,11 @@ import trio
 
 from omni.cluster._code import code_ref
 from omni.cluster.errors import ClusterError
-from omni.cluster.membership import ClientSet, Roster, probe
+from omni.cluster.membership import ClientSet, HeadCluster, Membership, Roster
 from omni.cluster.protocol import (
     HEARTBEAT_S,
     MemberInfo,
     PlaceRequest,
-    check_address,
     endpoint_for,
 )
 from omni.cluster.remote import Deploy, RemoteReplica, Renew
@@ -132,8 +131,9 @@ class ClusterLink:
     """See the module docstring. Made by the `Runtime`; `run` lives in its host nursery.
 
     Args:
-        address: the head's address.
-        token_file: the cluster's token file (default: `default_token_path`).
+        cluster: the cluster (a `Membership`: `HeadCluster`, `omni.cluster.ray.RayCluster`),
+            or the address of a head that workers joined by hand.
+        token_file: with an address, the cluster's token file (default: `default_token_path`).
         kv_layout: the `KVLayout` the workers' stores use for this driver's nodes, or None.
         wait_for_workers: seconds a deployment waits for workers to join before failing.
         min_workers: workers that must be members before the first replica is placed (within
@@ -145,7 +145,8 @@ class ClusterLink:
         ValueError: `min_workers` or `replace_timeout` is negative.
     """
 
-    def __init__(self, address: str, *, token_file: str | os.PathLike[str] | None = None,
+    def __init__(self, cluster: str | Membership, *,
+                 token_file: str | os.PathLike[str] | None = None,
                  kv_layout: Any = None, wait_for_workers: float = 10.0, min_workers: int = 0,
                  replace_timeout: float = REPLACE_TIMEOUT_S,
                  heartbeat_interval: float = HEARTBEAT_S):
@@ -154,8 +155,11 @@ class ClusterLink:
         if not replace_timeout >= 0:  # NaN too
             raise ValueError(f"replace_timeout must be >= 0 seconds, got {replace_timeout!r}")
         self.replace_timeout = replace_timeout
-        self.address = check_address(address)
-        self.token_file = Path(token_file) if token_file is not None else default_token_path()
+        if isinstance(cluster, str):
+            cluster = HeadCluster(cluster, token_file if token_file is not None
+                                  else default_token_path())
+        self.cluster = cluster
+        self.address = cluster.description  # the head's address once connected
         self.kv_layout = kv_layout
         self.wait_for_workers = wait_for_workers
         self.min_workers = min_workers
@@ -184,12 +188,9 @@ class ClusterLink:
         Raises:
             HeadUnreachable, TokenRefused: (`ClusterError`) the head is not there or refuses us.
         """
-        if not self.token_file.exists():
-            raise ClusterError(f"no token file at {self.token_file}: pass the head's token file "
-                               "(token_file= or --token-file)")
-        with Credentials.from_token_file(self.token_file) as creds:
+        async with self.cluster.connect() as (address, creds):
+            self.address = address
             self._creds = creds
-            await probe(creds, self.address)
             head = RPCClient(self.address, ctx=creds.ctx, options=creds.client_options(),
                              heartbeat_interval=self.heartbeat_interval, timeout=10.0)
             async with head, trio.open_nursery() as nursery:
@@ -274,10 +275,10 @@ class ClusterLink:
         if self._num_members < self.min_workers:
             raise NodeError(node.name, "startup", ClusterError(
                 f"only {self._num_members} of the {self.min_workers} workers asked for "
-                f"(min_workers) joined the cluster at {self.address} within "
+                f"(min_workers) joined {self.cluster.description} within "
                 f"{self.wait_for_workers:g} s"))
         raise NodeError(node.name, "startup", ClusterError(
-            f"no worker joined the cluster at {self.address} within "
+            f"no worker joined {self.cluster.description} within "
             f"{self.wait_for_workers:g} s"))
 
     async def _wait_min_workers(self) -> None:

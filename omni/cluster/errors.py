@@ -5,7 +5,8 @@ from __future__ import annotations
 from omni.errors import OmniError
 from omni.graph.errors import ReplicaLost
 
-__all__ = ["ClusterError", "HeadUnreachable", "RemoteNodeError", "TokenRefused", "WorkerLost"]
+__all__ = ["ClusterError", "HeadUnreachable", "NameTaken", "RemoteNodeError", "TokenRefused",
+           "WorkerLost"]
 
 
 class ClusterError(OmniError):
@@ -18,6 +19,11 @@ class HeadUnreachable(ClusterError):
 
 class TokenRefused(ClusterError):
     """The head answered but refused this token's credentials."""
+
+
+class NameTaken(ClusterError):
+    """A worker registered under a name another live member holds. A restarted worker whose
+    old process the head has not yet found silent gets it too, until the head does."""
 
 
 class WorkerLost(ClusterError, ReplicaLost):

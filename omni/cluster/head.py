@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import trio
 
-from omni.cluster.errors import ClusterError
+from omni.cluster.errors import ClusterError, NameTaken
 from omni.cluster.protocol import (
     HEARTBEAT_S,
     LOST_KEPT_S,
@@ -140,7 +140,7 @@ class Head:
         if old is not None:
             same = old.info.pid == info.pid and old.info.host_id == info.host_id
             if not same and old.client is not None and old.client.peer_alive:
-                raise ClusterError(f"a worker named '{info.name}' is already a member (pid "
+                raise NameTaken(f"a worker named '{info.name}' is already a member (pid "
                                    f"{old.info.pid} at {old.info.rpc}); pick another --name")
             self._drop(info.name, None)
         member = self._members[info.name] = _Member(info, body.load, time.time())

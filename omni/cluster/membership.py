@@ -1,17 +1,26 @@
 """A member's side of the cluster: its link to the head, clients to other members, the roster
-of members as the head last told it, and the probe that checks a head before joining."""
+of members as the head last told it, and the probe that checks a head before joining.
+
+Also the one interface a driver sees of a cluster, whoever runs its workers (`Membership`):
+a head to place replicas and list members, and the credentials to reach them. Two backends
+implement it: `HeadCluster`, workers joined by hand (``omni cluster start`` / ``join``), and
+`omni.cluster.ray.RayCluster`, workers that Ray starts, restarts and adds as nodes come. Placement,
+remote replicas and KV following run on top of it and do not know which."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Protocol
 
 import trio
 import zmq
 
-from omni.cluster.errors import ClusterError, HeadUnreachable, TokenRefused
+from omni.cluster.errors import ClusterError, HeadUnreachable, NameTaken, TokenRefused
 from omni.cluster.protocol import (
     HEARTBEAT_S,
     MISSED_BEATS,
@@ -28,9 +37,49 @@ from omni.transport.credentials import Credentials
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError
 from omni.transport.rpc import RPCClient
 
-__all__ = ["ClientSet", "HeadLink", "Roster", "probe"]
+__all__ = ["ClientSet", "HeadCluster", "HeadLink", "Membership", "Roster", "probe"]
 
 log = logging.getLogger("omni.cluster")
+
+# -- what a driver sees of a cluster --------------------------------------------------------
+
+
+class Membership(Protocol):
+    """A cluster as a driver uses it (see the module docstring).
+
+    `connect` is entered for the driver's whole life: it yields the head's address and the
+    credentials that reach the head and the workers, once the head answers (and whatever the
+    backend runs for its workers has started), and stops what it started on exit.
+    `description` names the cluster in messages."""
+
+    description: str
+
+    def connect(self) -> contextlib.AbstractAsyncContextManager[tuple[str, Credentials]]: ...
+
+
+class HeadCluster:
+    """A cluster whose workers joined by hand: the head at `address` (``omni cluster start``),
+    reached with the token file every member holds.
+
+    Raises (from `connect`):
+        ClusterError: no token file there; `HeadUnreachable`, `TokenRefused`: the head is
+            not there or refuses the token.
+    """
+
+    def __init__(self, address: str, token_file: str | os.PathLike[str]):
+        self.address = check_address(address)
+        self.token_file = Path(token_file)
+        self.description = f"the cluster at {self.address}"
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[tuple[str, Credentials]]:
+        if not self.token_file.exists():
+            raise ClusterError(f"no token file at {self.token_file}: pass the head's token file "
+                               "(token_file= or --token-file)")
+        with Credentials.from_token_file(self.token_file) as creds:
+            await probe(creds, self.address)
+            yield self.address, creds
+
 
 # -- a member's side ------------------------------------------------------------------------
 
@@ -94,7 +143,8 @@ class HeadLink:
             welcome = await client.call("cluster.register", Register(self._info(), self._load()),
                                         result_type=Welcome)
         except RPCError as exc:
-            raise ClusterError(exc.remote_message) from None
+            error = NameTaken if exc.remote_type == NameTaken.__name__ else ClusterError
+            raise error(exc.remote_message) from None
         self.head_epoch = welcome.head_epoch
         self.registrations += 1
         self.connected = True

@@ -21,6 +21,7 @@ IMAGES = str(ROOT / "examples" / "image_generation.py")
 
 def omni_run(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
              cluster: Cluster | None = None) -> list[dict]:
+    """``omni run ARGS --json`` in `folder` (on `cluster` when given); its outputs."""
     folder.mkdir()
     extra = ["--cluster", cluster.address, "--token-file", str(cluster.token)] if cluster else []
     with monkeypatch.context() as patch:

@@ -1,0 +1,167 @@
+"""``--cluster ray`` on a real two-node Ray cluster on loopback (`_ray.RayNodes`): Omni's workers
+run as ``OmniWorker`` actors that Ray places (one per node), restarts and owns; Omni's data
+plane carries the values. The driver is this process (``omni run`` invoked in it, or an
+``omni.Runtime``), or a real ``omni serve`` process for the ``openai`` client."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import trio
+
+import omni
+from omni._shm import shm_directory
+from omni.cluster.ray import RayCluster
+from omni.transport.payloads import payload_mover
+from tests._wait import wait_until, wait_until_sync
+from tests.cluster import ray_graphs as g
+from tests.cluster._local import invoke
+from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes, omni_worker_pids
+from tests.cluster.conftest import ROOT
+from tests.cluster.test_showcase_cluster import DIALOGUE, IMAGES, TURNS, omni_run
+from tests.serve._server import Server
+
+pytestmark = pytest.mark.proc
+HELLO = ROOT / "examples" / "hello.py"
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[RayNodes]:
+    nodes = RayNodes()
+    try:
+        yield nodes
+    finally:
+        nodes.close()
+
+
+@pytest.fixture
+def ray_address(ray_nodes: RayNodes, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The cluster's address in ``RAY_ADDRESS``, where ``--cluster ray`` looks for it."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_nodes.address)
+    return ray_nodes.address
+
+
+def test_the_showcase_pipelines_give_the_same_bytes_under_cluster_ray(
+        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ray = ["--cluster", "ray"]
+    local = omni_run(tmp_path / "local", monkeypatch, DIALOGUE, "--inputs-json", TURNS)
+    remote = omni_run(tmp_path / "remote", monkeypatch, DIALOGUE, "--inputs-json", TURNS, *ray)
+    assert len(local) == len(remote) == 4
+    for here, there in zip(local, remote, strict=True):
+        assert there["token_ids"] == here["token_ids"] and len(here["token_ids"]) > 0
+        assert there["cached_tokens"] == here["cached_tokens"]
+        assert Path(there["wav"]).read_bytes() == Path(here["wav"]).read_bytes()
+    assert sum(r["cached_tokens"] for r in remote) > 0  # sessions reused KV on their worker
+
+    image = ["--input", "prompt=a red fox in snow", "--input", "out=fox.png"]
+    (png_here,) = omni_run(tmp_path / "local-image", monkeypatch, IMAGES, *image)
+    (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image, *ray)
+    assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
+    assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
+
+
+async def test_a_pinned_node_lands_on_its_ray_node_and_big_values_cross_omnis_data_plane(
+        ray_address: str) -> None:
+    cluster = RayCluster("ray")
+    async with omni.Runtime(cluster=cluster) as rt:
+        assert sorted(cluster.actors) == sorted(
+            f"ray-{a.node_id[:8]}" for a in cluster.actors.values())  # one per Ray node
+        assert len(cluster.actors) == 2
+        array = np.random.default_rng(0).integers(0, 255, 256 * g.MIB, dtype=np.uint8)
+        before = payload_mover().stats()
+        receipt = await rt.run(g.ship, shipment=g.Shipment("crate", array, 64 * g.MIB))
+        after = payload_mover().stats()
+    assert receipt.node_ip == NODE_IP  # the Ray node started with node_b, not the driver's
+    assert receipt.label == "crate" and receipt.digest == g.digest(array)
+    assert receipt.reply.nbytes == 64 * g.MIB and bool((receipt.reply == 7).all())
+    # both ways through Omni's movers (shared memory on this machine), not Ray's object store
+    assert after["bytes_out"] - before["bytes_out"] >= 256 * g.MIB
+    assert after["bytes_in"] - before["bytes_in"] >= 64 * g.MIB
+
+
+async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
+        ray_nodes: RayNodes, ray_address: str) -> None:
+    ours = os.getpid()
+    shm_before = {p.name for p in shm_directory().iterdir()}
+    cluster = RayCluster("ray")
+    results: list[list] = []
+    async with omni.Runtime(cluster=cluster) as rt:
+        async def call(i: int) -> None:
+            results.append(await rt.run(g.where, i=i))
+
+        first = await rt.run(g.where, i=-1)
+        victim = next(r for r in [first, await rt.run(g.where, i=-2)] if r[0] == NODE_IP) \
+            if first[0] != NODE_IP else first
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(call, i)
+                if i == 10:
+                    os.kill(victim[1], signal.SIGKILL)  # mid-run: calls are on it
+                await trio.sleep(0.01)
+        assert sorted(r[2] for r in results) == list(range(60))  # every request answered
+
+        # Ray restarts the actor; the driver hands it the token, it joins again and a
+        # replica is placed on it: it serves again, as a new process on the same node.
+        async def serves_again() -> bool:
+            node, pid, _ = await rt.run(g.where, i=0)
+            return node == NODE_IP and pid != victim[1]
+
+        await wait_until(serves_again, "the restarted OmniWorker to serve", poll=0.1)
+        restarted = {a.pid for a in cluster.actors.values()}
+        assert victim[1] not in restarted and len(restarted) == 2
+    await wait_until(lambda: not omni_worker_pids(ray_nodes.sid),
+                     "no ray::OmniWorker process left after the driver", poll=0.1)
+
+    def leftovers() -> set[str]:
+        return {p.name for p in shm_directory().iterdir()} - shm_before - {
+            name for name in shm_before if f"-{ours}-" in name}
+
+    await wait_until(lambda: not {n for n in leftovers() if f"-{ours}-" not in n},
+                     "the workers' shared memory to be gone", poll=0.1)
+
+
+def test_omni_serve_on_cluster_ray_answers_the_openai_client(
+        ray_nodes: RayNodes, ray_address: str, tmp_path: Path) -> None:
+    """A real ``omni serve --cluster ray`` process, the official client, text and speech; on
+    SIGTERM the server ends cleanly and its OmniWorker actors with it."""
+    server = Server(DIALOGUE, ("--cluster", "ray"), tmp_path)
+    try:
+        server.url = server.wait_url()
+        assert len(omni_worker_pids(ray_nodes.sid)) == 2  # one actor per Ray node
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        reply = client.chat.completions.create(
+            model="chat", messages=[{"role": "user", "content": "Say something"}],
+            max_tokens=6, temperature=0, modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"})
+    finally:
+        status = server.stop()
+    message = reply.choices[0].message
+    assert message.content and reply.usage.completion_tokens > 0
+    assert base64.b64decode(message.audio.data)[:4] == b"RIFF"
+    assert status == 0, server.stderr()
+    wait_until_sync(lambda: not omni_worker_pids(ray_nodes.sid),
+                    "the server's OmniWorker actors to end with it")
+
+
+def test_no_ray_cluster_is_one_line_naming_the_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind((HEAD_IP, 0))
+        address = f"{HEAD_IP}:{unused.getsockname()[1]}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    done = invoke("run", str(HELLO), "--input", "text=hi", "--cluster", "ray")
+    assert done.returncode == 2
+    assert f"no Ray cluster answers at {address}" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = invoke("run", str(HELLO), "--input", "text=hi", "--cluster", "ray",
+                  "--token-file", str(tmp_path / "t"))
+    assert done.returncode == 2 and "token file is not used with a Ray cluster" in done.stderr
