@@ -90,16 +90,19 @@ class RaySide:
 
 
 class Pipeline:
-    """Three actors chained: a Compiled Graph when it compiles, else plain actor calls whose
-    object refs feed the next actor (`kind` says which, `compile_error` why not compiled)."""
+    """Three actors chained: a Compiled Graph when it compiles (and `compile`), else plain
+    actor calls whose object refs feed the next actor (`kind` says which, `compile_error` why
+    not compiled)."""
 
-    def __init__(self, ray: Any, stage_class: Any, in_flight: int):
+    def __init__(self, ray: Any, stage_class: Any, in_flight: int, compile: bool = True):
         self.ray = ray
         self.actors = [stage_class.remote() for _ in range(3)]
         ray.get([a.tiny.remote(0) for a in self.actors])
         self.compiled: Any = None
         self.compile_error: str | None = None
         try:
+            if not compile:
+                raise RuntimeError("not asked for")
             from ray.dag import InputNode
 
             with InputNode() as value:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
               "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window",
-              "cpu_linear", "omni_model")
+              "cpu_linear", "omni_model", "ray_cluster")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -602,7 +602,30 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"≥ {k.c['target']:g}× transformers",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['ours_tokens_per_s']))} tokens/s)",
           lambda k: f"transformers: {fig(med(k.c['theirs_tokens_per_s']))} tokens/s"),
+    Known("ray_cluster", "claims.call_latency",
+          "`--cluster ray` (Omni's workers as Ray actors on a 2-node Ray cluster): a trivial "
+          "call, median of sequential calls",
+          lambda k: f"≥ {k.c['target']:g}× `omni cluster`'s speed",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} µs)",
+          lambda k: _on_hand_joined(k, "µs")),
+    Known("ray_cluster", "claims.numpy_64mib",
+          "`--cluster ray`: a call with a 64 MiB numpy argument",
+          lambda k: f"≥ {k.c['target']:g}× `omni cluster`'s speed",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} ms)",
+          lambda k: _on_hand_joined(k, "ms")),
+    Known("ray_cluster", "claims.pipeline_throughput",
+          lambda k: (f"`--cluster ray`: a 3-stage pipeline, {k.d['params']['in_flight']} "
+                     "requests in flight"),
+          lambda k: f"≥ {k.c['target']:g}× `omni cluster`'s requests/s",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} requests/s)",
+          lambda k: _on_hand_joined(k, "requests/s")),
 )
+
+
+def _on_hand_joined(k: Ctx, unit: str) -> str:
+    return (f"`omni cluster` (2 hand-joined workers): {fig(med(k.c['baseline']))} {unit}; "
+            f"Ray {k.d['env']['ray']}'s own actor calls: {fig(med(k.c['ray_actor_calls']))} "
+            f"{unit}")
 
 
 def _omni_size(k: Ctx) -> str:

@@ -226,6 +226,7 @@ class _Actor:
         self.handle = handle
         self.pid = 0
         self.starting: Any = None  # the ObjectRef of a start in progress
+        self.endpoint = ""  # where its worker serves, once started ("" while it is not)
 
 
 class RayCluster:
@@ -345,6 +346,7 @@ class RayCluster:
                     log.info("worker '%s' does not answer: %s", actor.name, _brief(exc))
                     continue
                 if not running:
+                    actor.endpoint = ""
                     actor.starting = actor.handle.start.remote(head, token)
             starting = {a.starting: a for a in self.actors.values() if a.starting is not None}
             ended, _ = ray.wait(list(starting), num_returns=len(starting),
@@ -353,11 +355,12 @@ class RayCluster:
                 actor = starting[ref]
                 actor.starting = None
                 try:
-                    endpoint = ray.get(ref)
+                    actor.endpoint = ray.get(ref)
                 except Exception as exc:  # reported; tried again next look
                     log.warning("worker '%s' did not start: %s", actor.name, _brief(exc))
                     continue
-                log.info("worker '%s' (pid %d) serving at %s", actor.name, actor.pid, endpoint)
+                log.info("worker '%s' (pid %d) serving at %s", actor.name, actor.pid,
+                         actor.endpoint)
 
     def _create(self, ray: Any, name: str, node: dict[str, Any]) -> _Actor:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

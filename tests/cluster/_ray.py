@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tests._wait import wait_until_sync
 
-__all__ = ["RayNodes", "omni_worker_pids"]
+__all__ = ["HEAD_IP", "NODE_IP", "RayNodes"]
 
 HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -55,53 +55,76 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-def omni_worker_pids(sid: int) -> list[int]:
-    """The ``ray::OmniWorker`` processes of the cluster whose session is `sid` (Ray names an
-    actor's process after its class)."""
-    pids = []
-    for pid in _session_pids(sid):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::OmniWorker"):
-                pids.append(pid)
-        except OSError:
-            continue
-    return pids
-
-
 class RayNodes:
-    """The two nodes; `address` is the head's GCS address (what ``RAY_ADDRESS`` takes)."""
+    """The two nodes; `address` is the head's GCS address (what ``RAY_ADDRESS`` takes). Ray's
+    object store: `object_store_bytes` per node (its minimum by default: Omni's values do not
+    go through it). `add` starts one more node, `remove` kills one added so."""
 
-    def __init__(self) -> None:
+    def __init__(self, object_store_bytes: int = 100_000_000):
         self.folder = Path(tempfile.mkdtemp(prefix="omni-ray-"))
         self.address = f"{HEAD_IP}:{_free_port(HEAD_IP)}"
-        common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats"]
+        self.sessions: list[int] = []
+        self._common = ["--num-cpus=2", f"--object-store-memory={object_store_bytes}",
+                        "--disable-usage-stats"]
         head = [RAY, "start", "--head", f"--node-ip-address={HEAD_IP}",
                 f"--port={self.address.rpartition(':')[2]}",
                 f"--resources={json.dumps({'node_a': 1})}", "--include-dashboard=false",
                 f"--dashboard-port={_free_port(HEAD_IP)}",
                 f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
-                f"--temp-dir={self.folder}", *common]
-        node = [RAY, "start", f"--address={self.address}", f"--node-ip-address={NODE_IP}",
-                f"--resources={json.dumps({'node_b': 1})}",
-                f"--dashboard-agent-listen-port={_free_port(NODE_IP)}", *common]
-        script = f"{shlex.join(head)} && {shlex.join(node)}"
-        # One shell in a new session runs both `ray start`s: every process they leave
-        # running is in that session, whose id is the shell's pid.
-        proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.sid = proc.pid
+                f"--temp-dir={self.folder}",
+                # a node killed (`remove`) is found dead in ~1.5 s, not Ray's ~15
+                "--system-config=" + json.dumps({"health_check_period_ms": 500,
+                                                 "health_check_failure_threshold": 3}),
+                *self._common]
         try:
-            output, _ = proc.communicate(timeout=180)
-            if proc.returncode != 0:
-                raise RuntimeError(f"starting the Ray cluster failed:\n{output[-3000:]}")
+            self._run(head, self._node(NODE_IP, {"node_b": 1}))
         except BaseException:
             self.close()
             raise
 
-    def close(self) -> None:
-        """Kill every process of the cluster, then remove its folder."""
-        for pid in _session_pids(self.sid):
+    def _node(self, ip: str, resources: dict[str, float]) -> list[str]:
+        return [RAY, "start", f"--address={self.address}", f"--node-ip-address={ip}",
+                f"--resources={json.dumps(resources)}",
+                f"--dashboard-agent-listen-port={_free_port(ip)}", *self._common]
+
+    def _run(self, *commands: list[str]) -> int:
+        """Run `commands` in turn from one shell in a new session; every process they leave
+        running is in that session, whose id (the shell's pid) is returned."""
+        script = " && ".join(shlex.join(command) for command in commands)
+        proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.sessions.append(proc.pid)
+        output, _ = proc.communicate(timeout=180)
+        if proc.returncode != 0:
+            raise RuntimeError(f"starting Ray nodes failed:\n{output[-3000:]}")
+        return proc.pid
+
+    def add(self, ip: str, resources: dict[str, float]) -> int:
+        """Start another node on loopback address `ip`; its session, for `remove`."""
+        return self._run(self._node(ip, resources))
+
+    def remove(self, session: int) -> None:
+        """Kill every process of a node `add` started (its actors with it)."""
+        for pid in _session_pids(session):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        wait_until_sync(lambda: not _session_pids(self.sid), "the Ray cluster's processes to end")
+        wait_until_sync(lambda: not _session_pids(session), "the Ray node's processes to end")
+
+    def omni_worker_pids(self) -> list[int]:
+        """The cluster's ``ray::OmniWorker`` processes (Ray names an actor's process after its
+        class)."""
+        pids = []
+        for session in self.sessions:
+            for pid in _session_pids(session):
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::OmniWorker"):
+                        pids.append(pid)
+                except OSError:
+                    continue
+        return pids
+
+    def close(self) -> None:
+        """Kill every process of the cluster, then remove its folder."""
+        for session in self.sessions:
+            self.remove(session)
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -70,3 +70,16 @@ class Where:
 @omni.graph
 def where(i: int) -> list:
     return Where()(i)
+
+
+@omni.node(resources={"node_c": 1})
+class OnNodeC:
+    """Pinned to a Ray node that joins while the driver runs."""
+
+    async def __call__(self, i: int) -> str:
+        return node_ip()
+
+
+@omni.graph
+def on_node_c(i: int) -> str:
+    return OnNodeC()(i)

@@ -24,13 +24,14 @@ from omni.transport.payloads import payload_mover
 from tests._wait import wait_until, wait_until_sync
 from tests.cluster import ray_graphs as g
 from tests.cluster._local import invoke
-from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes, omni_worker_pids
+from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes
 from tests.cluster.conftest import ROOT
 from tests.cluster.test_showcase_cluster import DIALOGUE, IMAGES, TURNS, omni_run
 from tests.serve._server import Server
 
 pytestmark = pytest.mark.proc
 HELLO = ROOT / "examples" / "hello.py"
+THIRD_IP = "127.0.0.4"  # a Ray node that joins while a driver runs
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
         await wait_until(serves_again, "the restarted OmniWorker to serve", poll=0.1)
         restarted = {a.pid for a in cluster.actors.values()}
         assert victim[1] not in restarted and len(restarted) == 2
-    await wait_until(lambda: not omni_worker_pids(ray_nodes.sid),
+    await wait_until(lambda: not ray_nodes.omni_worker_pids(),
                      "no ray::OmniWorker process left after the driver", poll=0.1)
 
     def leftovers() -> set[str]:
@@ -128,6 +129,24 @@ async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
                      "the workers' shared memory to be gone", poll=0.1)
 
 
+async def test_a_ray_node_that_joins_gets_an_omni_worker_and_takes_replicas(
+        ray_nodes: RayNodes, ray_address: str) -> None:
+    cluster = RayCluster("ray")
+    async with omni.Runtime(cluster=cluster) as rt:
+        assert len(cluster.actors) == 2
+        node = await trio.to_thread.run_sync(ray_nodes.add, THIRD_IP, {"node_c": 1})
+        try:
+            await wait_until(lambda: len(cluster.actors) == 3 and all(
+                a.endpoint for a in cluster.actors.values()), "an OmniWorker on the new node",
+                poll=0.1)
+            assert await rt.run(g.on_node_c, i=1) == THIRD_IP
+        finally:
+            await trio.to_thread.run_sync(ray_nodes.remove, node)
+        # Ray finds the node dead (its raylet gone) and the driver drops its worker
+        await wait_until(lambda: len(cluster.actors) == 2, "the gone node's worker dropped",
+                         poll=0.1)
+
+
 def test_omni_serve_on_cluster_ray_answers_the_openai_client(
         ray_nodes: RayNodes, ray_address: str, tmp_path: Path) -> None:
     """A real ``omni serve --cluster ray`` process, the official client, text and speech; on
@@ -135,7 +154,7 @@ def test_omni_serve_on_cluster_ray_answers_the_openai_client(
     server = Server(DIALOGUE, ("--cluster", "ray"), tmp_path)
     try:
         server.url = server.wait_url()
-        assert len(omni_worker_pids(ray_nodes.sid)) == 2  # one actor per Ray node
+        assert len(ray_nodes.omni_worker_pids()) == 2  # one actor per Ray node
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=120)
         reply = client.chat.completions.create(
@@ -148,7 +167,7 @@ def test_omni_serve_on_cluster_ray_answers_the_openai_client(
     assert message.content and reply.usage.completion_tokens > 0
     assert base64.b64decode(message.audio.data)[:4] == b"RIFF"
     assert status == 0, server.stderr()
-    wait_until_sync(lambda: not omni_worker_pids(ray_nodes.sid),
+    wait_until_sync(lambda: not ray_nodes.omni_worker_pids(),
                     "the server's OmniWorker actors to end with it")
 
 

@@ -103,3 +103,21 @@ def test_cli_output_results_count_every_item():
         claim["measured"]["median"] / claim["baseline"]["median"], rel=0.01)
     assert claim["pass"] == (ratio is not None and ratio <= 1.5)
     assert report["all_pass"] == claim["pass"]
+
+
+def test_ray_cluster_results_compare_cluster_ray_with_omni_cluster_by_their_rule():
+    """perf/ray_cluster.py (a 2-node Ray cluster and an `omni cluster`, processes): each claim
+    is --cluster ray against omni cluster in the same run, Ray's own actor calls beside it,
+    and passes on 5 rounds at >= 0.9x."""
+    report = committed("ray_cluster")
+    names = ("call_latency", "numpy_64mib", "pipeline_throughput")
+    for name in names:
+        claim = report["claims"][name]
+        check_claim(claim, name)
+        assert samples(claim["ray_actor_calls"]), name
+        ray, omni_ = claim["measured"]["median"], claim["baseline"]["median"]
+        ratio = ray / omni_ if name == "pipeline_throughput" else omni_ / ray
+        assert claim["ratio"] == pytest.approx(ratio, rel=0.01), name
+        assert claim["target"] == 0.9
+        assert claim["pass"] == (claim["ratio"] >= 0.9 and report["params"]["repeats"] == 5)
+    assert report["all_pass"] == all(report["claims"][n]["pass"] for n in names)
