@@ -206,9 +206,11 @@ class ClusterLink:
                     nursery.start_soon(self._renew)
                     task_status.started()
                     await self._stopping.wait()
-                    with trio.move_on_after(2.0):
-                        await self._undeploy_all()
                 finally:
+                    # also when cancelled (Ctrl-C): the workers let go of this driver now,
+                    # not once its session's lease runs out
+                    with trio.move_on_after(2.0, shield=True):
+                        await self._undeploy_all()
                     self._clients.close()
                     nursery.cancel_scope.cancel()
 

@@ -107,15 +107,19 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self._requests.cancel_scope.cancel()
-        await self._request_cm.__aexit__(None, None, None)
-        self._closing.set()  # the metrics server, if any, shuts down on it
-        if self.cluster is not None:
-            self.cluster.stop()
         try:
-            await self._host_cm.__aexit__(None, None, None)
+            # Raises when a scope around the runtime is cancelled too (Ctrl-C in `omni run`):
+            # the requests' Cancelled belongs to it. The hosts' nursery must still be closed.
+            await self._request_cm.__aexit__(None, None, None)
         finally:
-            if self._owns_kv:
-                self.kv.close()
+            self._closing.set()  # the metrics server, if any, shuts down on it
+            if self.cluster is not None:
+                self.cluster.stop()
+            try:
+                await self._host_cm.__aexit__(None, None, None)
+            finally:
+                if self._owns_kv:
+                    self.kv.close()
 
     async def _start_metrics(self, host: str, port: int | None) -> None:
         from omni.graph.metrics import Metrics, serve_metrics

@@ -162,6 +162,39 @@ async def test_cancelling_a_request_cancels_all_its_nodes():
     assert sorted(started) == ["X", "x"] and sorted(finalized) == ["X", "x"]
 
 
+async def test_a_scope_cancelled_around_the_runtime_closes_it_with_requests_in_flight():
+    """Ctrl-C in ``omni run``: the scope around the runtime is cancelled while its requests
+    run. The runtime still closes each of its nurseries in order (none left open: trio would
+    call that a corrupted nursery stack), and the requests' nodes are finalised."""
+    started, finalized = [], []
+
+    @omni.node
+    async def wait(text: str) -> str:
+        started.append(text)
+        try:
+            await trio.sleep_forever()
+        finally:
+            finalized.append(text)
+
+    @omni.graph
+    def g(text: str):
+        return wait(text)
+
+    async def consume(rt: omni.Runtime, text: str) -> None:
+        async with rt.stream(g, text=text) as stream:  # its producer is the runtime's
+            async for _ in stream:
+                pass
+
+    with trio.CancelScope() as outer:
+        async with omni.Runtime() as rt, trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(consume, rt, str(i))
+            await wait_until(lambda: len(started) == 4, "every request's node to start")
+            outer.cancel()
+    assert outer.cancelled_caught
+    assert sorted(finalized) == ["0", "1", "2", "3"]
+
+
 async def test_timeout_fails_the_request_with_the_node_named(autojump_clock):
     @omni.node(timeout=2)
     async def sleepy(text: str) -> str:
