@@ -306,6 +306,9 @@ class RayCluster:
         except ConnectionError as exc:
             raise ClusterError(f"no Ray cluster at {address}: {exc} (start one with `ray start "
                                "--head`, or set RAY_ADDRESS)") from None
+        except Exception as exc:  # Ray's own words: a missing `ray[client]`, a version clash
+            raise ClusterError(f"cannot connect to the Ray cluster at {address}: "
+                               f"{_brief(exc)}") from None
         finally:
             ray_log.removeFilter(quiet)
         return True

@@ -63,6 +63,7 @@ class RayNodes:
     def __init__(self, object_store_bytes: int = 100_000_000):
         self.folder = Path(tempfile.mkdtemp(prefix="omni-ray-"))
         self.address = f"{HEAD_IP}:{_free_port(HEAD_IP)}"
+        self.client_address = f"ray://{HEAD_IP}:{_free_port(HEAD_IP)}"  # Ray Client's
         self.sessions: list[int] = []
         self._common = ["--num-cpus=2", f"--object-store-memory={object_store_bytes}",
                         "--disable-usage-stats"]
@@ -71,6 +72,7 @@ class RayNodes:
                 f"--resources={json.dumps({'node_a': 1})}", "--include-dashboard=false",
                 f"--dashboard-port={_free_port(HEAD_IP)}",
                 f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
+                f"--ray-client-server-port={self.client_address.rpartition(':')[2]}",
                 f"--temp-dir={self.folder}",
                 # a node killed (`remove`) is found dead in ~1.5 s, not Ray's ~15
                 "--system-config=" + json.dumps({"health_check_period_ms": 500,
