@@ -35,6 +35,16 @@ HELLO = ROOT / "examples" / "hello.py"
 THIRD_IP = "127.0.0.4"  # a Ray node that joins while a driver runs
 
 
+def shared_memory() -> set[str]:
+    return {p.name for p in shm_directory().iterdir()}
+
+
+def workers_shared_memory(before: set[str]) -> set[str]:
+    """What is in the shared-memory folder now and was not `before`, but this process's own
+    payload segments (its pid is in their names): what workers left."""
+    return {name for name in shared_memory() - before if f"-{os.getpid()}-" not in name}
+
+
 @pytest.fixture(scope="module")
 def ray_nodes() -> Iterator[RayNodes]:
     nodes = RayNodes()
@@ -54,6 +64,7 @@ def ray_address(ray_nodes: RayNodes, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_the_showcase_pipelines_give_the_same_bytes_under_cluster_ray(
         ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ray = ["--cluster", "ray"]
+    before = shared_memory()
     local = omni_run(tmp_path / "local", monkeypatch, DIALOGUE, "--inputs-json", TURNS)
     remote = omni_run(tmp_path / "remote", monkeypatch, DIALOGUE, "--inputs-json", TURNS, *ray)
     assert len(local) == len(remote) == 4
@@ -68,6 +79,8 @@ def test_the_showcase_pipelines_give_the_same_bytes_under_cluster_ray(
     (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image, *ray)
     assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
     assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
+    # the workers' KV stores and payload segments went with them
+    wait_until_sync(lambda: not workers_shared_memory(before), "the workers' shared memory")
 
 
 async def test_a_pinned_node_lands_on_its_ray_node_and_big_values_cross_omnis_data_plane(
@@ -91,17 +104,15 @@ async def test_a_pinned_node_lands_on_its_ray_node_and_big_values_cross_omnis_da
 
 async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
         ray_nodes: RayNodes, ray_address: str) -> None:
-    ours = os.getpid()
-    shm_before = {p.name for p in shm_directory().iterdir()}
+    shm_before = shared_memory()
     cluster = RayCluster("ray")
     results: list[list] = []
     async with omni.Runtime(cluster=cluster) as rt:
         async def call(i: int) -> None:
             results.append(await rt.run(g.where, i=i))
 
-        first = await rt.run(g.where, i=-1)
-        victim = next(r for r in [first, await rt.run(g.where, i=-2)] if r[0] == NODE_IP) \
-            if first[0] != NODE_IP else first
+        seen = [await rt.run(g.where, i=-k) for k in range(1, 9)]  # both replicas answer
+        victim = next(r for r in seen if r[0] == NODE_IP)  # the one on the second Ray node
         async with trio.open_nursery() as nursery:
             for i in range(60):
                 nursery.start_soon(call, i)
@@ -121,12 +132,7 @@ async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
         assert victim[1] not in restarted and len(restarted) == 2
     await wait_until(lambda: not ray_nodes.omni_worker_pids(),
                      "no ray::OmniWorker process left after the driver", poll=0.1)
-
-    def leftovers() -> set[str]:
-        return {p.name for p in shm_directory().iterdir()} - shm_before - {
-            name for name in shm_before if f"-{ours}-" in name}
-
-    await wait_until(lambda: not {n for n in leftovers() if f"-{ours}-" not in n},
+    await wait_until(lambda: not workers_shared_memory(shm_before),
                      "the workers' shared memory to be gone", poll=0.1)
 
 
