@@ -110,25 +110,28 @@ def _check(out: Any, expected: Any) -> None:
         raise RuntimeError(f"got {out!r}, expected {expected!r}")
 
 
+async def _median_call(rt: Any, graph: Any, calls: int, scale: float,
+                       value_of: Callable[[int], tuple[Any, Any]]) -> float:
+    """The median time (x `scale`) of `calls` sequential requests of `graph`; call i sends
+    ``value_of(i)[0]`` and must get ``value_of(i)[1]`` back."""
+    times = []
+    for i in range(calls):
+        value, expected = value_of(i)
+        start = time.perf_counter()
+        out = await rt.run(graph, value=value)
+        times.append(time.perf_counter() - start)
+        _check(out, expected)
+    return statistics.median(times) * scale
+
+
 def omni_measures(rt: Any, p: Params, array: np.ndarray
                   ) -> dict[str, Callable[[], Awaitable[float]]]:
     async def latency() -> float:
-        times = []
-        for i in range(p.calls):
-            start = time.perf_counter()
-            out = await rt.run(nodes.tiny, value=i)
-            times.append(time.perf_counter() - start)
-            _check(out, i)
-        return statistics.median(times) * 1e6
+        return await _median_call(rt, nodes.tiny, p.calls, 1e6, lambda i: (i, i))
 
     async def payload() -> float:
-        times = []
-        for _ in range(p.payload_calls):
-            start = time.perf_counter()
-            out = await rt.run(nodes.size, value=array)
-            times.append(time.perf_counter() - start)
-            _check(out, array.nbytes)
-        return statistics.median(times) * 1e3
+        return await _median_call(rt, nodes.size, p.payload_calls, 1e3,
+                                  lambda _: (array, array.nbytes))
 
     async def throughput() -> float:
         limiter = trio.CapacityLimiter(p.in_flight)

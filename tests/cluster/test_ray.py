@@ -27,7 +27,7 @@ from tests.cluster import ray_graphs as g
 from tests.cluster._local import invoke
 from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes
 from tests.cluster.conftest import ROOT
-from tests.cluster.test_showcase_cluster import DIALOGUE, IMAGES, TURNS, omni_run
+from tests.cluster.test_showcase_cluster import DIALOGUE, check_showcase_pipelines
 from tests.serve._server import Server
 
 pytestmark = pytest.mark.proc
@@ -63,22 +63,8 @@ def ray_address(ray_nodes: RayNodes, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_the_showcase_pipelines_give_the_same_bytes_under_cluster_ray(
         ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ray = ["--cluster", "ray"]
     before = shared_memory()
-    local = omni_run(tmp_path / "local", monkeypatch, DIALOGUE, "--inputs-json", TURNS)
-    remote = omni_run(tmp_path / "remote", monkeypatch, DIALOGUE, "--inputs-json", TURNS, *ray)
-    assert len(local) == len(remote) == 4
-    for here, there in zip(local, remote, strict=True):
-        assert there["token_ids"] == here["token_ids"] and len(here["token_ids"]) > 0
-        assert there["cached_tokens"] == here["cached_tokens"]
-        assert Path(there["wav"]).read_bytes() == Path(here["wav"]).read_bytes()
-    assert sum(r["cached_tokens"] for r in remote) > 0  # sessions reused KV on their worker
-
-    image = ["--input", "prompt=a red fox in snow", "--input", "out=fox.png"]
-    (png_here,) = omni_run(tmp_path / "local-image", monkeypatch, IMAGES, *image)
-    (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image, *ray)
-    assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
-    assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
+    check_showcase_pipelines(tmp_path, monkeypatch, "--cluster", "ray")
     # the workers' KV stores and payload segments went with them
     wait_until_sync(lambda: not workers_shared_memory(before), "the workers' shared memory")
 

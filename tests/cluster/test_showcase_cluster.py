@@ -19,29 +19,24 @@ TURNS = str(ROOT / "examples" / "dialogue_turns.jsonl")
 IMAGES = str(ROOT / "examples" / "image_generation.py")
 
 
-def omni_run(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
-             cluster: Cluster | None = None) -> list[dict]:
-    """``omni run ARGS --json`` in `folder` (on `cluster` when given); its outputs."""
+def omni_run(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+    """``omni run ARGS --json`` in `folder`; its outputs."""
     folder.mkdir()
-    extra = ["--cluster", cluster.address, "--token-file", str(cluster.token)] if cluster else []
     with monkeypatch.context() as patch:
         patch.chdir(folder)
         patch.setenv("OMNI_DIALOGUE_OUT", str(folder))
-        done = invoke("run", *args, "--json", *extra)
+        done = invoke("run", *args, "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line)["output"] for line in done.stdout.splitlines()]
 
 
-@pytest.mark.proc
-def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(
-        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cluster.head()
-    cluster.worker("w1")
-    cluster.worker("w2")
-
+def check_showcase_pipelines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             *cluster: str) -> None:
+    """Both showcase pipelines run locally and with the `cluster` options give the same token
+    ids, WAV and PNG bytes; the dialogue's later turns reuse KV on their worker."""
     local = omni_run(tmp_path / "local", monkeypatch, DIALOGUE, "--inputs-json", TURNS)
     remote = omni_run(tmp_path / "remote", monkeypatch, DIALOGUE, "--inputs-json", TURNS,
-                      cluster=cluster)
+                      *cluster)
     assert len(local) == len(remote) == 4
     for here, there in zip(local, remote, strict=True):
         assert (there["session"], there["turn"]) == (here["session"], here["turn"])
@@ -52,7 +47,17 @@ def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(
 
     image = ["--input", "prompt=a red fox in snow", "--input", "out=fox.png"]
     (png_here,) = omni_run(tmp_path / "local-image", monkeypatch, IMAGES, *image)
-    (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image,
-                            cluster=cluster)
+    (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image, *cluster)
     assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
     assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
+
+
+@pytest.mark.proc
+def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(
+        cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster.head()
+    cluster.worker("w1")
+    cluster.worker("w2")
+    assert cluster.address is not None
+    check_showcase_pipelines(tmp_path, monkeypatch, "--cluster", cluster.address,
+                             "--token-file", str(cluster.token))

@@ -136,8 +136,9 @@ async def test_a_failure_cancels_the_rest_of_its_request():
     assert cancelled == ["x"]
 
 
-async def test_cancelling_a_request_cancels_all_its_nodes():
-    started, finalized = [], []
+def waits_forever(started: list[str], finalized: list[str]):
+    """A node that notes its input in `started`, waits until cancelled, then notes it in
+    `finalized`."""
 
     @omni.node
     async def wait(text: str) -> str:
@@ -146,6 +147,13 @@ async def test_cancelling_a_request_cancels_all_its_nodes():
             await trio.sleep_forever()
         finally:
             finalized.append(text)
+
+    return wait
+
+
+async def test_cancelling_a_request_cancels_all_its_nodes():
+    started, finalized = [], []
+    wait = waits_forever(started, finalized)
 
     @omni.graph
     def g(text: str):
@@ -167,14 +175,7 @@ async def test_a_scope_cancelled_around_the_runtime_closes_it_with_requests_in_f
     run. The runtime still closes each of its nurseries in order (none left open: trio would
     call that a corrupted nursery stack), and the requests' nodes are finalised."""
     started, finalized = [], []
-
-    @omni.node
-    async def wait(text: str) -> str:
-        started.append(text)
-        try:
-            await trio.sleep_forever()
-        finally:
-            finalized.append(text)
+    wait = waits_forever(started, finalized)
 
     @omni.graph
     def g(text: str):
