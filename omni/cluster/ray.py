@@ -14,8 +14,10 @@ and KV-aware routing are the same code as under ``omni cluster`` (`RayCluster` i
 same `omni.cluster.membership.Membership`). A worker offers its Ray node's resources: ``CPU``,
 ``GPU`` and ``memory`` as Omni's ``cpu``, ``gpu`` and ``memory``, and the node's custom
 resources under their own names, so ``resources={"node_b": 1}`` places a replica on the Ray node
-started with ``--resources='{"node_b": 1}'``. Omni accounts for them itself: the actors ask Ray
-for no CPU, so Ray tasks beside Omni see the node's resources as free.
+started with ``--resources='{"node_b": 1}'``. The head spreads a node's replicas over the
+workers, as Ray's SPREAD strategy would. The actors themselves ask Ray for nothing; each replica
+holds what it asked for in Ray's accounting while it is hosted (a placement group of one bundle
+on its worker's node), so Ray's own tasks beside Omni, and Ray's autoscaler, see it taken.
 
 Secrets: the driver makes a fresh cluster token (CURVE keys) per run and hands it to each actor
 in a method call once the actor is up (`OmniWorker.start`), never in the actor's constructor
@@ -36,6 +38,7 @@ import contextlib
 import functools
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -50,13 +53,14 @@ from omni.cluster.worker import KVTiers, Worker
 from omni.transport.credentials import Credentials
 from omni.transport.security import ClusterToken
 
-__all__ = ["OmniWorker", "RayCluster", "is_ray_address", "node_resources"]
+__all__ = ["OmniWorker", "RayCluster", "is_ray_address", "node_resources", "ray_resources"]
 
 log = logging.getLogger("omni.cluster.ray")
 
 SUPERVISE_S = 1.0  # seconds between looks at Ray's nodes and at the actors
 START_TIMEOUT_S = 120.0  # an actor's start (its process, imports, registration) before giving up
 PROBE_S = 5.0  # seconds to wait for a Ray address to accept a connection
+RESERVE_S = 60.0  # seconds a replica waits for Ray to grant its resources on its node
 MAX_RESTARTS = 10  # Ray restarts a dead OmniWorker this many times (a crash loop ends)
 _RESOURCE_NAMES = {"CPU": "cpu", "GPU": "gpu", "memory": "memory"}
 _RAY_ONLY = ("node:", "accelerator_type:")  # Ray's own bookkeeping resources
@@ -75,6 +79,12 @@ def _ray() -> Any:
         raise ClusterError("--cluster ray needs Ray installed here and on every Ray node: "
                            "pip install 'omni[ray]'") from None
     return ray
+
+
+def ray_resources(resources: dict[str, float]) -> dict[str, float]:
+    """Omni's resource names back in Ray's (`node_resources` the other way); none of 0."""
+    omni_names = {omni_name: name for name, omni_name in _RESOURCE_NAMES.items()}
+    return {omni_names.get(name, name): amount for name, amount in resources.items() if amount}
 
 
 def node_resources(ray_resources: dict[str, float], share: int = 1) -> dict[str, float]:
@@ -184,8 +194,28 @@ class OmniWorker:
         if self._thread is not None:
             self._thread.join(10.0)
 
+    @property
+    def _group_prefix(self) -> str:
+        """The names of this worker's placement groups (one per hosted replica) begin so."""
+        return f"omni-{self.name}/"
+
+    def _remove_stale_groups(self) -> None:
+        """Remove the placement groups an earlier process of this actor left: Ray ties them to
+        the driver's job, not to the actor, so a killed worker's would hold its replicas'
+        resources until the driver ends."""
+        ray = _ray()
+        for group in ray.util.placement_group_table().values():
+            if group.get("name", "").startswith(self._group_prefix) and \
+                    group.get("state") != "REMOVED":
+                with contextlib.suppress(Exception):  # gone meanwhile
+                    ray.util.remove_placement_group(
+                        ray.util.get_placement_group(group["name"]))
+                    log.info("removed placement group %s of an earlier process",
+                             group["name"])
+
     def _serve(self, head: str, token: ClusterToken) -> None:
         try:
+            self._remove_stale_groups()
             trio.run(self._run, head, token)
         except BaseException as exc:  # reported to the driver by `start`
             self._error = exc
@@ -201,7 +231,8 @@ class OmniWorker:
             deadline = trio.current_time() + START_TIMEOUT_S
             while True:
                 worker = Worker(self.name, head, creds, host=self.host, resources=self.resources,
-                                kv=self.kv, heartbeat_interval=self.heartbeat_interval)
+                                kv=self.kv, heartbeat_interval=self.heartbeat_interval,
+                                reserve=self._reserve)
                 try:
                     async with trio.open_nursery() as nursery:
                         self._endpoint = await nursery.start(worker.run)
@@ -215,6 +246,34 @@ class OmniWorker:
                     if taken is None or other is not None or trio.current_time() > deadline:
                         raise
                 await trio.sleep(self.heartbeat_interval)
+
+
+    @contextlib.asynccontextmanager
+    async def _reserve(self, resources: dict[str, float]) -> AsyncIterator[None]:
+        """Hold a replica's resources in Ray's accounting while it is hosted: a placement
+        group of one bundle on this node (pinned by its ``node:IP`` resource), removed with
+        the replica, or by Ray with this actor's process."""
+        bundle = ray_resources(resources)
+        if not bundle:
+            yield
+            return
+        bundle[f"node:{self.host}"] = 0.001
+        ray = _ray()
+        name = f"{self._group_prefix}{secrets.token_hex(4)}"
+        group = await trio.to_thread.run_sync(functools.partial(
+            ray.util.placement_group, [bundle], strategy="STRICT_PACK", name=name))
+        try:
+            ready, _ = await trio.to_thread.run_sync(
+                functools.partial(ray.wait, [group.ready()], timeout=RESERVE_S),
+                abandon_on_cancel=True)
+            if not ready:
+                wants = ", ".join(f"{k}={v:g}" for k, v in ray_resources(resources).items())
+                raise ClusterError(f"Ray did not grant {wants} on node {self.host} within "
+                                   f"{RESERVE_S:g} s: other Ray work holds them")
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(ray.util.remove_placement_group, group)
 
 
 class _Actor:

@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,12 +163,19 @@ class Worker:
         resources: what it offers: ``cpu``, ``gpu``, ``memory`` (bytes).
         kv: the KV tiers it offers.
         kv_fetch: fetch missing pages from other workers when that beats recomputing.
+        reserve: what holds a replica's `resources` while it is hosted, from before it is
+            built to after it is dropped (an async context manager made per replica; under
+            Ray, a placement group on the worker's node, so that Ray's own tasks see them
+            taken). None: the head's accounting is all.
     """
 
     def __init__(self, name: str, head: str, creds: Credentials, *, host: str = "127.0.0.1",
                  resources: dict[str, float] | None = None, kv: KVTiers | None = None,
-                 heartbeat_interval: float = HEARTBEAT_S, kv_fetch: bool = True):
+                 heartbeat_interval: float = HEARTBEAT_S, kv_fetch: bool = True,
+                 reserve: Callable[[dict[str, float]],
+                                   contextlib.AbstractAsyncContextManager[Any]] | None = None):
         self.name = name
+        self.reserve = reserve
         self.kv_fetch = kv_fetch
         self.head = head
         self.creds = creds
@@ -290,7 +298,9 @@ class Worker:
         """Hold one replica (see `host_replica`) while it is listed in `_hosted`."""
         streaming, is_async = call_shape(cls, body.node)
         stop = trio.Event()
-        async with trio.open_nursery() as nursery:
+        reserved = self.reserve(dict(body.resources)) if self.reserve is not None else \
+            contextlib.nullcontext()
+        async with reserved, trio.open_nursery() as nursery:
             instance = await nursery.start(functools.partial(
                 host_replica, functools.partial(cls, *args, **kwargs),
                 CallContext(request_id=None, node=body.node, replica=body.replica, runtime=self),

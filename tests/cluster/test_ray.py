@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+import ray
 import trio
 
 import omni
@@ -80,6 +81,9 @@ async def test_a_pinned_node_lands_on_its_ray_node_and_big_values_cross_omnis_da
         before = payload_mover().stats()
         receipt = await rt.run(g.ship, shipment=g.Shipment("crate", array, 64 * g.MIB))
         after = payload_mover().stats()
+        # while its replica is hosted, Ray's accounting has node_b taken too
+        free = await trio.to_thread.run_sync(ray.available_resources)
+        assert free.get("node_b", 0) == 0 and free.get("node_a") == 1
     assert receipt.node_ip == NODE_IP  # the Ray node started with node_b, not the driver's
     assert receipt.label == "crate" and receipt.digest == g.digest(array)
     assert receipt.reply.nbytes == 64 * g.MIB and bool((receipt.reply == 7).all())
@@ -91,6 +95,7 @@ async def test_a_pinned_node_lands_on_its_ray_node_and_big_values_cross_omnis_da
 async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
         ray_nodes: RayNodes, ray_address: str) -> None:
     shm_before = shared_memory()
+    ours = os.getpid()
     cluster = RayCluster("ray")
     results: list[list] = []
     async with omni.Runtime(cluster=cluster) as rt:
@@ -99,6 +104,9 @@ async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
 
         seen = [await rt.run(g.where, i=-k) for k in range(1, 9)]  # both replicas answer
         victim = next(r for r in seen if r[0] == NODE_IP)  # the one on the second Ray node
+        small = g.Shipment("small", np.zeros(8, np.uint8), 8)
+        pinned = await rt.run(g.ship, shipment=small)  # node_b's: on the victim, held in Ray
+        assert pinned.pid == victim[1]
         async with trio.open_nursery() as nursery:
             for i in range(60):
                 nursery.start_soon(call, i)
@@ -114,6 +122,9 @@ async def test_a_killed_omni_worker_loses_no_request_and_ray_restarts_it(
             return node == NODE_IP and pid != victim[1]
 
         await wait_until(serves_again, "the restarted OmniWorker to serve", poll=0.1)
+        # the pinned replica is back on it: what the dead process held in Ray was freed
+        again = await rt.run(g.ship, shipment=small)
+        assert again.node_ip == NODE_IP and again.pid not in (victim[1], ours)
         restarted = {a.pid for a in cluster.actors.values()}
         assert victim[1] not in restarted and len(restarted) == 2
     await wait_until(lambda: not ray_nodes.omni_worker_pids(),

@@ -11,7 +11,7 @@ import trio
 
 import omni
 from omni.cluster import ClusterError
-from omni.cluster.ray import RayCluster, is_ray_address, node_resources
+from omni.cluster.ray import RayCluster, is_ray_address, node_resources, ray_resources
 
 
 def test_ray_addresses_are_ray_and_ray_urls_only() -> None:
@@ -30,6 +30,8 @@ def test_a_worker_offers_its_ray_nodes_resources_in_omnis_names() -> None:
     assert node_resources(ray_node) == {"cpu": 8.0, "gpu": 2.0, "memory": 1e10, "node_b": 1.0}
     assert node_resources(ray_node, share=2) == {"cpu": 4.0, "gpu": 1.0, "memory": 5e9,
                                                  "node_b": 0.5}
+    # what a replica asks for, in Ray's names again (to hold it in Ray's accounting)
+    assert ray_resources({"gpu": 1, "cpu": 0, "node_b": 1}) == {"GPU": 1, "node_b": 1}
 
 
 async def test_without_ray_installed_the_driver_is_told_how_to_get_it(
