@@ -139,19 +139,6 @@ def test_cluster_benchmark_quick_mode_compares_kv_aware_with_round_robin(
     assert [p["requests"] for p in report["phases"]] == [requests] * 2
 
 
-@pytest.mark.proc  # a 2-node Ray cluster and an `omni cluster`: processes
-def test_ray_cluster_benchmark_quick_mode_measures_all_three_sides(tmp_path, monkeypatch, capsys):
-    """perf/ray_cluster.py --quick: --cluster ray, omni cluster and Ray's own actor calls,
-    each claim's every side measured; one round reports, never passes (the claims need 5)."""
-    report = run_quick("ray_cluster.py", tmp_path, monkeypatch, capsys)
-    for name in ("call_latency", "numpy_64mib", "pipeline_throughput"):
-        claim = report["claims"][name]
-        sides = (claim["measured"], claim["baseline"], claim["ray_actor_calls"])
-        assert all(side["median"] > 0 and len(side["runs"]) == 1 for side in sides), name
-        assert claim["pass"] is False, name
-    assert report["pipeline_baseline"] == "ray_actors" and report["all_pass"] is False
-
-
 @pytest.mark.proc  # server processes loaded by a real client, stopped by SIGTERM
 def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(
         tmp_path, monkeypatch, capsys):
