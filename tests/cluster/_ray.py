@@ -34,6 +34,28 @@ HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
+# The watchdog: reads session ids on stdin; once its parent (argv[1]) is gone, kills every
+# process of those sessions and removes the cluster's folder (argv[2]).
+_WATCHDOG = """
+import os, shutil, signal, sys, threading, time
+parent, folder, sessions = int(sys.argv[1]), sys.argv[2], set()
+def read():
+    for line in sys.stdin:
+        sessions.add(int(line))
+threading.Thread(target=read, daemon=True).start()
+while os.path.exists(f"/proc/{parent}"):
+    time.sleep(1)
+for entry in os.listdir("/proc"):
+    try:
+        fields = open(f"/proc/{entry}/stat", "rb").read().rsplit(b")", 1)[1].split()
+        if int(fields[3]) in sessions:
+            os.kill(int(entry), signal.SIGKILL)
+    except (OSError, ValueError, IndexError):
+        pass
+shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -78,6 +100,12 @@ class RayNodes:
                 "--system-config=" + json.dumps({"health_check_period_ms": 500,
                                                  "health_check_failure_threshold": 3}),
                 *self._common]
+        # Should this process die without `close` (SIGKILL, a CI timeout), the watchdog
+        # kills the cluster's sessions once it is gone: no Ray cluster outlives its tests.
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.folder)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            text=True, start_new_session=True)
         try:
             self._run(head, self._node(NODE_IP, {"node_b": 1}))
         except BaseException:
@@ -96,6 +124,9 @@ class RayNodes:
         proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.sessions.append(proc.pid)
+        assert self._watchdog.stdin is not None
+        self._watchdog.stdin.write(f"{proc.pid}\n")  # a session for it to kill, too
+        self._watchdog.stdin.flush()
         output, _ = proc.communicate(timeout=180)
         if proc.returncode != 0:
             raise RuntimeError(f"starting Ray nodes failed:\n{output[-3000:]}")
@@ -126,7 +157,9 @@ class RayNodes:
         return pids
 
     def close(self) -> None:
-        """Kill every process of the cluster, then remove its folder."""
+        """Kill every process of the cluster, then remove its folder (and the watchdog)."""
         for session in self.sessions:
             self.remove(session)
         shutil.rmtree(self.folder, ignore_errors=True)
+        self._watchdog.kill()
+        self._watchdog.wait()
