@@ -15,6 +15,7 @@ inherit this pytest process's environment: its shared-memory and socket folders
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shlex
@@ -56,6 +57,14 @@ shutil.rmtree(folder, ignore_errors=True)
 """
 
 
+def _client_port() -> list[str]:
+    """Where ``ray[client]`` is installed, a head starts Ray Client's server, on port 10001
+    unless told: a port of its own, so that clusters started side by side do not collide."""
+    if importlib.util.find_spec("grpc") is None:  # what Ray checks for: no client server
+        return []
+    return [f"--ray-client-server-port={_free_port(HEAD_IP)}"]
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -85,7 +94,6 @@ class RayNodes:
     def __init__(self, object_store_bytes: int = 100_000_000):
         self.folder = Path(tempfile.mkdtemp(prefix="omni-ray-"))
         self.address = f"{HEAD_IP}:{_free_port(HEAD_IP)}"
-        self.client_address = f"ray://{HEAD_IP}:{_free_port(HEAD_IP)}"  # Ray Client's
         self.sessions: list[int] = []
         self._common = ["--num-cpus=2", f"--object-store-memory={object_store_bytes}",
                         "--disable-usage-stats"]
@@ -94,7 +102,7 @@ class RayNodes:
                 f"--resources={json.dumps({'node_a': 1})}", "--include-dashboard=false",
                 f"--dashboard-port={_free_port(HEAD_IP)}",
                 f"--dashboard-agent-listen-port={_free_port(HEAD_IP)}",
-                f"--ray-client-server-port={self.client_address.rpartition(':')[2]}",
+                *_client_port(),
                 f"--temp-dir={self.folder}",
                 # a node killed (`remove`) is found dead in ~1.5 s, not Ray's ~15
                 "--system-config=" + json.dumps({"health_check_period_ms": 500,

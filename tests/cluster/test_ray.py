@@ -6,7 +6,6 @@ plane carries the values. The driver is this process (``omni run`` invoked in it
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
 import socket
@@ -173,17 +172,6 @@ def test_omni_serve_on_cluster_ray_answers_the_openai_client(
     assert status == 0, server.stderr()
     wait_until_sync(lambda: not ray_nodes.omni_worker_pids(),
                     "the server's OmniWorker actors to end with it")
-
-
-def test_a_ray_client_address_runs_the_graph_there(
-        ray_nodes: RayNodes, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--cluster ray://HOST:PORT``: the driver reaches the cluster through Ray Client."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    local = invoke("run", str(HELLO), "--input", "text=hi", "--json")
-    remote = invoke("run", str(HELLO), "--input", "text=hi", "--json",
-                    "--cluster", ray_nodes.client_address)
-    assert local.returncode == remote.returncode == 0, remote.stderr[-2000:]
-    assert json.loads(remote.stdout) == json.loads(local.stdout)
 
 
 def test_no_ray_cluster_is_one_line_naming_the_address(
