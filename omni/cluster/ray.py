@@ -39,6 +39,7 @@ import functools
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -107,6 +108,18 @@ class _Quiet(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.start)
+
+
+def _restore_sigterm() -> None:
+    """Put this process's own SIGTERM handler back in place of the one Ray's core worker
+    installs in C++ when it connects (it prints a stack trace and, under load, aborted the
+    process at exit after Omni's clean stop). Python still lists its handler; installing it
+    again restores it at the C level. Only the main thread may (elsewhere: left as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _brief(exc: BaseException) -> str:
@@ -327,6 +340,7 @@ class RayCluster:
         ray = _ray()
         initialised = await trio.to_thread.run_sync(self._init, ray,
                                                     abandon_on_cancel=True)
+        _restore_sigterm()
         try:
             token = ClusterToken.generate()
             with Credentials(token) as creds:
