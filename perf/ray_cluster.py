@@ -52,8 +52,8 @@ from perf import _ray_cluster_nodes as nodes
 from perf._common import Samples, benchmark_parser, claim, environment, params_from, write_json
 from perf._payload_ray import Pipeline, RaySide
 from perf._payload_support import BlockingThread
-from perf._procs import START_S, CliProcess, wait_members
 from tests.cluster._ray import RayNodes
+from tests.cluster._real import Cluster
 
 __all__ = ["Params", "main", "measure"]
 
@@ -79,26 +79,6 @@ class Params:
     def small(cls, seed: int = 0) -> Params:
         return cls(seed=seed, repeats=1, calls=30, payload_bytes=8 * MIB, payload_calls=2,
                    requests=64, in_flight=16, quick=True)
-
-
-class HandJoined:
-    """An Omni head and two workers as ``omni cluster`` processes, in `folder`."""
-
-    def __init__(self, folder: Path):
-        self.token = str(folder / "cluster.token")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.head = CliProcess(["cluster", "start", "--bind", "tcp://127.0.0.1:*",
-                                "--token-file", self.token], ROOT, env)
-        self.address = self.head.wait_line(r"head at (tcp://\S+)").group(1)
-        self.workers = {name: CliProcess(["cluster", "join", self.address, "--token-file",
-                                          self.token, "--name", name, "--timeout",
-                                          str(START_S)], ROOT, env)
-                        for name in ("w1", "w2")}
-        wait_members(self.address, self.token, self.workers, cwd=ROOT)
-
-    def stop(self) -> None:
-        for proc in [*self.workers.values(), self.head]:
-            proc.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,9 +196,15 @@ async def measure(params: Params) -> dict[str, Any]:
     thread = BlockingThread("ray")
     with tempfile.TemporaryDirectory(prefix="omni-perf-ray-") as folder:
         ray_nodes = RayNodes(object_store_bytes=GIB)  # Ray's own calls: no spilling
-        joined = None
+        joined = Cluster(Path(folder))  # `omni cluster start` and two `join` processes
         try:
-            joined = HandJoined(Path(folder))
+            def start_joined() -> None:  # (it waits with trio.run of its own: in a thread)
+                joined.head()
+                joined.worker("w1")
+                joined.worker("w2")
+
+            await trio.to_thread.run_sync(start_joined)
+            assert joined.address is not None
             import ray
 
             await thread.run(lambda: ray.init(address=ray_nodes.address, log_to_driver=False,
@@ -241,8 +227,7 @@ async def measure(params: Params) -> dict[str, Any]:
             await thread.run(ray.shutdown)
         finally:
             thread.close()
-            if joined is not None:
-                joined.stop()
+            joined.close()
             ray_nodes.close()
     return {"benchmark": "ray_cluster", "env": {**environment(), "ray": version},
             "params": asdict(params), "pipeline_baseline": pipeline.kind,

@@ -159,7 +159,6 @@ class ClusterLink:
             cluster = HeadCluster(cluster, token_file if token_file is not None
                                   else default_token_path())
         self.cluster = cluster
-        self.address = cluster.description  # the head's address once connected
         self.kv_layout = kv_layout
         self.wait_for_workers = wait_for_workers
         self.min_workers = min_workers
@@ -189,9 +188,8 @@ class ClusterLink:
             HeadUnreachable, TokenRefused: (`ClusterError`) the head is not there or refuses us.
         """
         async with self.cluster.connect() as (address, creds):
-            self.address = address
             self._creds = creds
-            head = RPCClient(self.address, ctx=creds.ctx, options=creds.client_options(),
+            head = RPCClient(address, ctx=creds.ctx, options=creds.client_options(),
                              heartbeat_interval=self.heartbeat_interval, timeout=10.0)
             async with head, trio.open_nursery() as nursery:
                 self._nursery = nursery

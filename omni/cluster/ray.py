@@ -194,10 +194,10 @@ class OmniWorker:
             raise ClusterError(f"worker '{self.name}' could not join {head}: {self._error}")
         return self._endpoint
 
-    def state(self) -> tuple[bool, int, str]:
-        """(running, pid, endpoint): what the driver's supervisor asks every second."""
+    def state(self) -> tuple[bool, int]:
+        """(running, pid): what the driver's supervisor asks every second."""
         running = self._thread is not None and self._thread.is_alive() and not self._error
-        return running, os.getpid(), self._endpoint
+        return running, os.getpid()
 
     def stop(self) -> None:
         """Leave the cluster cleanly: drop the replicas, unlink the worker's shared memory."""
@@ -417,7 +417,7 @@ class RayCluster:
             for ref in answered:
                 actor = asked[ref]
                 try:
-                    running, actor.pid, _ = ray.get(ref)
+                    running, actor.pid = ray.get(ref)
                 except Exception as exc:  # dead or restarting: next look
                     log.info("worker '%s' does not answer: %s", actor.name, _brief(exc))
                     continue

@@ -25,6 +25,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from tests._wait import wait_until_sync
@@ -33,28 +35,7 @@ __all__ = ["HEAD_IP", "NODE_IP", "RayNodes"]
 
 HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-# The watchdog: reads session ids on stdin; once its parent (argv[1]) is gone, kills every
-# process of those sessions and removes the cluster's folder (argv[2]).
-_WATCHDOG = """
-import os, shutil, signal, sys, threading, time
-parent, folder, sessions = int(sys.argv[1]), sys.argv[2], set()
-def read():
-    for line in sys.stdin:
-        sessions.add(int(line))
-threading.Thread(target=read, daemon=True).start()
-while os.path.exists(f"/proc/{parent}"):
-    time.sleep(1)
-for entry in os.listdir("/proc"):
-    try:
-        fields = open(f"/proc/{entry}/stat", "rb").read().rsplit(b")", 1)[1].split()
-        if int(fields[3]) in sessions:
-            os.kill(int(entry), signal.SIGKILL)
-    except (OSError, ValueError, IndexError):
-        pass
-shutil.rmtree(folder, ignore_errors=True)
-"""
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _client_port() -> list[str]:
@@ -111,9 +92,9 @@ class RayNodes:
         # Should this process die without `close` (SIGKILL, a CI timeout), the watchdog
         # kills the cluster's sessions once it is gone: no Ray cluster outlives its tests.
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.folder)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            text=True, start_new_session=True)
+            [sys.executable, "-m", "tests.cluster._ray", str(os.getpid()), str(self.folder)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
         try:
             self._run(head, self._node(NODE_IP, {"node_b": 1}))
         except BaseException:
@@ -171,3 +152,27 @@ class RayNodes:
         shutil.rmtree(self.folder, ignore_errors=True)
         self._watchdog.kill()
         self._watchdog.wait()
+
+
+def _watch(parent: int, folder: str) -> None:
+    """The watchdog's life (``python -m tests.cluster._ray PARENT FOLDER``): read session ids
+    on stdin; once process `parent` is gone, kill every process of those sessions and remove
+    the cluster's `folder`."""
+    sessions: set[int] = set()
+
+    def read() -> None:
+        for line in sys.stdin:
+            sessions.add(int(line))
+
+    threading.Thread(target=read, daemon=True).start()
+    while Path(f"/proc/{parent}").exists():
+        time.sleep(1)
+    for session in list(sessions):
+        for pid in _session_pids(session):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), sys.argv[2])
