@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	@# The grammar extra without triton (xgrammar needs it only for GPU kernels; ~1 GB on disk)
 	@$(PIP) install apache-tvm-ffi pydantic 2>&1 | grep -v "^WARNING: Location" || true
 	@$(PIP) install --no-deps "xgrammar>=0.1.25" 2>&1 | grep -v "^WARNING: Location" || true
-	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, pytest_trio, xdist, xgrammar" || \
+	@$(BIN)/python -c "import omni, torch, trio, zmq, msgspec, cryptography, pytest_trio, xdist, xgrammar" || \
 		{ echo "install failed: see the pip output above"; exit 1; }
 	@touch $(STAMP)
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 
+from cli._errors import CliError
 from omni.graph.balance import REPLACE_TIMEOUT_S
 
-__all__ = ["REPLACE_TIMEOUT_S", "ClusterOption", "DebugOption", "KvDeviceOption", "KvDiskOption",
-           "KvHostOption", "MetricsPortOption", "ReplaceTimeoutOption", "TokenFileOption"]
+__all__ = ["REPLACE_TIMEOUT_S", "ClusterOption", "DataPlaneOption", "DebugOption",
+           "KvDeviceOption", "KvDiskOption", "KvHostOption", "MetricsPortOption",
+           "ReplaceTimeoutOption", "TokenFileOption", "use_data_plane"]
 
 KvDeviceOption = Annotated[str | None, typer.Option(
     "--kv-device", metavar="SIZE", show_default=False,
@@ -36,6 +39,12 @@ ReplaceTimeoutOption = Annotated[float, typer.Option(
          "again when the workers hosting them are gone (a call that was running there is "
          "retried once on the replacement) before it fails.")]
 
+DataPlaneOption = Annotated[str | None, typer.Option(
+    "--data-plane", metavar="MODE", show_default=False,
+    help="How large values and KV pages cross between cluster processes over TCP: "
+         "'encrypted' (AES-256-GCM, the default) or 'plaintext' (only on a network you trust; "
+         "both ends must say so). Default: $OMNI_DATA_PLANE, else encrypted.")]
+
 TokenFileOption = Annotated[str | None, typer.Option(
     "--token-file", metavar="PATH", show_default=False,
     help="The cluster's token file (default: $OMNI_TOKEN_FILE or "
@@ -48,3 +57,17 @@ MetricsPortOption = Annotated[int | None, typer.Option(
 
 DebugOption = Annotated[bool, typer.Option(
     "--debug", help="Show tracebacks for errors, not only the one-line message.")]
+
+
+def use_data_plane(mode: str | None) -> None:
+    """``--data-plane``, checked, becomes this process's setting (``OMNI_DATA_PLANE``), which
+    every cluster connection it opens reads."""
+    if mode is None:
+        return
+    from omni.transport.data_channel import data_plane_mode
+    from omni.transport.errors import TransportError
+
+    try:
+        os.environ["OMNI_DATA_PLANE"] = data_plane_mode(mode)
+    except TransportError as exc:
+        raise CliError(str(exc)) from None

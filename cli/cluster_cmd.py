@@ -26,6 +26,7 @@ import typer
 
 from cli._cluster_status import print_status
 from cli._errors import CliError, Stopped, first_of, reporting
+from cli._options import DataPlaneOption, use_data_plane
 from cli._signals import stopped_by_signals
 
 __all__ = ["app"]
@@ -170,12 +171,14 @@ def join(
     timeout: Annotated[float, typer.Option(
         "--timeout", min=0.1, help="Seconds to wait for the head to answer.")] = 5.0,
     heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.05)] = 0.5,
+    data_plane: DataPlaneOption = None,
     debug: Annotated[bool, typer.Option("--debug", help=DEBUG_HELP)] = False,
 ) -> None:
     """Join the cluster at ADDRESS as a worker; serve until Ctrl-C or SIGTERM."""
     from omni.cluster import Worker, probe
 
     with reporting(debug):
+        use_data_plane(data_plane)
         address = _address(address)
         tiers = _kv_tiers(kv_device, kv_host, kv_disk)
         worker_name = name or socket.gethostname()

@@ -18,6 +18,7 @@ from cli._load import load_module, select_graph
 from cli._options import (
     REPLACE_TIMEOUT_S,
     ClusterOption,
+    DataPlaneOption,
     DebugOption,
     KvDeviceOption,
     KvDiskOption,
@@ -25,6 +26,7 @@ from cli._options import (
     MetricsPortOption,
     ReplaceTimeoutOption,
     TokenFileOption,
+    use_data_plane,
 )
 from cli._output import HumanPrinter, JsonPrinter, Printer, describe_cause
 from cli._report import Outcome, Reporter, summary_line
@@ -66,6 +68,7 @@ def run(
     kv_disk: KvDiskOption = None,
     cluster: ClusterOption = None,
     token_file: TokenFileOption = None,
+    data_plane: DataPlaneOption = None,
     replace_timeout: ReplaceTimeoutOption = REPLACE_TIMEOUT_S,
     metrics_port: MetricsPortOption = None,
     debug: DebugOption = False,
@@ -79,6 +82,7 @@ def run(
     Example: omni run examples/hello.py --input text="omni runs pipelines"
     """
     with reporting(debug), _results_stdout(as_json) as out:
+        use_data_plane(data_plane)
         module = load_module(file)
         graph = select_graph(module, graph_name, file)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)

@@ -19,6 +19,7 @@ from cli._load import graphs_to_serve, load_module
 from cli._options import (
     REPLACE_TIMEOUT_S,
     ClusterOption,
+    DataPlaneOption,
     DebugOption,
     KvDeviceOption,
     KvDiskOption,
@@ -26,6 +27,7 @@ from cli._options import (
     MetricsPortOption,
     ReplaceTimeoutOption,
     TokenFileOption,
+    use_data_plane,
 )
 from cli._signals import stopped_by_signals
 from cli.run import FILE_HELP
@@ -103,6 +105,7 @@ def serve(
     kv_disk: KvDiskOption = None,
     cluster: ClusterOption = None,
     token_file: TokenFileOption = None,
+    data_plane: DataPlaneOption = None,
     replace_timeout: ReplaceTimeoutOption = REPLACE_TIMEOUT_S,
     metrics_port: MetricsPortOption = None,
     debug: DebugOption = False,
@@ -120,6 +123,7 @@ def serve(
     Example: omni serve examples/hello.py --port 8000
     """
     with reporting(debug):
+        use_data_plane(data_plane)
         module = load_module(file)
         graphs = graphs_to_serve(module, graph_names or [], file)
         state = GuardState(api_keys=_read_keys(api_key_file), max_concurrency=max_concurrency,

@@ -372,9 +372,9 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
                       ) -> dict[str, Any]:
     """64 MiB over the TCP path (a child driver and worker wtcp, both with `TCP_SETTINGS`)."""
     sizes = (p.payload_bytes, p.payload_bytes - PAGE)
-    from perf._payload_tcp import TCP_SETTINGS
+    from perf._payload_tcp import PLAINTEXT, TCP_SETTINGS
 
-    env = {**os.environ, **TCP_SETTINGS, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **TCP_SETTINGS, **PLAINTEXT, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(ROOT / "perf" / "_payload_tcp.py"), address, token,
            *map(str, sizes), "--repeats", str(p.repeats), "--seed", str(p.seed)]
     done = await _run_child(cmd, env, janitor)
@@ -384,7 +384,7 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
         data = {"error": f"the TCP driver printed no result (exit {done.returncode}); "
                          f"stderr: {done.stderr.decode(errors='replace')[-1500:]!r}"}
     runs, errors = data.get("runs", {}), data.get("errors", {})
-    sides = ("omni", "pyzmq", "pyzmq_curve")
+    sides = ("omni", "omni_plaintext", "pyzmq", "pyzmq_curve")
     samples = {side: {size_label(int(k)): Samples(tuple(v)) for k, v in runs.get(side, {}).items()}
                for side in sides}
     per_size = {}
@@ -395,17 +395,22 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
             s = samples[side].get(label)
             entry[f"{side}_gib_s"] = None if s is None else s.to_json(3)
             entry[f"{side}_error"] = errors.get(side, {}).get(str(size))
-        o, z, zc = (samples[side].get(label) for side in sides)
+        o, op, z, zc = (samples[side].get(label) for side in sides)
         entry["ratio"] = round(o.median / z.median, 3) if o and z else None
+        entry["ratio_plaintext"] = round(op.median / z.median, 3) if op and z else None
         entry["ratio_vs_curve"] = round(o.median / zc.median, 3) if o and zc else None
         per_size[label] = entry
     label = size_label(sizes[0])
     exact = per_size[label]
     curve = samples["pyzmq_curve"].get(label)
+    plain = samples["omni_plaintext"].get(label)
     return claim(
         unit="GiB/s", target=TCP_TARGET, better="higher", measured=samples["omni"].get(label),
         baseline=samples["pyzmq"].get(label), digits=3,
         error=data.get("error") or exact["omni_error"] or exact["pyzmq_error"],
+        plaintext_gib_s=None if plain is None else plain.to_json(3),
+        ratio_plaintext=exact["ratio_plaintext"],
+        plaintext_error=data.get("error") or exact["omni_plaintext_error"],
         pyzmq_curve_gib_s=None if curve is None else curve.to_json(3),
         ratio_vs_curve=exact["ratio_vs_curve"],
         pyzmq_curve_error=data.get("error") or exact["pyzmq_curve_error"],
@@ -413,7 +418,8 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
         note=(f"GiB/s of a call whose argument is a {label} float32 numpy array (result: its "
               "size) from a driver child process to worker wtcp, both started with "
               "OMNI_PAYLOAD_SHM=0 and OMNI_IPC=0 (no shared memory, no Unix socket: the "
-              "TCP path, as between hosts; `setting`: what the child saw); also at "
+              "TCP path, as between hosts; `setting`: what the child saw), crossing on the "
+              "encrypted data channel (AES-256-GCM, the control message on CURVE); also at "
               f"{size_label(sizes[1])}; baseline: raw pyzmq, one frame of the same size, "
               "copy=False both ends, blocking DEALER/ROUTER over TCP loopback "
               "(perf/transport.py's pair, unencrypted); pyzmq_curve_gib_s: the same pair with "
@@ -421,7 +427,8 @@ async def tcp_section(p: Params, address: str, token: str, janitor: ShmJanitor
               "as Omni's TCP sockets are, measured in the same alternating rounds; median of "
               f"{p.repeats} alternating rounds after a warm-up; ratio = Omni / plain pyzmq, "
               f"target >= {TCP_TARGET:g}; ratio_vs_curve = Omni / pyzmq with CURVE "
-              "(recorded, not the target)"))
+              "(recorded, not the target); plaintext_gib_s, ratio_plaintext: the same call "
+              "to worker wtcp_plain, both ends with OMNI_DATA_PLANE=plaintext (recorded)"))
 
 
 async def _run_child(cmd: list[str], env: dict[str, str], janitor: ShmJanitor) -> Any:

@@ -2,9 +2,10 @@
 
 Each node class is pinned to one worker by name (``where=``): ``w1`` serves the single-call
 measurements, ``w1``/``w2``/``w3`` the three stages of the pipeline, ``wtcp`` (started with
-``OMNI_PAYLOAD_SHM=0``) the TCP-path measurement. The bodies do as little as possible, so that
-a call's time is the cost of moving its arguments and result: a payload's size, the payload
-itself, or a fresh array of a given size.
+``OMNI_PAYLOAD_SHM=0``) the TCP-path measurement, ``wtcp_plain`` (the same, and
+``OMNI_DATA_PLANE=plaintext``) its plaintext data plane. The bodies do as little as possible,
+so that a call's time is the cost of moving its arguments and result: a payload's size, the
+payload itself, or a fresh array of a given size.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import numpy as np
 
 import omni
 
-__all__ = ["WORKERS", "Echo", "Hop1", "Hop2", "Hop3", "Make", "Size", "SizeTcp", "Tiny",
-           "chain"]
+__all__ = ["WORKERS", "Echo", "Hop1", "Hop2", "Hop3", "Make", "Size", "SizeTcp",
+           "SizeTcpPlain", "Tiny", "chain"]
 
-WORKERS = ("w1", "w2", "w3", "wtcp")
+WORKERS = ("w1", "w2", "w3", "wtcp", "wtcp_plain")
 
 
 class _Size:
@@ -42,6 +43,11 @@ class Size(_Size):
 
 @omni.node(where="wtcp")
 class SizeTcp(_Size):
+    pass
+
+
+@omni.node(where="wtcp_plain")
+class SizeTcpPlain(_Size):
     pass
 
 

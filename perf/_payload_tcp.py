@@ -4,7 +4,9 @@ shared memory, no Unix socket, so payloads take the path they take between hosts
 both processes share this machine.
 
 It times, alternating round by round (one untimed warm-up round first), a call of the
-``SizeTcp`` node with a float32 array of each size (GiB/s = bytes / seconds of the call), and
+``SizeTcp`` node with a float32 array of each size (GiB/s = bytes / seconds of the call; the
+child asks for a plaintext data plane (`PLAINTEXT`), which ``wtcp``, encrypted, overrules),
+the same call of ``SizeTcpPlain`` on ``wtcp_plain`` (plaintext at both ends), and
 two raw pyzmq baselines: that of `perf/transport.py`, a blocking DEALER receiving one frame of
 the same size, zero-copy on both ends, from that benchmark's blocking ROUTER child over TCP
 loopback (unencrypted), and the same pair with CURVE encryption (``pyzmq_curve``), as Omni's
@@ -44,6 +46,8 @@ from perf._payload_support import BlockingThread
 ROOT = Path(__file__).resolve().parent.parent
 # What keeps a payload off the same-host paths: shared memory, and Unix sockets.
 TCP_SETTINGS = {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"}
+# The child and worker wtcp_plain ask for a plaintext data plane; wtcp answers encrypted.
+PLAINTEXT = {"OMNI_DATA_PLANE": "plaintext"}
 GIB = 1 << 30
 CALL_TIMEOUT_S = 120.0
 
@@ -111,7 +115,7 @@ async def measure(address: str, token: str, sizes: list[int], repeats: int,
     for zsock in (sock, curve_sock):  # a refused handshake: an error, not a hang
         zsock.rcvtimeo = int(CALL_TIMEOUT_S * 1000)
     thread = BlockingThread("pyzmq")
-    sides_names = ("omni", "pyzmq", "pyzmq_curve")
+    sides_names = ("omni", "omni_plaintext", "pyzmq", "pyzmq_curve")
     runs: dict[str, dict[str, list[float]]] = {side: {} for side in sides_names}
     errors: dict[str, dict[str, str]] = {side: {} for side in sides_names}
     try:
@@ -130,12 +134,13 @@ async def measure(address: str, token: str, sizes: list[int], repeats: int,
                                                        f"{error_text(exc)}")
         async with omni.Runtime(cluster=address, token_file=token) as rt:
             await rt.deploy(nodes.SizeTcp)
+            await rt.deploy(nodes.SizeTcpPlain)
 
-            async def omni_gib_s(size: int) -> float:
+            async def omni_gib_s(size: int, node: Any = nodes.SizeTcp) -> float:
                 start = time.perf_counter()
                 try:
                     with trio.fail_after(CALL_TIMEOUT_S):
-                        out = await rt.run(nodes.SizeTcp, value=values[size])
+                        out = await rt.run(node, value=values[size])
                 except trio.TooSlowError:
                     raise RuntimeError(f"no result within {CALL_TIMEOUT_S:g} s: the call "
                                        "hung (trio.TooSlowError)") from None
@@ -144,14 +149,17 @@ async def measure(address: str, token: str, sizes: list[int], repeats: int,
                     raise RuntimeError(f"the node saw {out} bytes, not {size}")
                 return size / elapsed / GIB
 
+            async def omni_plaintext_gib_s(size: int) -> float:
+                return await omni_gib_s(size, nodes.SizeTcpPlain)
+
             async def pyzmq_gib_s(size: int) -> float:
                 return await thread.run(lambda: _pyzmq(sock, size))
 
             async def pyzmq_curve_gib_s(size: int) -> float:
                 return await thread.run(lambda: _pyzmq(curve_sock, size))
 
-            sides = {"omni": omni_gib_s, "pyzmq": pyzmq_gib_s,
-                     "pyzmq_curve": pyzmq_curve_gib_s}
+            sides = {"omni": omni_gib_s, "omni_plaintext": omni_plaintext_gib_s,
+                     "pyzmq": pyzmq_gib_s, "pyzmq_curve": pyzmq_curve_gib_s}
             order = [(side, size) for size in sizes for side in sides]
             for r in range(-1, repeats):  # -1: the warm-up round
                 for side, size in order if r % 2 == 0 else reversed(order):
@@ -173,7 +181,7 @@ async def measure(address: str, token: str, sizes: list[int], repeats: int,
             server.kill()
             server.wait()
     return {"runs": runs, "errors": errors,
-            "env": {name: os.environ.get(name) for name in TCP_SETTINGS}}
+            "env": {name: os.environ.get(name) for name in {**TCP_SETTINGS, **PLAINTEXT}}}
 
 
 def main() -> None:

@@ -26,7 +26,10 @@ warm-up round, and reports medians of `repeats` rounds. Claims:
    is not run (recorded), rather than risk the OOM killer.
 5. ``tcp_64mib``: 64 MiB forced across the TCP path as between hosts: a driver child process
    and worker ``wtcp``, both started with ``OMNI_PAYLOAD_SHM=0`` and ``OMNI_IPC=0`` (no shared
-   memory, no Unix socket; `perf/_payload_tcp.py`).
+   memory, no Unix socket; `perf/_payload_tcp.py`): the value crosses on the encrypted data
+   channel (AES-256-GCM). Beside it, recorded: worker ``wtcp_plain``, started with
+   ``OMNI_DATA_PLANE=plaintext`` as well (the child asks for plaintext; ``wtcp`` answers
+   encrypted), the plaintext data plane.
    Baseline: raw pyzmq zero-copy frames of the same size over TCP loopback (the blocking
    pyzmq pair of `perf/transport.py`, unencrypted). GiB/s; target >= 0.8x raw pyzmq. Also
    measured in the same alternating rounds, and recorded (``pyzmq_curve_gib_s``,
@@ -84,7 +87,7 @@ from perf import _payload_nodes as nodes
 from perf._common import Samples, benchmark_parser, environment, profile_report, write_json
 from perf._payload_measures import CLAIMS, error_text, size_label
 from perf._payload_support import BlockingThread, ShmJanitor, stop_strays, summarise_names
-from perf._payload_tcp import TCP_SETTINGS
+from perf._payload_tcp import PLAINTEXT, TCP_SETTINGS
 from perf._procs import START_S, CliProcess, wait_members
 
 __all__ = ["Params", "main", "measure"]
@@ -136,14 +139,16 @@ class Processes:
 
     def start(self) -> None:
         """Start the head and wait for it; start the workers (`wait` waits for them)."""
-        env = {k: v for k, v in os.environ.items() if k not in TCP_SETTINGS}
+        env = {k: v for k, v in os.environ.items()
+               if k not in TCP_SETTINGS and k not in PLAINTEXT}
         env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         beat = str(self.params.heartbeat)
         self.head = CliProcess(["cluster", "start", "--bind", "tcp://127.0.0.1:*",
                                 "--token-file", self.token, "--heartbeat", beat], ROOT, env)
         self.address = self.head.wait_line(r"head at (tcp://\S+)").group(1)
         for name in nodes.WORKERS:
-            worker_env = {**env, **TCP_SETTINGS} if name == "wtcp" else env
+            worker_env = {**env, **TCP_SETTINGS} if name == "wtcp" else \
+                {**env, **TCP_SETTINGS, **PLAINTEXT} if name == "wtcp_plain" else env
             self.workers[name] = CliProcess(
                 ["cluster", "join", self.address, "--token-file", self.token, "--name", name,
                  "--heartbeat", beat, "--kv-host", "16MiB", "--timeout", str(START_S)], ROOT,
@@ -217,7 +222,7 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
     claims: dict[str, Any] = {}
     async with omni.Runtime(cluster=procs.address, token_file=procs.token) as rt:
         for node in (nodes.Size, nodes.Echo, nodes.Tiny, nodes.Make, nodes.SizeTcp,
-                     nodes.MakeTcp, nodes.chain):
+                     nodes.SizeTcpPlain, nodes.MakeTcp, nodes.chain):
             await rt.deploy(node)
         janitor.watch(procs.pids())
         w1 = procs.workers["w1"].popen.pid

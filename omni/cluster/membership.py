@@ -186,8 +186,10 @@ class ClientSet:
             if entry[0].endpoint == endpoint:
                 return entry[0]
             self.drop(name)
-        options = {} if endpoint.startswith("unix://") else self.creds.client_options()
-        client = RPCClient(endpoint, ctx=self.creds.ctx, options=options,
+        unix = endpoint.startswith("unix://")
+        client = RPCClient(endpoint, ctx=self.creds.ctx,
+                           options={} if unix else self.creds.client_options(),
+                           data_plane=None if unix else self.creds.data_plane(),
                            heartbeat_interval=self.heartbeat_interval,
                            missed_heartbeats=self.missed)
         scope = await self._nursery.start(_hold, client)

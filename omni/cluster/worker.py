@@ -217,7 +217,8 @@ class Worker:
         # TCP with CURVE for everyone; a Unix socket in a 0700 folder for processes of this
         # host (no ZeroMQ I/O thread, no encryption: see omni.transport.unix).
         self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
-                                   options=self.creds.server_options())]
+                                   options=self.creds.server_options(),
+                                   data_plane=self.creds.data_plane())]
         if ipc_enabled():
             folder = ipc_directory()
             remove_stale(folder, "w-*.sock")  # workers that were killed leave theirs

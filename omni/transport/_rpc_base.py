@@ -12,6 +12,7 @@ from typing import Any
 import trio
 import zmq
 
+from omni.transport.data_channel import DataChannelStats
 from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import Buffer, Socket, background_nursery, open_socket
 from omni.transport.unix import UnixSocket, is_unix, open_unix_socket
@@ -46,7 +47,8 @@ class Reply:
 class RPCServerStats:
     """A server's counters: requests by outcome (`cancelled`: by the caller's Cancel;
     `busy`: refused over `max_in_flight`), `dropped` messages (malformed, unexpected or
-    duplicate); `wire` holds the codec's counters (rejected messages by reason)."""
+    duplicate); `wire` holds the codec's counters (rejected messages by reason), `data` its
+    data channels' (None: it serves none)."""
 
     requests: int
     in_flight: int
@@ -58,13 +60,15 @@ class RPCServerStats:
     dropped: int
     heartbeats: int
     wire: WireStats
+    data: DataChannelStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class RPCClientStats:
     """A client's counters: `cancelled` counts the Cancel messages sent (callers cancelled
     or timed out), `late_replies` replies that came after their caller gave up, `dropped`
-    messages that did not decode; `wire` holds the codec's counters."""
+    messages that did not decode; `wire` holds the codec's counters, `data` its data
+    channel's (None: it has none open)."""
 
     calls: int
     in_flight: int
@@ -78,6 +82,7 @@ class RPCClientStats:
     heartbeats_sent: int
     peer_alive: bool
     wire: WireStats
+    data: DataChannelStats | None = None
 
 
 class _Service(abc.ABC):

@@ -16,6 +16,7 @@ from omni.transport._rpc_base import (
     RPCClientStats,
     _Service,
 )
+from omni.transport.data_channel import DATA_MIN, DataClient, DataPlane, payload_bytes
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError, WireError
 from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
 from omni.transport.wire import (
@@ -81,14 +82,19 @@ class RPCClient(_Service):
         timeout: the default per-call timeout in seconds (``None``: no limit).
         limits: the wire size limits.
         options: further socket options, e.g. `Credentials.client_options()` for CURVE.
+        data_plane: open a data channel to the server for large messages (a TCP endpoint
+            only; `Credentials.data_plane()`); until it is open they go on this socket.
     """
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context[Any] | None = None,
                  heartbeat_interval: float | None = 1.0, missed_heartbeats: int = 3,
                  timeout: float | None = None, limits: WireLimits | None = None,
                  sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM,
-                 send_buffer: int = 1024, options: dict[int, Any] | None = None):
+                 send_buffer: int = 1024, options: dict[int, Any] | None = None,
+                 data_plane: DataPlane | None = None):
         super().__init__(limits, ctx)
+        self._data = (DataClient(data_plane, ctx, self._codec.limits, self._guarded_on_message)
+                      if data_plane is not None and endpoint.startswith("tcp://") else None)
         self.endpoint = endpoint
         self.timeout = timeout
         self._interval = heartbeat_interval
@@ -112,7 +118,14 @@ class RPCClient(_Service):
         self._nursery.start_soon(self._expire_calls)
         if self._interval is not None:
             self._nursery.start_soon(self._heartbeat)
+        if self._data is not None:
+            self._nursery.start_soon(self._data.run, self.call, self.endpoint)
         return self
+
+    @property
+    def data_mode(self) -> str:
+        """The open data channel's mode (``encrypted`` or ``plaintext``); "" while none is."""
+        return self._data.mode if self._data is not None and self._data.ready else ""
 
     @property
     def peer_alive(self) -> bool:
@@ -165,10 +178,14 @@ class RPCClient(_Service):
         self._calls += 1
         queued = False
         try:
-            try:  # no checkpoint on the fast path: waiting for the reply is the checkpoint
-                sock.send_multipart_nowait(frames)
-            except trio.WouldBlock:
-                await sock.send_multipart(frames)
+            if self._data is not None and self._data.ready and payload \
+                    and payload_bytes(payload) >= DATA_MIN:
+                await self._data.send(frames[0], payload)
+            else:
+                try:  # no checkpoint on the fast path: waiting for the reply is the checkpoint
+                    sock.send_multipart_nowait(frames)
+                except trio.WouldBlock:
+                    await sock.send_multipart(frames)
             queued = True
             await call.wait()
         finally:
@@ -284,6 +301,9 @@ class RPCClient(_Service):
                 call.resolve()
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
+        if self._data is not None and self._data.ready:  # the server may forget it now
+            self._next_id += 1
+            self._send_nowait([self._codec.encode(Request(self._next_id, "_data.close"))])
         try:
             return await super().__aexit__(*exc_info)
         finally:  # calls still waiting in other tasks would never get a reply
@@ -294,7 +314,8 @@ class RPCClient(_Service):
         """Counters of calls by outcome, heartbeats, dropped messages, and the codec's."""
         return RPCClientStats(self._calls, len(self._pending), self._completed, self._failed,
                               self._timeouts, self._cancelled, self._gone, self._late,
-                              self._dropped, self._pings, self._alive, self._codec.stats())
+                              self._dropped, self._pings, self._alive, self._codec.stats(),
+                              None if self._data is None else self._data.stats())
 
     def __repr__(self) -> str:
         state = ("alive" if self._alive else "gone") if self._stack else "stopped"

@@ -9,18 +9,26 @@ file, so any member can serve (a worker's RPC and KV event sockets) and any can 
 ...     async with RPCServer(ctx=creds.ctx, options=creds.server_options()) as server: ...
 
 `Credentials.insecure()` opens plain sockets, for tests and single-process use only.
+
+Large messages between RPC servers and clients that pass `data_plane()` go on data channels
+(`omni.transport.data_channel`), sealed with AES-256-GCM, or plain where the operator says the
+network is trusted (``data_plane="plaintext"``, or ``OMNI_DATA_PLANE=plaintext``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import zmq
 
-from omni.transport.security import Authenticator, ClusterToken, load_token
+from omni.transport.data_channel import DataPlane, data_plane_mode
+from omni.transport.security import Authenticator, AuthStats, ClusterToken, load_token
 
 __all__ = ["Credentials"]
+
+log = logging.getLogger("omni.transport.data")
 
 
 class Credentials:
@@ -28,10 +36,13 @@ class Credentials:
 
     Args:
         token: the cluster token (``None``: plain, unauthenticated sockets).
+        data_plane: ``encrypted`` or ``plaintext`` (``None``: ``OMNI_DATA_PLANE``, else
+            encrypted); plaintext only where both ends of a channel say so.
     """
 
-    def __init__(self, token: ClusterToken | None):
+    def __init__(self, token: ClusterToken | None, *, data_plane: str | None = None):
         self.token = token
+        self.data_mode = data_plane_mode(data_plane)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._auth: Authenticator | None = None
 
@@ -51,6 +62,11 @@ class Credentials:
     def __enter__(self) -> Credentials:
         if self.token is not None:
             self._auth = self.token.server().start_authenticator(self.ctx)
+            if self.data_mode == "plaintext":
+                log.warning("data plane: plaintext: large values and KV pages between this "
+                            "process and peers that also say plaintext cross unencrypted "
+                            "(authenticated connections, unsealed bytes): only on a network "
+                            "you trust")
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -75,9 +91,20 @@ class Credentials:
         """Socket options for a socket that connects (CURVE client with the cluster's key)."""
         return {} if self.token is None else self.token.client().socket_options()
 
+    def data_plane(self) -> DataPlane | None:
+        """What RPC servers and clients need for data channels (None without a token: the
+        sockets are plain already)."""
+        if self.token is None:
+            return None
+        return DataPlane(self.data_mode, self._auth)
+
     def auth_denied(self) -> int:
         """Clients this process's authenticator refused so far."""
         return 0 if self._auth is None else self._auth.stats().denied
+
+    def auth_stats(self) -> AuthStats | None:
+        """What this process's authenticator decided (None without a token)."""
+        return None if self._auth is None else self._auth.stats()
 
     def __repr__(self) -> str:
         return f"<Credentials {'curve' if self.secure else 'insecure'}>"

@@ -5,6 +5,10 @@ of raw bytes; the reply is a `wire.Response` or `wire.Error`, with payload frame
 side dispatches replies inside its socket's owner task (`on_message`: synchronous, no extra
 hop), so one DEALER socket carries any number of concurrent calls, told apart by request id.
 
+Bulk: with a `DataPlane` (`Credentials.data_plane()`: cluster sockets over TCP), a message
+whose payload is large goes on a data channel beside the CURVE connection, sealed with
+AES-256-GCM (`omni.transport.data_channel`); the handlers and callers see no difference.
+
 Failure model: a handler that raises fails only its call (`RPCError` with the remote type name
 and message); a malformed message is counted and dropped; a caller that gives up (cancelled
 or timed out) sends `wire.Cancel` and the server cancels that handler; a server that stops
@@ -34,6 +38,13 @@ from omni.transport._rpc_base import (
     _Service,
 )
 from omni.transport._rpc_client import RPCClient
+from omni.transport.data_channel import (
+    DATA_MIN,
+    DataOpen,
+    DataPlane,
+    DataServer,
+    payload_bytes,
+)
 from omni.transport.errors import TransportError, WireError
 from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
 from omni.transport.wire import (
@@ -124,13 +135,17 @@ class RPCServer(_Service):
         max_in_flight: handlers running at once; more requests are refused with an error
             (``ServerBusy``) instead of being queued without bound.
         options: further socket options, e.g. `Credentials.server_options()` for CURVE.
+        data_plane: serve data channels (a TCP address only; `Credentials.data_plane()`).
     """
 
     def __init__(self, bind: str = "tcp://127.0.0.1:*", *, ctx: zmq.Context[Any] | None = None,
                  limits: WireLimits | None = None, max_in_flight: int = 1024,
                  sndhwm: int = DEFAULT_HWM, rcvhwm: int = DEFAULT_HWM,
-                 options: dict[int, Any] | None = None):
+                 options: dict[int, Any] | None = None, data_plane: DataPlane | None = None):
         super().__init__(limits, ctx)
+        self._data = (DataServer(data_plane, ctx, self._codec.limits,
+                                 self._guarded_on_message)
+                      if data_plane is not None and bind.startswith("tcp://") else None)
         self._options = options
         self._bind = bind
         self._hwm = (sndhwm, rcvhwm)
@@ -165,6 +180,13 @@ class RPCServer(_Service):
         await self._start(zmq.ROUTER, bind=self._bind, sndhwm=self._hwm[0],
                           rcvhwm=self._hwm[1], send_buffer=self._max_in_flight + 64,
                           options=self._options)
+        if self._data is not None:
+            assert self._stack is not None
+            try:
+                await self._data.start(self._stack, self._bind[len("tcp://"):].rsplit(":", 1)[0])
+            except BaseException:
+                await self.__aexit__(None, None, None)
+                raise
         return self
 
     @property
@@ -187,7 +209,10 @@ class RPCServer(_Service):
             self._dropped += 1  # the codec counted why
             return
         if type(msg) is Request:
-            self._start_request(identity, msg, frames[2:])
+            if msg.method.startswith("_data."):
+                self._data_request(identity, msg)
+            else:
+                self._start_request(identity, msg, frames[2:])
         elif type(msg) is Cancel:
             worker = self._active.get((identity, msg.id))
             if worker is not None:
@@ -219,6 +244,24 @@ class RPCServer(_Service):
             else:
                 worker = self._active[key] = _Worker(job)
                 self._nursery.start_soon(self._work, worker)
+
+    def _data_request(self, identity: bytes, msg: Request) -> None:
+        """``_data.open`` / ``_data.close``, answered at once (they only touch a table)."""
+        codec, data = self._codec, self._data
+        if data is None or msg.method not in ("_data.open", "_data.close"):
+            self._unknown += 1
+            self._reply_error(identity, msg.id, "UnknownMethod", f"no method '{msg.method}'")
+            return
+        try:
+            if msg.method == "_data.close":
+                data.close(identity)
+                result: Any = None
+            else:
+                result = data.open(identity, codec.decode_body(msg.body, DataOpen))
+        except TransportError as exc:
+            self._reply_error(identity, msg.id, type(exc).__name__, str(exc))
+            return
+        self._send_nowait([identity, codec.encode(Response(msg.id, codec.encode_body(result)))])
 
     def _reply_error(self, identity: bytes, request_id: int, kind: str, message: str) -> None:
         self._send_nowait([identity, self._codec.encode(Error(request_id, kind, message))])
@@ -264,7 +307,11 @@ class RPCServer(_Service):
         return reply
 
     def _reply_nowait(self, reply: list[Buffer]) -> bool:
-        """Send `reply` unless that would wait (False: the outbox is full)."""
+        """Send `reply` unless that would wait (False: the outbox is full, or the reply
+        goes on the caller's data channel)."""
+        if self._data is not None and len(reply) > 2 and payload_bytes(reply[2:]) >= DATA_MIN \
+                and self._data.channel_of(reply[0]) is not None:
+            return False
         try:
             self._require_socket().send_multipart_nowait(reply)
         except trio.WouldBlock:
@@ -274,6 +321,11 @@ class RPCServer(_Service):
         return True
 
     async def _reply(self, reply: list[Buffer]) -> None:
+        channel = self._data.channel_of(reply[0]) if self._data is not None else None
+        if channel is not None and len(reply) > 2 and payload_bytes(reply[2:]) >= DATA_MIN:
+            with contextlib.suppress(TransportError):
+                await self._data.send(channel, reply[1], reply[2:])  # type: ignore[union-attr]
+            return
         if not self._reply_nowait(reply):
             with contextlib.suppress(TransportError):
                 await self._require_socket().send_multipart(reply)
@@ -316,7 +368,8 @@ class RPCServer(_Service):
         """Counters of requests by outcome, of dropped messages, and the codec's."""
         return RPCServerStats(self._requests, len(self._active), self._completed, self._failed,
                               self._cancelled, self._unknown, self._busy, self._dropped,
-                              self._heartbeats, self._codec.stats())
+                              self._heartbeats, self._codec.stats(),
+                              None if self._data is None else self._data.stats())
 
     def __repr__(self) -> str:
         where = self._sock.endpoint if self._sock is not None and self._stack else "stopped"

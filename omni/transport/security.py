@@ -24,6 +24,7 @@ one thread the design allows outside `trio.to_thread`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import stat
@@ -42,7 +43,7 @@ from zmq.utils import z85
 from omni.transport.errors import TransportError
 
 __all__ = [
-    "ZAP_DOMAIN", "AuthStats", "Authenticator", "ClientSecurity", "ClusterToken",
+    "DATA_ZAP_DOMAIN", "ZAP_DOMAIN", "AuthStats", "Authenticator", "ClientSecurity", "ClusterToken",
     "ServerSecurity", "check_curve", "create_token_file", "ensure_token_file", "load_token",
     "start_authenticator",
 ]
@@ -52,6 +53,7 @@ log = logging.getLogger("omni.transport.auth")
 TOKEN_VERSION = 1
 MAX_TOKEN_BYTES = 4096
 ZAP_DOMAIN = "omni"  # the ZAP domain of Omni's server sockets; the authenticator serves only it
+DATA_ZAP_DOMAIN = "omni-data"  # the data channels' sockets (PLAIN: `Authenticator.admit_data`)
 _Z85_KEY_CHARS = 40  # a 32-byte CURVE key in Z85
 _Z85_ALPHABET = frozenset(z85.Z85CHARS)
 
@@ -216,11 +218,15 @@ def ensure_token_file(path: str | os.PathLike[str]) -> ClusterToken:
 
 @dataclass(frozen=True)
 class AuthStats:
-    """What an authenticator decided: CURVE clients admitted and refused, keys it admits."""
+    """What an authenticator decided: CURVE clients admitted and refused, keys it admits;
+    data channel connections admitted and refused, channels open."""
 
     allowed: int
     denied: int
     num_keys: int
+    data_allowed: int = 0
+    data_denied: int = 0
+    data_channels: int = 0
 
 
 class _KeyCheck:
@@ -243,8 +249,43 @@ class _KeyCheck:
         return False
 
 
+class _DataCheck:
+    """The data channels a server has opened, by PLAIN user name: their passwords."""
+
+    def __init__(self) -> None:
+        self.passwords: dict[str, bytes] = {}
+        self.allowed = 0
+        self.denied = 0
+
+    def check(self, domain: str, username: str, password: str) -> bool:
+        expected = self.passwords.get(username) if domain == DATA_ZAP_DOMAIN else None
+        if expected is not None and hmac.compare_digest(expected, password.encode()):
+            self.allowed += 1
+            return True
+        self.denied += 1
+        log.warning("refused a data channel connection that named no open channel or the "
+                    "wrong password (domain %s)", domain)
+        return False
+
+
+class _ZapThread(ThreadAuthenticator):
+    """pyzmq's thread authenticator, its PLAIN check ours: constant-time, per open data
+    channel, and never logging a password (pyzmq's logs them at debug level)."""
+
+    def __init__(self, context: zmq.Context[Any], data: _DataCheck):
+        super().__init__(context, log=log)
+        self._data = data
+
+    def _authenticate_plain(self, domain: str, username: str, password: str
+                            ) -> tuple[bool, bytes]:
+        allowed = self._data.check(domain, username, password)
+        return allowed, b"OK" if allowed else b"no such data channel"
+
+
 class Authenticator:
-    """The ZAP handler of one zmq context: admits CURVE clients whose public key is allowed.
+    """The ZAP handler of one zmq context: admits CURVE clients whose public key is allowed,
+    and PLAIN connections to data channels (`admit_data`) that present their channel's
+    password.
 
     Start it before binding server sockets on `context`, stop it (or leave the ``with``) after
     closing them: libzmq admits any CURVE client once no handler runs, so `stop` refuses
@@ -258,6 +299,7 @@ class Authenticator:
             raise ValueError("an authenticator needs at least one allowed client key")
         self.context = context
         self._check = _KeyCheck(keys)
+        self._data = _DataCheck()
         self._thread: ThreadAuthenticator | None = None
         self._lock = threading.Lock()
         self._sockets: weakref.WeakSet[zmq.Socket[Any]] = weakref.WeakSet()  # ones it vets
@@ -277,7 +319,7 @@ class Authenticator:
         with self._lock:
             if self._thread is not None:
                 raise TransportError("this authenticator was started already")
-            thread = ThreadAuthenticator(self.context, log=log)
+            thread = _ZapThread(self.context, self._data)
             try:
                 thread.start()
             except zmq.ZMQError as exc:
@@ -304,6 +346,22 @@ class Authenticator:
         if thread is not None:
             thread.stop()
 
+    def admit_data(self, username: str, password: str) -> None:
+        """Admit PLAIN connections to `DATA_ZAP_DOMAIN` sockets presenting these
+        credentials (one open data channel's; `omni.transport.data_channel`)."""
+        self._data.passwords[username] = password.encode()
+
+    def revoke_data(self, username: str) -> None:
+        self._data.passwords.pop(username, None)
+
+    def guard(self, sock: zmq.Socket[Any]) -> None:
+        """Record a server socket whose clients this authenticator vets: it refuses to
+        stop while the socket is open. Raises `TransportError` if it is not running."""
+        if sock.context.underlying != self.context.underlying:
+            raise TransportError("the authenticator serves another zmq context: ZAP is per "
+                                 "context, so this socket would admit any client")
+        self._vet(sock)
+
     def _vet(self, sock: zmq.Socket[Any]) -> None:
         """Record a server socket whose clients this authenticator vets."""
         with self._lock:
@@ -313,8 +371,10 @@ class Authenticator:
             self._sockets.add(sock)
 
     def stats(self) -> AuthStats:
-        """Counts of admitted and refused CURVE clients."""
-        return AuthStats(self._check.allowed, self._check.denied, len(self._check.keys))
+        """Counts of admitted and refused CURVE clients and data channel connections."""
+        data = self._data
+        return AuthStats(self._check.allowed, self._check.denied, len(self._check.keys),
+                         data.allowed, data.denied, len(data.passwords))
 
     def __enter__(self) -> Authenticator:
         if self._thread is None:

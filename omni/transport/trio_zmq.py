@@ -158,6 +158,12 @@ class Socket:
         self._streaming = False  # the last message received was bulk (see `_own`)
         self._dispatching = False  # the owner is in `on_message`: it reads EVENTS next anyway
 
+    @property
+    def zmq_socket(self) -> zmq.Socket[Any]:
+        """The underlying ZeroMQ socket: for settings and security bookkeeping only (sending
+        or receiving on it directly would break the owner's protocol)."""
+        return self._zsock
+
     # -- the API for any task ----------------------------------------------------------------
 
     async def send_multipart(self, frames: Sequence[Buffer], *, copy: bool | None = None,

@@ -1,4 +1,4 @@
-"""perf/payloads.py (an Omni head and four workers, a driver child, Ray): what it committed,
+"""perf/payloads.py (an Omni head and five workers, a driver child, Ray): what it committed,
 perf/results/payloads.json, reports every claim with Omni's figures, each pass by its rule,
 every worker stopped with exit 0; and its claims' rule without Ray (``--no-ray``, as the
 suite's machines have no Ray): no baseline, said so, no pass."""
@@ -40,14 +40,18 @@ def test_payloads_results_report_every_claim_by_its_rule():
         assert all(s["omni_ms"]["median"] > 0 for s in sizes.values()), name
         assert report[name]["copy"]["median"] > 0, name
     assert report["tcp_64mib"]["baseline"]["median"] > 0  # raw pyzmq
-    assert report["tcp_64mib"]["setting"] == {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0"}
+    assert report["tcp_64mib"]["setting"] == {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0",
+                                              "OMNI_DATA_PLANE": "plaintext"}
+    assert report["tcp_64mib"]["plaintext_gib_s"]["median"] > 0  # the plaintext data plane
     for part in ("argument", "result", "tcp_argument", "tcp_result"):
         above = report["one_gib"][part]["above_idle_mib"]
         assert above["driver"]["median"] >= 0 and samples(above["worker"]), part
     assert report["all_pass"] == all(report[name]["pass"] for name in CLAIMS)
-    # everything it started was stopped: the four workers exited 0
-    assert {name: w["exit"] for name, w in report["workers"].items()} == {
-        "w1": 0, "w2": 0, "w3": 0, "wtcp": 0}
+    # everything it started was stopped: the five workers each ended by its SIGTERM, cleanly
+    # (exit 143, the CLI's one line last)
+    assert {name: (w["exit"], w["last"][-1:] or w["first"][-1:])
+            for name, w in report["workers"].items()} == {
+        name: (143, ["error: terminated"]) for name in ("w1", "w2", "w3", "wtcp", "wtcp_plain")}
     assert report["strays_stopped"] == []
 
 

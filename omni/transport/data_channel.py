@@ -1,0 +1,548 @@
+"""The data channel: an RPC connection's bulk frames, sealed with AES-256-GCM, beside CURVE.
+
+CURVE (libzmq's encryption of every byte, in its I/O thread) authenticates cluster sockets and
+carries their control messages; at a gigabyte a second it is also what caps a large value
+between hosts. So an RPC client and server that both have one open a *data channel* beside
+their CURVE connection, and any message whose payload frames total `DATA_MIN` bytes or more
+(a stage value, a chunk of a transfer, KV pages) goes there instead:
+
+- **Key agreement**: the client draws a channel id and a 32-byte key and sends both in the
+  ``_data.open`` call, over the CURVE connection (encrypted, and both ends authenticated by
+  it). From the key, HKDF-SHA256 derives one AES-256-GCM key per direction and the channel's
+  admission password. The server answers with its data socket's address.
+- **Admission**: the server's data socket is a ROUTER with ZeroMQ's PLAIN mechanism, vetted
+  by the process's ZAP authenticator (`omni.transport.security.Authenticator.admit_data`): a
+  peer that cannot name an open channel and its password is refused in the handshake, before
+  it can send a byte of payload. (The password is derived, never the key; one seen on the wire
+  admits a connection whose frames still fail their tags.)
+- **Frames**: a message is a *head* (the control frame and the payload frames' sizes) and
+  then its payload bytes in *pieces* of at most `PIECE` bytes, each a ZeroMQ message
+  ``[nonce, sealed]`` of its own, so sealing one piece overlaps ZeroMQ sending the last, and
+  opening one the next arriving. The 12-byte nonce is the message's sequence number and the
+  piece's index: a nonce is never reused under a key, a piece out of order or from another
+  message fails its tag, a message's sequence number must exceed the last one accepted (no
+  replay), and a piece whose tag fails (a flipped bit) drops its message and is counted
+  (`DataChannelStats.refused`). Only a whole, authenticated message is delivered.
+- **Plaintext** (``OMNI_DATA_PLANE=plaintext`` on both ends, for a network the operator
+  trusts): the same framing and admission, the pieces unsealed. Either end saying
+  ``encrypted`` (the default) makes the channel encrypted.
+
+Control messages, heartbeats and cancels stay on the CURVE connection; a message below
+`DATA_MIN`, or sent before the channel is open, goes there too (the channel is an
+optimisation: nothing waits for it). Unix-socket connections (one host) have none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import struct
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import trio
+import zmq
+
+from omni.transport.errors import TransportError
+from omni.transport.security import DATA_ZAP_DOMAIN, Authenticator
+from omni.transport.trio_zmq import ZERO_COPY_THRESHOLD, Buffer, Socket, open_socket
+from omni.transport.wire import WireLimits
+
+__all__ = ["DATA_MIN", "MODES", "PIECE", "DataChannelStats", "DataClient", "DataOpen",
+           "DataOpened", "DataPlane", "DataServer", "Receiver", "Refused", "Sender",
+           "channel_secrets", "data_plane_mode", "payload_bytes"]
+
+log = logging.getLogger("omni.transport.data")
+
+DATA_MIN: Final = 256 << 10  # a message with this many payload bytes goes on the data channel
+PIECE: Final = 2 << 20  # the largest piece a payload frame is sealed in
+MODES: Final = ("encrypted", "plaintext")
+_NONCE = struct.Struct("<QI")  # sequence number, piece index (0: the head)
+_TAG = 16  # AES-GCM's tag
+_KEY = 32  # AES-256
+_HWM = 64  # pieces ZeroMQ queues per peer and direction (128 MiB): backpressure beyond
+MAX_CHANNELS = 1024  # open channels a server keeps; opening one more closes the oldest
+
+
+def data_plane_mode(value: str | None = None) -> str:
+    """The data plane's mode: `value`, else ``OMNI_DATA_PLANE``, else ``encrypted``.
+
+    Raises:
+        TransportError: not one of `MODES`.
+    """
+    mode = value if value is not None else os.environ.get("OMNI_DATA_PLANE", "encrypted")
+    mode = mode.strip().lower()
+    if mode not in MODES:
+        raise TransportError(f"data plane mode {mode!r} (OMNI_DATA_PLANE / --data-plane) is "
+                             f"not one of {', '.join(MODES)}")
+    return mode
+
+
+class DataOpen(msgspec.Struct, array_like=True, frozen=True):
+    """A client's ``_data.open``: its channel id and key, and the mode it asks for."""
+
+    channel: bytes
+    key: bytes
+    mode: str
+
+
+class DataOpened(msgspec.Struct, array_like=True, frozen=True):
+    """The server's answer: its data socket's port (on the host the client reached) and
+    the mode both ends use."""
+
+    port: int
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class DataChannelStats:
+    """One end's data channel traffic: whole messages and their payload bytes each way,
+    pieces `refused` (a tag that failed, a piece out of order, a replayed or malformed head)
+    and messages `dropped` unfinished (a piece refused, or the next message began)."""
+
+    mode: str
+    messages_out: int
+    messages_in: int
+    bytes_out: int
+    bytes_in: int
+    refused: int
+    dropped: int
+
+
+def channel_secrets(key: bytes, channel: bytes) -> tuple[bytes, bytes, str]:
+    """The client-to-server key, the server-to-client key and the admission password of
+    the channel `channel` whose key is `key` (HKDF-SHA256)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    if len(key) != _KEY or not channel:
+        raise TransportError("a data channel needs a 32-byte key and an id")
+    okm = HKDF(hashes.SHA256(), 3 * _KEY, salt=channel, info=b"omni data channel v1"
+               ).derive(key)
+    return okm[:_KEY], okm[_KEY:2 * _KEY], okm[2 * _KEY:].hex()
+
+
+def new_channel() -> tuple[bytes, bytes]:
+    """A fresh channel id and key."""
+    return secrets.token_bytes(16), secrets.token_bytes(_KEY)
+
+
+def admission_name(channel: bytes) -> str:
+    """The PLAIN user name a channel's connection presents."""
+    return channel.hex()
+
+
+def payload_bytes(frames: Sequence[Buffer]) -> int:
+    return sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
+
+
+class Refused(TransportError):
+    """A piece the data channel did not accept (why, in the message)."""
+
+
+class _Head(msgspec.Struct, array_like=True, frozen=True):
+    control: bytes
+    sizes: list[int]
+
+
+_head_decoder = msgspec.msgpack.Decoder(_Head)
+
+
+def _aead(key: bytes | None) -> Any:
+    if key is None:
+        return None
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
+
+
+def _pieces(sizes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(frame, offset, length) of each piece, in order: each frame cut into `PIECE`s."""
+    for index, size in enumerate(sizes):
+        for offset in range(0, size, PIECE):
+            yield index, offset, min(PIECE, size - offset)
+
+
+class Sender:
+    """One direction's sealing: messages in, ZeroMQ messages ``[nonce, body]`` out.
+
+    `key` None: plaintext (the pieces go as views of the caller's frames, zero-copy)."""
+
+    def __init__(self, key: bytes | None):
+        self._aead = _aead(key)
+        self._seq = 0
+        self.messages = self.bytes = 0
+
+    def frames(self, control: bytes, payload: Sequence[Buffer]) -> Iterator[list[Buffer]]:
+        """The ZeroMQ messages of one message, made as they are taken (seal as you send)."""
+        import numpy
+
+        self._seq += 1
+        seq, aead = self._seq, self._aead
+        views = [memoryview(frame).cast("B") for frame in payload]
+        sizes = [view.nbytes for view in views]
+        head = msgspec.msgpack.encode(_Head(bytes(control), sizes))
+        nonce = _NONCE.pack(seq, 0)
+        yield [nonce, head if aead is None else aead.encrypt(nonce, head, None)]
+        for index, (frame, offset, length) in enumerate(_pieces(sizes), start=1):
+            nonce = _NONCE.pack(seq, index)
+            piece = views[frame][offset:offset + length]
+            if aead is None:
+                yield [nonce, piece]
+            else:
+                sealed = numpy.empty(length + _TAG, numpy.uint8)  # not zeroed: written whole
+                aead.encrypt_into(nonce, piece, None, sealed)
+                yield [nonce, sealed]
+        self.messages += 1
+        self.bytes += sum(sizes)
+
+
+class _Incoming:
+    __slots__ = ("buffer", "control", "frames", "next", "plan", "seq")
+
+    def __init__(self, seq: int, head: _Head):
+        import numpy
+
+        self.seq = seq
+        self.control = head.control
+        self.buffer = numpy.empty(sum(head.sizes), numpy.uint8)
+        view, self.frames, start = memoryview(self.buffer), [], 0
+        for size in head.sizes:
+            self.frames.append(view[start:start + size])
+            start += size
+        self.plan = list(_pieces(head.sizes))
+        self.next = 1
+
+
+class Receiver:
+    """One direction's opening: ZeroMQ messages ``[nonce, body]`` in, whole messages
+    ``[control, *payload]`` out (payload frames below 64 KiB as bytes, larger ones as
+    memoryviews of one buffer). Refuses anything it cannot authenticate (`Refused`)."""
+
+    def __init__(self, key: bytes | None, limits: WireLimits):
+        self._aead = _aead(key)
+        self._limits = limits
+        self._last = 0  # the last sequence number whose head was authenticated
+        self._current: _Incoming | None = None
+        self.messages = self.bytes = self.refused = self.dropped = 0
+
+    def feed(self, frames: list[Buffer]) -> list[Buffer] | None:
+        """Take one ZeroMQ message; the whole message once its last piece is in."""
+        try:
+            return self._feed(frames)
+        except Refused:
+            self.refused += 1
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self._current is not None:
+            self._current = None
+            self.dropped += 1
+
+    def _feed(self, frames: list[Buffer]) -> list[Buffer] | None:
+        if len(frames) != 2 or memoryview(frames[0]).nbytes != _NONCE.size:
+            raise Refused("a data channel message that is not [nonce, body]")
+        nonce = bytes(frames[0])
+        seq, index = _NONCE.unpack(nonce)
+        body = memoryview(frames[1]).cast("B")
+        if index == 0:
+            self._drop()
+            return self._head(seq, nonce, body)
+        current = self._current
+        if current is None or seq != current.seq or index != current.next:
+            raise Refused(f"piece {index} of message {seq} out of order")
+        frame, offset, length = current.plan[index - 1]
+        target = current.frames[frame][offset:offset + length]
+        aead = self._aead
+        if aead is None:
+            if body.nbytes != length:
+                raise Refused(f"piece {index} of message {seq}: {body.nbytes} bytes, "
+                              f"not {length}")
+            target[:] = body
+        else:
+            if body.nbytes != length + _TAG:
+                raise Refused(f"piece {index} of message {seq} has the wrong size")
+            try:
+                aead.decrypt_into(nonce, body, None, target)
+            except Exception:  # InvalidTag: tampered with, or not sealed with our key
+                raise Refused(f"piece {index} of message {seq} failed authentication") \
+                    from None
+        current.next += 1
+        return self._finish() if current.next > len(current.plan) else None
+
+    def _head(self, seq: int, nonce: bytes, body: memoryview) -> list[Buffer] | None:
+        limits = self._limits
+        if body.nbytes > limits.max_control_bytes + 16 * (limits.max_payload_frames + 8):
+            raise Refused(f"a head of {body.nbytes} bytes")
+        if self._aead is None:
+            raw = bytes(body)
+        else:
+            try:
+                raw = self._aead.decrypt(nonce, body, None)
+            except Exception:
+                raise Refused(f"the head of message {seq} failed authentication") from None
+        if seq <= self._last:
+            raise Refused(f"message {seq} replayed or reordered (last {self._last})")
+        try:
+            head = _head_decoder.decode(raw)
+        except msgspec.DecodeError:
+            raise Refused(f"the head of message {seq} does not decode") from None
+        if (len(head.control) > limits.max_control_bytes
+                or len(head.sizes) > limits.max_payload_frames
+                or any(not 0 <= size <= limits.max_payload_bytes for size in head.sizes)):
+            raise Refused(f"message {seq} exceeds the wire limits")
+        self._last = seq
+        self._current = _Incoming(seq, head)
+        return self._finish() if not self._current.plan else None
+
+    def _finish(self) -> list[Buffer]:
+        current, self._current = self._current, None
+        assert current is not None
+        self.messages += 1
+        self.bytes += current.buffer.nbytes
+        return [current.control, *(bytes(f) if f.nbytes < ZERO_COPY_THRESHOLD else f
+                                   for f in current.frames)]
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlane:
+    """What a process's RPC servers and clients need to open data channels: the mode this
+    end asks for and, to serve them, the ZAP authenticator of the sockets' context."""
+
+    mode: str = "encrypted"
+    authenticator: Authenticator | None = None
+
+
+class _Channel:
+    """The server's record of one open channel."""
+
+    __slots__ = ("control", "lock", "name", "receiver", "routing", "sender")
+
+    def __init__(self, routing: bytes, control: bytes, sender: Sender, receiver: Receiver):
+        self.routing = routing  # the data socket's routing id (the channel id)
+        self.control = control  # the CURVE connection's routing id
+        self.name = admission_name(routing)
+        self.sender, self.receiver = sender, receiver
+        self.lock = trio.Lock()  # one message's pieces at a time
+
+
+async def _send_message(sock: Socket, prefix: list[Buffer], sender: Sender, control: bytes,
+                        payload: Sequence[Buffer]) -> None:
+    for message in sender.frames(control, payload):
+        message = [*prefix, *message]
+        try:
+            sock.send_multipart_nowait(message)
+        except trio.WouldBlock:
+            await sock.send_multipart(message)
+
+
+class DataServer:
+    """An RPC server's data channels: its PLAIN-vetted data socket, one record per channel.
+
+    `deliver(control_identity, frames)` takes each whole message that arrives, as if it
+    had come on the CURVE connection of that identity."""
+
+    def __init__(self, plane: DataPlane, ctx: zmq.Context[Any] | None, limits: WireLimits,
+                 deliver: Callable[[list[Buffer]], None]):
+        if plane.authenticator is None:
+            raise TransportError("serving data channels needs the context's authenticator")
+        self.plane = plane
+        self._ctx = ctx
+        self._limits = limits
+        self._deliver = deliver
+        self._sock: Socket | None = None
+        self._by_routing: dict[bytes, _Channel] = {}
+        self._by_control: dict[bytes, _Channel] = {}
+        self._closed = _Totals()  # the traffic of channels closed or replaced
+
+    async def start(self, stack: contextlib.AsyncExitStack, host: str) -> None:
+        auth = self.plane.authenticator
+        assert auth is not None
+        options = {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: DATA_ZAP_DOMAIN.encode()}
+        self._sock = await stack.enter_async_context(open_socket(
+            self._ctx, zmq.ROUTER, bind=f"tcp://{host}:*", options=options,
+            max_msg_size=PIECE + _TAG + 4096, sndhwm=_HWM, rcvhwm=_HWM,
+            on_message=self._on_message))
+        auth.guard(self._sock.zmq_socket)
+        stack.callback(self._close_all)
+
+    @property
+    def port(self) -> int:
+        assert self._sock is not None and self._sock.endpoint is not None
+        return int(self._sock.endpoint.rsplit(":", 1)[1])
+
+    def open(self, control: bytes, request: DataOpen) -> DataOpened:
+        """Open the channel a client asked for on the CURVE connection `control`."""
+        if len(request.channel) != 16 or len(request.key) != _KEY:
+            raise TransportError("a data channel needs a 16-byte id and a 32-byte key")
+        mode = "plaintext" if request.mode == self.plane.mode == "plaintext" else "encrypted"
+        up, down, password = channel_secrets(request.key, request.channel)
+        plain = mode == "plaintext"
+        channel = _Channel(request.channel, control, Sender(None if plain else down),
+                           Receiver(None if plain else up, self._limits))
+        for old in (self._by_routing.get(request.channel), self._by_control.get(control)):
+            if old is not None:
+                self._close(old)
+        while len(self._by_routing) >= MAX_CHANNELS:  # the oldest goes
+            self._close(next(iter(self._by_routing.values())))
+        self._by_routing[channel.routing] = self._by_control[control] = channel
+        assert self.plane.authenticator is not None
+        self.plane.authenticator.admit_data(channel.name, password)
+        return DataOpened(self.port, mode)
+
+    def channel_of(self, control: bytes) -> _Channel | None:
+        return self._by_control.get(control)
+
+    def close(self, control: bytes) -> None:
+        channel = self._by_control.get(control)
+        if channel is not None:
+            self._close(channel)
+
+    def _close(self, channel: _Channel) -> None:
+        self._by_routing.pop(channel.routing, None)
+        if self._by_control.get(channel.control) is channel:
+            del self._by_control[channel.control]
+        self._closed.add(channel.sender, channel.receiver)
+        if self.plane.authenticator is not None:
+            self.plane.authenticator.revoke_data(channel.name)
+
+    def _close_all(self) -> None:
+        for channel in list(self._by_routing.values()):
+            self._close(channel)
+
+    async def send(self, channel: _Channel, control: bytes, payload: Sequence[Buffer]) -> None:
+        assert self._sock is not None
+        async with channel.lock:
+            await _send_message(self._sock, [channel.routing], channel.sender, control, payload)
+
+    def _on_message(self, frames: list[Buffer]) -> None:
+        channel = self._by_routing.get(bytes(frames[0]))
+        if channel is None:  # admitted, then closed: its frames are not read
+            self._closed.refused += 1
+            return
+        try:
+            message = channel.receiver.feed(frames[1:])
+        except Refused as exc:
+            log.warning("data channel %s: refused a piece: %s", fingerprint(channel.routing),
+                        exc)
+            return
+        if message is not None:
+            self._deliver([channel.control, *message])
+
+    def stats(self) -> DataChannelStats:
+        totals = _Totals()
+        totals.merge(self._closed)
+        for channel in self._by_routing.values():
+            totals.add(channel.sender, channel.receiver)
+        return totals.stats(self.plane.mode)
+
+
+class DataClient:
+    """An RPC client's data channel: opened over its CURVE connection, then a PLAIN DEALER.
+
+    `deliver(frames)` takes each whole message that arrives, ``[control, *payload]``."""
+
+    def __init__(self, plane: DataPlane, ctx: zmq.Context[Any] | None, limits: WireLimits,
+                 deliver: Callable[[list[Buffer]], None]):
+        self.plane = plane
+        self._ctx = ctx
+        self._limits = limits
+        self._deliver = deliver
+        self._sock: Socket | None = None
+        self._sender: Sender | None = None
+        self._receiver: Receiver | None = None
+        self._lock = trio.Lock()
+        self.mode = ""  # once open
+
+    @property
+    def ready(self) -> bool:
+        return self._sock is not None
+
+    async def run(self, call: Callable[..., Awaitable[Any]], endpoint: str) -> None:
+        """Open the channel (``_data.open`` through `call`) and hold its socket until
+        cancelled. A server without data channels, or one that cannot be reached, leaves
+        this client on its CURVE connection."""
+        channel, key = new_channel()
+        try:
+            opened = await call("_data.open", DataOpen(channel, key, self.plane.mode),
+                                result_type=DataOpened)
+        except TransportError as exc:
+            log.debug("no data channel to %s: %s", endpoint, exc)
+            return
+        up, down, password = channel_secrets(key, channel)
+        plain = opened.mode == "plaintext"
+        if plain and self.plane.mode != "plaintext":
+            log.warning("the server at %s answered with a plaintext data channel to an "
+                        "encrypted request: not used", endpoint)
+            return
+        host = endpoint.rsplit(":", 1)[0]
+        options = {zmq.ROUTING_ID: channel,
+                   zmq.PLAIN_USERNAME: admission_name(channel).encode(),
+                   zmq.PLAIN_PASSWORD: password.encode()}
+        self._sender = Sender(None if plain else up)
+        self._receiver = Receiver(None if plain else down, self._limits)
+        async with open_socket(self._ctx, zmq.DEALER, connect=f"{host}:{opened.port}",
+                               options=options, max_msg_size=PIECE + _TAG + 4096,
+                               sndhwm=_HWM, rcvhwm=_HWM, on_message=self._on_message) as sock:
+            self._sock, self.mode = sock, opened.mode
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._sock = None
+
+    async def send(self, control: bytes, payload: Sequence[Buffer]) -> None:
+        sock, sender = self._sock, self._sender
+        assert sock is not None and sender is not None
+        async with self._lock:
+            await _send_message(sock, [], sender, control, payload)
+
+    def _on_message(self, frames: list[Buffer]) -> None:
+        assert self._receiver is not None
+        try:
+            message = self._receiver.feed(frames)
+        except Refused as exc:
+            log.warning("data channel: refused a piece from the server: %s", exc)
+            return
+        if message is not None:
+            self._deliver(message)
+
+    def stats(self) -> DataChannelStats:
+        totals = _Totals()
+        if self._sender is not None and self._receiver is not None:
+            totals.add(self._sender, self._receiver)
+        return totals.stats(self.mode or self.plane.mode)
+
+
+class _Totals:
+    __slots__ = ("bytes_in", "bytes_out", "dropped", "messages_in", "messages_out", "refused")
+
+    def __init__(self) -> None:
+        self.messages_out = self.messages_in = self.bytes_out = self.bytes_in = 0
+        self.refused = self.dropped = 0
+
+    def add(self, sender: Sender, receiver: Receiver) -> None:
+        self.messages_out += sender.messages
+        self.bytes_out += sender.bytes
+        self.messages_in += receiver.messages
+        self.bytes_in += receiver.bytes
+        self.refused += receiver.refused
+        self.dropped += receiver.dropped
+
+    def merge(self, other: _Totals) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def stats(self, mode: str) -> DataChannelStats:
+        return DataChannelStats(mode, self.messages_out, self.messages_in, self.bytes_out,
+                                self.bytes_in, self.refused, self.dropped)
+
+
+def fingerprint(channel: bytes) -> str:
+    """A short, loggable name of a channel (never its key)."""
+    return hashlib.sha256(channel).hexdigest()[:8]
