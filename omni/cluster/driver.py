@@ -44,7 +44,7 @@ from omni.cluster.protocol import (
     PlaceRequest,
     endpoint_for,
 )
-from omni.cluster.remote import Deploy, RemoteReplica, Renew
+from omni.cluster.remote import Deploy, RemoteReplica, Renew, RequestTrail
 from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
 from omni.transport.credentials import Credentials
@@ -176,6 +176,7 @@ class ClusterLink:
         self._stopping = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.mover = payload_mover()
+        self.trail = RequestTrail()  # which workers served each request: its KV follows it
 
     def stop(self) -> None:
         """End `run`: it undeploys this driver's replicas (for at most 2 s), then returns."""
@@ -254,7 +255,7 @@ class ClusterLink:
         assert self._nursery is not None
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
-                        session=self.session, nursery=self._nursery)
+                        session=self.session, nursery=self._nursery, trail=self.trail)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
         """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,8 +37,8 @@ from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "StreamBatch",
-           "ValueHead", "pack_for", "split_items", "unpack_from"]
+__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "RequestTrail",
+           "StreamBatch", "ValueHead", "pack_for", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
@@ -64,6 +65,9 @@ class CallHead(msgspec.Struct, frozen=True):
     stream: bool = False
     refs: list[BufferRef] = []  # the arguments' out-of-band buffers
     released: list[int] = []  # leases of the worker's segments the driver is done with
+    # workers that served earlier nodes of this request, latest first: their stores may hold
+    # pages this call needs before the cluster's KV directory has heard of them
+    kv_from: list[str] = []
 
 
 class ValueHead(msgspec.Struct, frozen=True):
@@ -156,6 +160,30 @@ def split_items(refs: list[list[BufferRef]], frames: Any) -> list[tuple[list[Buf
     return items
 
 
+class RequestTrail:
+    """Which workers served each recent request's nodes, latest first: the pages an earlier
+    stage of a request computed follow it to the next stage's worker (`CallHead.kv_from`).
+
+    Bounded: the oldest requests are forgotten first (a request's trail matters only while
+    it runs)."""
+
+    MAX_REQUESTS = 4096
+    MAX_MEMBERS = 4
+
+    def __init__(self) -> None:
+        self._trails: OrderedDict[str, list[str]] = OrderedDict()
+
+    def note(self, request_id: str, member: str) -> None:
+        trail = self._trails.pop(request_id, [])
+        self._trails[request_id] = [member, *(m for m in trail if m != member)][
+            :self.MAX_MEMBERS]
+        while len(self._trails) > self.MAX_REQUESTS:
+            self._trails.popitem(last=False)
+
+    def holders(self, request_id: str, exclude: str) -> list[str]:
+        return [m for m in self._trails.get(request_id, ()) if m != exclude]
+
+
 class RemoteReplica:
     """A replica of `node` hosted by worker `member`, reached through `client`.
 
@@ -164,6 +192,7 @@ class RemoteReplica:
         same_host: the worker shares this host's shared memory.
         session: the driver's session id (names this driver to the worker).
         nursery: where stream arguments' feeders run (the cluster link's).
+        trail: the driver's record of which workers served each request (None: none kept).
     """
 
     omni_remote = True
@@ -171,7 +200,7 @@ class RemoteReplica:
 
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
                  streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
-                 nursery: trio.Nursery):
+                 nursery: trio.Nursery, trail: RequestTrail | None = None):
         self.member = member
         self.client = client
         self.deployment = deployment
@@ -181,6 +210,7 @@ class RemoteReplica:
         self.same_host = same_host
         self.session = session
         self.nursery = nursery
+        self.trail = trail
         self.lost = False
 
     @property
@@ -213,8 +243,13 @@ class RemoteReplica:
         refs, frames = await move_out(self.mover, packed, peer=self.member,
                                       same_host=self.same_host)
         await self._push(refs)
+        trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
         return CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
-                        self.mover.take_releases(self.member)), frames
+                        self.mover.take_releases(self.member), trail), frames
+
+    def _served(self, request_id: str) -> None:
+        if self.trail is not None and request_id != "-":
+            self.trail.note(request_id, self.member)
 
     async def _call(self, request_id: str, packed: Packed, inputs: list) -> Any:
         head, frames = await self._send_call(request_id, packed)
@@ -225,6 +260,7 @@ class RemoteReplica:
             for scope in feeders:
                 scope.cancel()
         self.mover.release(self.member, reply.body.released)
+        self._served(request_id)
         await self._pull(reply.body.refs)
         return await unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
 
@@ -271,6 +307,7 @@ class RemoteReplica:
         try:
             reply = await self._rpc("node.call", head, frames, result_type=int)
             stream_id = reply.body
+            self._served(request_id)
             while not done:
                 reply = await self._rpc("node.next", [stream_id, STREAM_BATCH], [],
                                         result_type=StreamBatch)

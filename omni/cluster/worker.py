@@ -36,6 +36,7 @@ from typing import Any
 import trio
 
 from omni.cluster._code import resolve
+from omni.cluster.kv import request_holders
 from omni.cluster.membership import ClientSet, HeadLink, Roster
 from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
@@ -399,6 +400,7 @@ class Worker:
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
+        request_holders.set(tuple(head.kv_from))  # this task's: the call's own context
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -424,6 +426,7 @@ class Worker:
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
+        request_holders.set(tuple(head.kv_from))  # a task of its own: nothing to reset
         try:
             async with send:
                 with stream.scope:

@@ -170,9 +170,9 @@ class ImageGenerator:
         if guidance != 1.0:
             prepared.append(self._prepare(negative_prompt, "negative_prompt", num_image))
         store = self.engine.store if reuse else None
-        if store is not None:  # disk reads happen here, off the event loop
+        if store is not None:  # disk reads, and pages other workers hold, come in here
             for p in prepared:
-                await store.prefetch(p.keys[: store.match(p.keys)])
+                await store.prefetch(p.keys, recompute_page_s=self.engine.runner.prefill_page_s)
         prompt_kvs, passes = await run_in_worker(self._prompt_passes, prepared, store,
                                                  num_image)
         state = self.sampler.start((self.head.latent_channels, height, width), steps, seed=seed,

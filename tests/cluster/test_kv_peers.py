@@ -15,6 +15,7 @@ import torch
 import trio
 
 from omni.cluster.kv import peers as kv_peers
+from omni.cluster.kv import request_holders
 from omni.cluster.kv.directory import KVDirectory, KVPublisher, KVSnapshot
 from omni.cluster.kv.peers import (
     FetchReply,
@@ -256,3 +257,35 @@ async def test_fetch_works_under_curve():
             with p.dst.acquire(keys) as lease:
                 assert same_bytes(lease.pages(), pages)
         assert holder_creds.auth_denied() == 0
+
+
+async def test_pages_too_new_for_the_directory_come_from_the_requests_earlier_worker(creds):
+    """The worker that served an earlier node of the request (`request_holders`, set from
+    the call's `kv_from`) is asked when the directory knows no holder yet."""
+    keys, pages = keys_and_pages(4)
+    async with pair(creds, creds) as p:
+        p.src.put(keys, pages)  # no checkpoint since: the directory has not heard of them
+        fetcher = p.fetcher(host_id="another-machine")
+        assert p.directory.prefix_len("a", keys) == 0
+        assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 0  # no source
+        token = request_holders.set(("b", "a"))  # "b" is the fetching worker: skipped
+        try:
+            assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 4
+        finally:
+            request_holders.reset(token)
+        with p.dst.acquire(keys) as lease:
+            assert same_bytes(lease.pages(), pages)
+        stats = fetcher.stats()
+        assert (stats["no_source"], stats["from_request"], stats["pages"]) == (1, 1, 4)
+
+
+async def test_a_request_holder_without_the_pages_is_a_miss(creds):
+    keys, _ = keys_and_pages(3)
+    async with pair(creds, creds) as p:
+        fetcher = p.fetcher(host_id="another-machine")
+        token = request_holders.set(("a",))
+        try:
+            assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 0
+        finally:
+            request_holders.reset(token)
+        assert (fetcher.stats()["empty"], fetcher.stats()["failures"]) == (1, 0)

@@ -17,6 +17,7 @@ from tests.cluster.conftest import ROOT, Cluster
 DIALOGUE = str(ROOT / "examples" / "omni_dialogue.py")
 TURNS = str(ROOT / "examples" / "dialogue_turns.jsonl")
 IMAGES = str(ROOT / "examples" / "image_generation.py")
+SPLIT = str(ROOT / "tests" / "cluster" / "image_split.py")  # its two model stages on w1, w2
 
 
 def omni_run(folder: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
@@ -50,6 +51,7 @@ def check_showcase_pipelines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     (png_there,) = omni_run(tmp_path / "remote-image", monkeypatch, IMAGES, *image, *cluster)
     assert Path(png_there["out"]).read_bytes() == Path(png_here["out"]).read_bytes()
     assert png_there["expansion_tokens"] == png_here["expansion_tokens"] > 0
+    assert png_there["prompt_tokens_reused"] == png_here["prompt_tokens_reused"] > 0
 
 
 @pytest.mark.proc
@@ -61,3 +63,11 @@ def test_the_showcase_pipelines_give_the_same_bytes_on_the_cluster(
     assert cluster.address is not None
     check_showcase_pipelines(tmp_path, monkeypatch, "--cluster", cluster.address,
                              "--token-file", str(cluster.token))
+    # the language model stage on w1, the diffusion stage on w2: the first request's prompt
+    # pages follow it from one worker to the other, and it reuses what a local run reuses
+    image = ["--input", "prompt=a grey heron by a pond", "--input", "out=heron.png"]
+    (here,) = omni_run(tmp_path / "split-local", monkeypatch, SPLIT, *image)
+    (there,) = omni_run(tmp_path / "split-remote", monkeypatch, SPLIT, *image, "--cluster",
+                        cluster.address, "--token-file", str(cluster.token))
+    assert there["prompt_tokens_reused"] == here["prompt_tokens_reused"] > 0
+    assert Path(there["out"]).read_bytes() == Path(here["out"]).read_bytes()

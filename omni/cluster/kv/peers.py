@@ -9,7 +9,9 @@ expires if the requester dies), a checksummed frame between machines.
 
 The requester plugs a `PeerFetcher` into its store (``store.peers = fetcher``): the store's
 `prefetch` calls it for the pages it lacks. The fetcher asks the `KVDirectory` who holds the
-longest run of them, estimates the fetch (per-call latency + bytes / bandwidth, learned per
+longest run of them (when it knows of none, the workers that served earlier nodes of the
+request being served, `omni.cluster.kv.request_holders`: their pages may be too new for the
+directory), estimates the fetch (per-call latency + bytes / bandwidth, learned per
 locality) against the caller's cost of recomputing, and fetches. It fails closed: a checksum
 mismatch, an expired lease, a vanished peer or a timeout is a miss (logged and counted), never
 wrong pages and never an exception.
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import trio
 
+from omni.cluster.kv import request_holders
 from omni.kv.errors import KVCapacityError
 from omni.transport import movers
 from omni.transport.errors import TransportError, WireError
@@ -166,7 +169,7 @@ class PeerFetcher:
         self._links = {loc: _Link(*guess) for loc, guess in INITIAL_LINKS.items()}
         self._member_locality: dict[str, Locality] = {}  # learned from their replies
         self._counts = dict.fromkeys(("fetches", "pages", "bytes", "failures", "empty",
-                                      "skipped_as_slower", "no_source"), 0)
+                                      "skipped_as_slower", "no_source", "from_request"), 0)
         self._by_locality = {loc: dict.fromkeys(("fetches", "pages", "bytes", "failures"), 0)
                              for loc in INITIAL_LINKS}
 
@@ -184,6 +187,8 @@ class PeerFetcher:
         leading keys are in `store` now. Never raises (but for cancellation)."""
         keys = list(keys)
         member, n = self.directory.best_source(keys, exclude=(self.local_member,))
+        if member is None or n == 0:  # the directory may not have heard yet: ask the request's
+            member, n = self._request_holder(len(keys))
         limit = pages_per_call(self.layout)
         if member is None or n == 0 or limit == 0:
             self._counts["no_source"] += 1
@@ -209,6 +214,15 @@ class PeerFetcher:
             if moved < len(chunk):
                 break
         return store.match(keys[:got]) if got else 0
+
+    def _request_holder(self, n: int) -> tuple[str | None, int]:
+        """The latest worker that served the current request (it is asked for all `n`
+        pages: it sends the leading ones it holds), or (None, 0)."""
+        for member in request_holders.get():
+            if member != self.local_member and self.client_for(member) is not None:
+                self._counts["from_request"] += 1
+                return member, n
+        return None, 0
 
     async def _fetch_chunk(self, client: RPCClient, member: str, store: KVStore,
                            chunk: list[bytes]) -> int:
@@ -241,7 +255,8 @@ class PeerFetcher:
         log.warning("KV fetch from %s failed (a miss, recomputed): %s", member, why)
 
     def stats(self) -> dict[str, Any]:
-        """Counters (fetches, pages, bytes, failures, empty, skipped_as_slower, no_source),
+        """Counters (fetches, pages, bytes, failures, empty, skipped_as_slower, no_source,
+        from_request: sources found through the request's earlier workers),
         the same by locality, and each locality's learned latency_s and bandwidth (B/s)."""
         links = {loc: {"latency_s": link.latency, "bandwidth": link.bandwidth}
                  for loc, link in self._links.items()}
