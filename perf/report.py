@@ -209,7 +209,7 @@ def _big(c: dict[str, Any]) -> str:
 
 def _tcp(c: dict[str, Any]) -> str:
     """The TCP claim's measured cell: against plain pyzmq (the target), then against pyzmq
-    with CURVE (which the TCP path uses), then the other size."""
+    with CURVE (the cost the data channel avoids), the plaintext data plane, the other size."""
     if c.get("measured") is None:
         text = f"fails: {_short(c.get('error'))}"
     elif c.get("ratio") is None:
@@ -217,7 +217,10 @@ def _tcp(c: dict[str, Any]) -> str:
     else:
         text = f"{x(c['ratio'])} plain pyzmq ({fig(med(c['measured']))} GiB/s)"
         if c.get("ratio_vs_curve") is not None:
-            text += f"; {x(c['ratio_vs_curve'])} pyzmq with CURVE, which the TCP path uses"
+            text += f"; {x(c['ratio_vs_curve'])} pyzmq with CURVE"
+        if c.get("plaintext_gib_s") is not None:
+            text += (f"; `--data-plane plaintext`: {fig(med(c['plaintext_gib_s']))} GiB/s"
+                     + (f" ({x(c['ratio_plaintext'])})" if c.get("ratio_plaintext") else ""))
         if c.get("error"):
             text += f"; {_short(c['error'])}"
     for label, s in list(c.get("sizes", {}).items())[1:]:
@@ -237,8 +240,8 @@ def _tcp_baseline(c: dict[str, Any]) -> str:
         f"plain {fig(med(c['baseline']))} GiB/s" if c.get("baseline") else
         f"plain: none ({_short(c.get('error'), 80)})")
     if c.get("pyzmq_curve_gib_s"):
-        text += (f"; with CURVE, as Omni's TCP sockets: {fig(med(c['pyzmq_curve_gib_s']))} "
-                 "GiB/s")
+        text += (f"; with CURVE (Omni's control messages): "
+                 f"{fig(med(c['pyzmq_curve_gib_s']))} GiB/s")
     elif c.get("pyzmq_curve_error"):
         text += f"; with CURVE: none ({_short(c['pyzmq_curve_error'], 80)})"
     return text
@@ -485,7 +488,7 @@ KNOWN: tuple[Known, ...] = (
     Known("payloads", "tcp_64mib",
           lambda k: (f"a {mib(k.c['payload_bytes'])} argument over the TCP path, as between "
                      "hosts (driver and worker on one host with `OMNI_PAYLOAD_SHM=0` and "
-                     "`OMNI_IPC=0`)"),
+                     "`OMNI_IPC=0`), on the encrypted data channel (AES-256-GCM)"),
           lambda k: f"≥ {k.c['target']:g}× plain pyzmq's GiB/s",
           lambda k: _tcp(k.c),
           lambda k: _tcp_baseline(k.c)),
