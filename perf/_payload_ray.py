@@ -37,12 +37,16 @@ def start_ray(temp_dir: Path, object_store_bytes: int) -> Any:
     """``ray.init`` of a new local instance that listens on 127.0.0.1 only, without the
     dashboard; the `ray` module.
 
-    Why the environment variable: Ray otherwise swaps 127.0.0.1 for the machine's routable
+    Why the environment variables: Ray otherwise swaps 127.0.0.1 for the machine's routable
     address and binds its servers to every interface; with clusters off it keeps to loopback.
-    It is read when ray is imported, hence set first (and inherited by Ray's processes).
+    It is read when ray is imported, hence set first (and inherited by Ray's processes). And a
+    new local instance turns Ray's token authentication on and writes a token to
+    ~/.ray/auth_token, which then makes every later `ray start --head` of this user require
+    tokens its `ray start --address` nodes do not send: off, for this loopback-only instance.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
 
     ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",

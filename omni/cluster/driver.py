@@ -255,7 +255,8 @@ class ClusterLink:
         assert self._nursery is not None
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
-                        session=self.session, nursery=self._nursery, trail=self.trail)
+                        session=self.session, nursery=self._nursery, trail=self.trail,
+                        member_rpc=member.rpc)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
         """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,

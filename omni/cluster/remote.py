@@ -37,8 +37,8 @@ from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "RemoteReplica", "Renew", "RequestTrail",
-           "StreamBatch", "ValueHead", "pack_for", "split_items", "unpack_from"]
+__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "KVHolder", "RemoteReplica", "Renew",
+           "RequestTrail", "StreamBatch", "ValueHead", "pack_for", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
@@ -58,6 +58,14 @@ class Deploy(msgspec.Struct, frozen=True):
     host_id: str = ""  # the driver's host: on the same one, values move through shared memory
 
 
+class KVHolder(msgspec.Struct, array_like=True, frozen=True):
+    """A worker that served an earlier node of a request, and its TCP endpoint (a worker that
+    has not heard of it yet from the head can still reach it)."""
+
+    name: str
+    rpc: str
+
+
 class CallHead(msgspec.Struct, frozen=True):
     deployment: str
     replica: int
@@ -67,7 +75,7 @@ class CallHead(msgspec.Struct, frozen=True):
     released: list[int] = []  # leases of the worker's segments the driver is done with
     # workers that served earlier nodes of this request, latest first: their stores may hold
     # pages this call needs before the cluster's KV directory has heard of them
-    kv_from: list[str] = []
+    kv_from: list[KVHolder] = []
 
 
 class ValueHead(msgspec.Struct, frozen=True):
@@ -171,17 +179,17 @@ class RequestTrail:
     MAX_MEMBERS = 4
 
     def __init__(self) -> None:
-        self._trails: OrderedDict[str, list[str]] = OrderedDict()
+        self._trails: OrderedDict[str, list[KVHolder]] = OrderedDict()
 
-    def note(self, request_id: str, member: str) -> None:
+    def note(self, request_id: str, holder: KVHolder) -> None:
         trail = self._trails.pop(request_id, [])
-        self._trails[request_id] = [member, *(m for m in trail if m != member)][
+        self._trails[request_id] = [holder, *(h for h in trail if h.name != holder.name)][
             :self.MAX_MEMBERS]
         while len(self._trails) > self.MAX_REQUESTS:
             self._trails.popitem(last=False)
 
-    def holders(self, request_id: str, exclude: str) -> list[str]:
-        return [m for m in self._trails.get(request_id, ()) if m != exclude]
+    def holders(self, request_id: str, exclude: str) -> list[KVHolder]:
+        return [h for h in self._trails.get(request_id, ()) if h.name != exclude]
 
 
 class RemoteReplica:
@@ -193,6 +201,7 @@ class RemoteReplica:
         session: the driver's session id (names this driver to the worker).
         nursery: where stream arguments' feeders run (the cluster link's).
         trail: the driver's record of which workers served each request (None: none kept).
+        member_rpc: the worker's TCP endpoint, for that record.
     """
 
     omni_remote = True
@@ -200,7 +209,8 @@ class RemoteReplica:
 
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
                  streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
-                 nursery: trio.Nursery, trail: RequestTrail | None = None):
+                 nursery: trio.Nursery, trail: RequestTrail | None = None,
+                 member_rpc: str = ""):
         self.member = member
         self.client = client
         self.deployment = deployment
@@ -211,6 +221,7 @@ class RemoteReplica:
         self.session = session
         self.nursery = nursery
         self.trail = trail
+        self._holder = KVHolder(member, member_rpc)
         self.lost = False
 
     @property
@@ -249,7 +260,7 @@ class RemoteReplica:
 
     def _served(self, request_id: str) -> None:
         if self.trail is not None and request_id != "-":
-            self.trail.note(request_id, self.member)
+            self.trail.note(request_id, self._holder)
 
     async def _call(self, request_id: str, packed: Packed, inputs: list) -> Any:
         head, frames = await self._send_call(request_id, packed)

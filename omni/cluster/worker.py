@@ -400,7 +400,7 @@ class Worker:
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        request_holders.set(tuple(head.kv_from))  # this task's: the call's own context
+        request_holders.set(tuple((h.name, h.rpc) for h in head.kv_from))  # this task's own
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -426,7 +426,7 @@ class Worker:
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        request_holders.set(tuple(head.kv_from))  # a task of its own: nothing to reset
+        request_holders.set(tuple((h.name, h.rpc) for h in head.kv_from))  # a task's own
         try:
             async with send:
                 with stream.scope:
@@ -576,7 +576,7 @@ class Worker:
             async with kv_directory(self.creds, clients) as directory:
                 self.directory = directory
                 self.peers = PeerFetcher(directory, clients.get, self.name,
-                                         layout=self.kv.layout)
+                                         layout=self.kv.layout, connect=clients.connect)
                 if self.kv_fetch:
                     self.kv.peers = self.peers
                 roster = Roster(self.link.client, interval=self.heartbeat_interval * 2)

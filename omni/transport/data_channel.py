@@ -67,6 +67,7 @@ _TAG = 16  # AES-GCM's tag
 _KEY = 32  # AES-256
 _HWM = 64  # pieces ZeroMQ queues per peer and direction (128 MiB): backpressure beyond
 MAX_CHANNELS = 1024  # open channels a server keeps; opening one more closes the oldest
+PROBE_S = 10.0  # how long a new channel's first round trip may take before it is given up
 
 
 def data_plane_mode(value: str | None = None) -> str:
@@ -101,7 +102,9 @@ class DataOpened(msgspec.Struct, array_like=True, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class DataChannelStats:
-    """One end's data channel traffic: whole messages and their payload bytes each way,
+    """One end's data channel traffic: `mode` (``encrypted``, ``plaintext``; on a client,
+    "" while its channel is being opened and ``off`` when it has none), whole messages and
+    their payload bytes each way,
     pieces `refused` (a tag that failed, a piece out of order, a replayed or malformed head)
     and messages `dropped` unfinished (a piece refused, or the next message began)."""
 
@@ -203,26 +206,42 @@ class Sender:
 
 
 class _Incoming:
-    __slots__ = ("buffer", "control", "frames", "next", "plan", "seq")
+    """A message being received. A payload frame's buffer is allocated when its first piece
+    lands: a head commits no memory for what was never sent."""
+
+    __slots__ = ("buffers", "control", "next", "plan", "seq", "sizes")
 
     def __init__(self, seq: int, head: _Head):
-        import numpy
-
         self.seq = seq
         self.control = head.control
-        self.buffer = numpy.empty(sum(head.sizes), numpy.uint8)
-        view, self.frames, start = memoryview(self.buffer), [], 0
-        for size in head.sizes:
-            self.frames.append(view[start:start + size])
-            start += size
+        self.sizes = head.sizes
+        self.buffers: list[Any] = [None] * len(head.sizes)
         self.plan = list(_pieces(head.sizes))
         self.next = 1
+
+    def target(self, frame: int, offset: int, length: int) -> memoryview:
+        buffer = self.buffers[frame]
+        if buffer is None:
+            import numpy
+
+            buffer = self.buffers[frame] = numpy.empty(self.sizes[frame], numpy.uint8)
+        return memoryview(buffer)[offset:offset + length]
+
+    def message(self) -> list[Buffer]:
+        frames: list[Buffer] = [self.control]
+        for buffer, size in zip(self.buffers, self.sizes, strict=True):
+            if buffer is None:  # an empty frame: no piece
+                frames.append(b"")
+            else:
+                frames.append(buffer.tobytes() if size < ZERO_COPY_THRESHOLD
+                              else memoryview(buffer))
+        return frames
 
 
 class Receiver:
     """One direction's opening: ZeroMQ messages ``[nonce, body]`` in, whole messages
     ``[control, *payload]`` out (payload frames below 64 KiB as bytes, larger ones as
-    memoryviews of one buffer). Refuses anything it cannot authenticate (`Refused`)."""
+    memoryviews). Refuses anything it cannot authenticate, or take (`Refused`)."""
 
     def __init__(self, key: bytes | None, limits: WireLimits):
         self._aead = _aead(key)
@@ -235,10 +254,12 @@ class Receiver:
         """Take one ZeroMQ message; the whole message once its last piece is in."""
         try:
             return self._feed(frames)
-        except Refused:
+        except Exception as exc:  # Refused, or e.g. MemoryError: never the socket's problem
             self.refused += 1
             self._drop()
-            raise
+            if isinstance(exc, Refused):
+                raise
+            raise Refused(f"a piece could not be taken: {exc!r}") from None
 
     def _drop(self) -> None:
         if self._current is not None:
@@ -258,7 +279,7 @@ class Receiver:
         if current is None or seq != current.seq or index != current.next:
             raise Refused(f"piece {index} of message {seq} out of order")
         frame, offset, length = current.plan[index - 1]
-        target = current.frames[frame][offset:offset + length]
+        target = current.target(frame, offset, length)
         aead = self._aead
         if aead is None:
             if body.nbytes != length:
@@ -305,9 +326,8 @@ class Receiver:
         current, self._current = self._current, None
         assert current is not None
         self.messages += 1
-        self.bytes += current.buffer.nbytes
-        return [current.control, *(bytes(f) if f.nbytes < ZERO_COPY_THRESHOLD else f
-                                   for f in current.frames)]
+        self.bytes += sum(current.sizes)
+        return current.message()
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +342,10 @@ class DataPlane:
 class _Channel:
     """The server's record of one open channel."""
 
-    __slots__ = ("control", "lock", "name", "receiver", "routing", "sender")
+    __slots__ = ("control", "lock", "name", "ready", "receiver", "routing", "sender")
 
     def __init__(self, routing: bytes, control: bytes, sender: Sender, receiver: Receiver):
+        self.ready = False  # until the client's probe came: its connection is routable
         self.routing = routing  # the data socket's routing id (the channel id)
         self.control = control  # the CURVE connection's routing id
         self.name = admission_name(routing)
@@ -364,7 +385,10 @@ class DataServer:
     async def start(self, stack: contextlib.AsyncExitStack, host: str) -> None:
         auth = self.plane.authenticator
         assert auth is not None
-        options = {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: DATA_ZAP_DOMAIN.encode()}
+        # ROUTER_MANDATORY: a peer at its high-water mark makes sends wait (not vanish), one
+        # that is gone makes them fail loudly
+        options = {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: DATA_ZAP_DOMAIN.encode(),
+                   zmq.ROUTER_MANDATORY: 1}
         self._sock = await stack.enter_async_context(open_socket(
             self._ctx, zmq.ROUTER, bind=f"tcp://{host}:*", options=options,
             max_msg_size=PIECE + _TAG + 4096, sndhwm=_HWM, rcvhwm=_HWM,
@@ -397,7 +421,9 @@ class DataServer:
         return DataOpened(self.port, mode)
 
     def channel_of(self, control: bytes) -> _Channel | None:
-        return self._by_control.get(control)
+        """The open channel of CURVE connection `control` that replies may take, if any."""
+        channel = self._by_control.get(control)
+        return channel if channel is not None and channel.ready else None
 
     def close(self, control: bytes) -> None:
         channel = self._by_control.get(control)
@@ -432,8 +458,18 @@ class DataServer:
             log.warning("data channel %s: refused a piece: %s", fingerprint(channel.routing),
                         exc)
             return
-        if message is not None:
+        if message is None:
+            return
+        if channel.ready:
             self._deliver([channel.control, *message])
+        elif message == [b""]:  # the client's probe: answer it, and the channel is in use
+            channel.ready = True
+            assert self._sock is not None
+            with contextlib.suppress(trio.WouldBlock, TransportError):
+                for piece in channel.sender.frames(b"", []):
+                    self._sock.send_multipart_nowait([channel.routing, *piece])
+        else:
+            channel.receiver.refused += 1  # nothing but the probe comes first
 
     def stats(self) -> DataChannelStats:
         totals = _Totals()
@@ -458,28 +494,32 @@ class DataClient:
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
         self._lock = trio.Lock()
-        self.mode = ""  # once open
+        self._probed = trio.Event()
+        self.mode = ""  # "" while opening; the channel's mode once open; "off" without one
 
     @property
     def ready(self) -> bool:
         return self._sock is not None
 
     async def run(self, call: Callable[..., Awaitable[Any]], endpoint: str) -> None:
-        """Open the channel (``_data.open`` through `call`) and hold its socket until
-        cancelled. A server without data channels, or one that cannot be reached, leaves
-        this client on its CURVE connection."""
+        """Open the channel (``_data.open`` through `call`), make one round trip on it (a
+        probe: an empty message each way), then hold its socket until cancelled. A server
+        without data channels, one that cannot be reached, or a data port that does not
+        answer within `PROBE_S` (a firewall) leaves this client on its CURVE connection."""
         channel, key = new_channel()
         try:
             opened = await call("_data.open", DataOpen(channel, key, self.plane.mode),
                                 result_type=DataOpened)
         except TransportError as exc:
             log.debug("no data channel to %s: %s", endpoint, exc)
+            self.mode = "off"
             return
         up, down, password = channel_secrets(key, channel)
         plain = opened.mode == "plaintext"
         if plain and self.plane.mode != "plaintext":
             log.warning("the server at %s answered with a plaintext data channel to an "
                         "encrypted request: not used", endpoint)
+            self.mode = "off"
             return
         host = endpoint.rsplit(":", 1)[0]
         options = {zmq.ROUTING_ID: channel,
@@ -487,9 +527,20 @@ class DataClient:
                    zmq.PLAIN_PASSWORD: password.encode()}
         self._sender = Sender(None if plain else up)
         self._receiver = Receiver(None if plain else down, self._limits)
-        async with open_socket(self._ctx, zmq.DEALER, connect=f"{host}:{opened.port}",
-                               options=options, max_msg_size=PIECE + _TAG + 4096,
-                               sndhwm=_HWM, rcvhwm=_HWM, on_message=self._on_message) as sock:
+        address = f"{host}:{opened.port}"
+        async with open_socket(self._ctx, zmq.DEALER, connect=address, options=options,
+                               max_msg_size=PIECE + _TAG + 4096, sndhwm=_HWM, rcvhwm=_HWM,
+                               on_message=self._on_message) as sock:
+            for piece in self._sender.frames(b"", []):
+                await sock.send_multipart(piece)
+            with trio.move_on_after(PROBE_S):
+                await self._probed.wait()
+            if not self._probed.is_set():
+                log.warning("the data channel at %s did not answer within %g s (a firewall?): "
+                            "large messages to %s go on its CURVE connection", address,
+                            PROBE_S, endpoint)
+                self.mode = "off"
+                return
             self._sock, self.mode = sock, opened.mode
             try:
                 await trio.sleep_forever()
@@ -509,14 +560,18 @@ class DataClient:
         except Refused as exc:
             log.warning("data channel: refused a piece from the server: %s", exc)
             return
-        if message is not None:
+        if message is None:
+            return
+        if self._probed.is_set():
             self._deliver(message)
+        elif message == [b""]:  # the probe's answer
+            self._probed.set()
 
     def stats(self) -> DataChannelStats:
         totals = _Totals()
         if self._sender is not None and self._receiver is not None:
             totals.add(self._sender, self._receiver)
-        return totals.stats(self.mode or self.plane.mode)
+        return totals.stats(self.mode)
 
 
 class _Totals:

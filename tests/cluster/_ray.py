@@ -35,6 +35,10 @@ __all__ = ["HEAD_IP", "NODE_IP", "RayNodes"]
 
 HEAD_IP, NODE_IP = "127.0.0.2", "127.0.0.3"
 RAY = str(Path(sys.executable).with_name("ray"))
+# Ray's token authentication stays off for the test cluster whatever this user's ~/.ray holds:
+# a local `ray.init()` leaves a token there, and then `ray start --head` turns tokens on while
+# `ray start --address` does not send one, so the second node is refused.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -111,7 +115,8 @@ class RayNodes:
         running is in that session, whose id (the shell's pid) is returned."""
         script = " && ".join(shlex.join(command) for command in commands)
         proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env={**os.environ, **RAY_ENV})
         self.sessions.append(proc.pid)
         assert self._watchdog.stdin is not None
         self._watchdog.stdin.write(f"{proc.pid}\n")  # a session for it to kill, too

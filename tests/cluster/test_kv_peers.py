@@ -268,7 +268,7 @@ async def test_pages_too_new_for_the_directory_come_from_the_requests_earlier_wo
         fetcher = p.fetcher(host_id="another-machine")
         assert p.directory.prefix_len("a", keys) == 0
         assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 0  # no source
-        token = request_holders.set(("b", "a"))  # "b" is the fetching worker: skipped
+        token = request_holders.set((("b", ""), ("a", "")))  # "b" is this worker: skipped
         try:
             assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 4
         finally:
@@ -283,9 +283,34 @@ async def test_a_request_holder_without_the_pages_is_a_miss(creds):
     keys, _ = keys_and_pages(3)
     async with pair(creds, creds) as p:
         fetcher = p.fetcher(host_id="another-machine")
-        token = request_holders.set(("a",))
+        token = request_holders.set((("a", ""),))
         try:
             assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 0
         finally:
             request_holders.reset(token)
         assert (fetcher.stats()["empty"], fetcher.stats()["failures"]) == (1, 0)
+
+
+async def test_a_request_holder_this_worker_has_not_heard_of_is_connected_to(creds):
+    """A worker that has not learnt of the holder from the head yet reaches it at the
+    endpoint the call named."""
+    keys, pages = keys_and_pages(3)
+    async with pair(creds, creds) as p:
+        p.src.put(keys, pages)
+        clients: dict[str, RPCClient] = {}
+
+        async def connect(name: str, endpoint: str) -> RPCClient:
+            assert (name, endpoint) == ("a", p.server.endpoint)
+            clients[name] = p.client
+            return p.client
+
+        fetcher = PeerFetcher(p.directory, clients.get, "b", layout=LAYOUT,
+                              host_id="another-machine", connect=connect)
+        token = request_holders.set((("a", p.server.endpoint),))
+        try:
+            assert await fetcher.fetch(p.dst, keys, recompute_page_s=None) == 3
+        finally:
+            request_holders.reset(token)
+        assert clients == {"a": p.client}
+        with p.dst.acquire(keys) as lease:
+            assert same_bytes(lease.pages(), pages)

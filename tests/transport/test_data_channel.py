@@ -4,6 +4,7 @@ loopback, a real token and ZAP authenticator)."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -83,13 +84,14 @@ async def test_a_large_message_crosses_on_the_data_channel_both_ways(
     assert np.array_equal(np.frombuffer(reply.payload[1], np.uint8), big)
     assert bytes(reply.payload[2]) == b"x" * 100
     assert bytes(small.payload[0]) == b"tiny"
-    # the large call and its reply went on the data channel, the small one on CURVE
+    # the channel's probe each way, then the large call and its reply went on the data
+    # channel; the small one on CURVE
     assert stats is not None and stats.mode == "encrypted"
-    assert (stats.messages_out, stats.messages_in) == (1, 1)
+    assert (stats.messages_out, stats.messages_in) == (2, 2)
     assert stats.bytes_out == stats.bytes_in == BIG + 104
     server_stats = served.server.stats().data
     assert server_stats is not None
-    assert (server_stats.messages_in, server_stats.messages_out) == (1, 1)
+    assert (server_stats.messages_in, server_stats.messages_out) == (2, 2)
     assert server_stats.refused == server_stats.dropped == 0
 
 
@@ -123,7 +125,7 @@ async def test_plaintext_only_where_both_ends_say_so(
             await wait_until(lambda: client.data_mode == expected)
             reply = await client.call_with_payload("echo", 1, payload=[big])
             assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
-            assert client.stats().data.messages_in == 1  # type: ignore[union-attr]
+            assert client.stats().data.messages_in == 2  # type: ignore[union-attr]
 
 
 def test_the_mode_setting_is_checked_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,6 +160,8 @@ async def test_a_flipped_bit_is_refused_and_counted_and_the_channel_goes_on(
     up, _, password = channel_secrets(key, channel)
     sender = Sender(up)
     async with _data_socket(creds, channel, password, port) as sock:
+        for probe in sender.frames(b"", []):  # what a client sends first: the channel's probe
+            await sock.send_multipart(probe)
         payload = [np.ones(BIG, np.uint8)]
         messages = list(sender.frames(encode(Request(1, "echo", msgspec.Raw(b"\x01"))), payload))
         tampered = np.array(messages[2][1], copy=True)
@@ -166,7 +170,7 @@ async def test_a_flipped_bit_is_refused_and_counted_and_the_channel_goes_on(
             await sock.send_multipart(message)
         await wait_until(lambda: served.server.stats().data.refused == 1)
         stats = served.server.stats().data
-        assert (stats.messages_in, stats.dropped) == (0, 1)
+        assert (stats.messages_in, stats.dropped) == (1, 1)  # the probe; the tampered one
         assert served.calls == []  # nothing of the tampered message was delivered
         # a replay of the good head is refused too; a fresh message goes through
         await sock.send_multipart(messages[0])
@@ -238,5 +242,25 @@ async def test_large_calls_in_flight_at_once_each_arrive_whole(
         async with trio.open_nursery() as nursery:
             for i in range(len(arrays)):
                 nursery.start_soon(one, i)
-        assert client.stats().data.messages_out == len(arrays)  # type: ignore[union-attr]
+        assert client.stats().data.messages_out == 1 + len(arrays)  # type: ignore[union-attr]
     assert all(results[i] == arrays[i].tobytes() for i in range(len(arrays)))
+
+
+async def test_a_data_port_that_does_not_answer_leaves_the_client_on_curve(
+        creds: Credentials, served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A firewall in front of the data port: the probe gets no answer, the channel is given
+    up, and large calls and replies go on the CURVE connection (none is lost)."""
+    from omni.transport import data_channel
+
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        nowhere = closed.getsockname()[1]
+    monkeypatch.setattr(data_channel.DataServer, "port", property(lambda self: nowhere))
+    monkeypatch.setattr(data_channel, "PROBE_S", 0.3)
+    big = np.arange(BIG, dtype=np.uint8)
+    async with _client(creds, served.server.endpoint) as client:
+        await wait_until(lambda: client.stats().data.mode == "off")  # type: ignore[union-attr]
+        reply = await client.call_with_payload("echo", 1, payload=[big])
+        assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
+        assert client.data_mode == ""
+    assert served.server.stats().data.messages_in == 0  # type: ignore[union-attr]

@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -155,17 +155,21 @@ class PeerFetcher:
         layout: the pages' layout (this store's).
         host_id: this machine's id as holders see it (default `movers.host_id()`).
         timeout: seconds one fetch call may take (and storing its pages as long again).
+        connect: ``await connect(name, endpoint)``, a client to a member not followed yet
+            (one named by the request, `request_holders`); None: only followed members.
     """
 
     def __init__(self, directory: KVDirectory, client_for: Callable[[str], RPCClient | None],
                  local_member: str, *, layout: KVLayout, host_id: str | None = None,
-                 timeout: float = 10.0):
+                 timeout: float = 10.0,
+                 connect: Callable[[str, str], Awaitable[RPCClient]] | None = None):
         self.directory = directory
         self.client_for = client_for
         self.local_member = local_member
         self.layout = layout
         self.host_id = host_id if host_id is not None else movers.host_id()
         self.timeout = timeout
+        self.connect = connect
         self._links = {loc: _Link(*guess) for loc, guess in INITIAL_LINKS.items()}
         self._member_locality: dict[str, Locality] = {}  # learned from their replies
         self._counts = dict.fromkeys(("fetches", "pages", "bytes", "failures", "empty",
@@ -188,7 +192,7 @@ class PeerFetcher:
         keys = list(keys)
         member, n = self.directory.best_source(keys, exclude=(self.local_member,))
         if member is None or n == 0:  # the directory may not have heard yet: ask the request's
-            member, n = self._request_holder(len(keys))
+            member, n = await self._request_holder(len(keys))
         limit = pages_per_call(self.layout)
         if member is None or n == 0 or limit == 0:
             self._counts["no_source"] += 1
@@ -215,11 +219,21 @@ class PeerFetcher:
                 break
         return store.match(keys[:got]) if got else 0
 
-    def _request_holder(self, n: int) -> tuple[str | None, int]:
+    async def _request_holder(self, n: int) -> tuple[str | None, int]:
         """The latest worker that served the current request (it is asked for all `n`
-        pages: it sends the leading ones it holds), or (None, 0)."""
-        for member in request_holders.get():
-            if member != self.local_member and self.client_for(member) is not None:
+        pages: it sends the leading ones it holds), connected to first if this worker has not
+        heard of it yet; or (None, 0)."""
+        for member, endpoint in request_holders.get():
+            if member == self.local_member:
+                continue
+            if self.client_for(member) is None and self.connect is not None and endpoint:
+                try:
+                    await self.connect(member, endpoint)
+                except TransportError as exc:
+                    log.warning("cannot reach %s at %s for KV pages: %s", member, endpoint,
+                                exc)
+                    continue
+            if self.client_for(member) is not None:
                 self._counts["from_request"] += 1
                 return member, n
         return None, 0
