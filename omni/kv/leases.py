@@ -19,13 +19,13 @@ move time forward for expiries instead of waiting for it to pass.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
-from omni._shm import process_alive, process_start_time
+from omni._shm import process_start_time, reclaim_dead
 from omni.kv.arena import Arena, shm_directory
 from omni.kv.errors import KVLeaseError
 
@@ -127,25 +127,20 @@ def reclaim_dead_stores() -> list[str]:
     Only stores whose lease table carries an owner record are considered, and a table this
     process cannot read is left alone."""
     folder = shm_directory()
-    removed: list[str] = []
-    for table in folder.glob("omni-*-leases"):
+
+    def owner(table: Path) -> tuple[int, int] | None:
         try:
             with open(table, "rb") as f:
                 head = f.read(LeaseRecord.itemsize)
         except OSError:
-            continue
+            return None
         if len(head) < LeaseRecord.itemsize:
-            continue
+            return None
         marker, pid, started = np.frombuffer(head, dtype=LeaseRecord)[0].tolist()
-        if marker != _OWNER or process_alive(pid, started):
-            continue
+        return (pid, started) if marker == _OWNER else None
+
+    def arenas(table: Path) -> list[Path]:
         store_id = table.name[len("omni-"):-len("-leases")]
-        for path in [*folder.glob(f"omni-{store_id}-*")]:
-            if path != table:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                    removed.append(path.name)
-        with contextlib.suppress(FileNotFoundError):
-            table.unlink()  # the owner record goes last: a crash here leaves it to the next
-            removed.append(table.name)
-    return removed
+        return [path for path in folder.glob(f"omni-{store_id}-*") if path != table]
+
+    return reclaim_dead("omni-*-leases", owner, with_it=arenas)

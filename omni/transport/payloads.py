@@ -50,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from omni._shm import process_alive, shm_directory
+from omni._shm import owner_stamp, reclaim_dead, shm_directory, stamp_owner
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
@@ -117,7 +117,8 @@ class PayloadMover:
         self.pool_bytes = pool_bytes if pool_bytes is not None else _env_size(
             "OMNI_PAYLOAD_POOL", "1GiB")
         self.chunk = chunk
-        self._prefix = f"omni-pay-{os.getpid()}-{secrets.token_hex(4)}"
+        # omni-pay-PID-tSTART-TOKEN-N: whose, for the reclaim of a killed process's segments
+        self._prefix = f"omni-pay-{owner_stamp()}-{secrets.token_hex(4)}"
         self._names = itertools.count(1)
         self._leases = itertools.count(1)
         self._lock = threading.Lock()
@@ -492,19 +493,9 @@ def _env_size(name: str, default: str) -> int:
 
 def reclaim_dead_segments() -> int:
     """Unlink the payload segments of processes that are gone (killed before they could);
-    how many. A segment names its owner's pid; one whose owner is alive, or whose pid this
-    process cannot see, is left alone."""
-    removed = 0
-    for path in shm_directory().glob("omni-pay-*"):
-        pid = path.name.split("-")[2]
-        if not pid.isdigit() or process_alive(int(pid)):
-            continue
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+    how many. A segment names its owner (pid and start time); one whose owner is alive, or
+    whose pid this process cannot see, is left alone."""
+    return len(reclaim_dead("omni-pay-*", lambda path: stamp_owner(path.name.split("-")[2:])))
 
 
 _mover: PayloadMover | None = None

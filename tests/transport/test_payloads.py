@@ -240,16 +240,23 @@ def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept(tmp_path, m
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    dead = Path(shm_directory()) / f"omni-pay-{gone.stdout.strip()}-deadbeef-1"
-    live = Path(shm_directory()) / f"omni-pay-{os.getpid()}-cafecafe-1"
-    for path in (dead, live):
+    from omni._shm import owner_stamp, process_start_time
+
+    folder = Path(shm_directory())
+    dead = folder / f"omni-pay-{gone.stdout.strip()}-t1-deadbeef-1"
+    live = folder / f"omni-pay-{owner_stamp()}-cafecafe-1"
+    unstamped = folder / f"omni-pay-{os.getpid()}-cafecafe-2"  # a start time not known
+    # this process's pid, but another start time: a process that had the pid before it
+    reused = folder / f"omni-pay-{os.getpid()}-t{process_start_time(os.getpid()) + 1}-beef-1"
+    for path in (dead, live, unstamped, reused):
         path.write_bytes(b"x")
     try:
-        assert reclaim_dead_segments() == 1
-        assert not dead.exists() and live.exists()
+        assert reclaim_dead_segments() == 2
+        assert not dead.exists() and not reused.exists()
+        assert live.exists() and unstamped.exists()
     finally:
-        live.unlink()
-        dead.unlink(missing_ok=True)
+        for path in (dead, live, unstamped, reused):
+            path.unlink(missing_ok=True)
 
 
 async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
