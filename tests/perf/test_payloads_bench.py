@@ -25,9 +25,10 @@ def test_payloads_results_report_every_claim_by_its_rule():
         if name == "one_gib":  # peak RSS above idle, no baseline: the largest at most 1.5 GiB
             assert claim["baseline"] is None and claim["ratio"] is None
             rule = claim["error"] is None and claim["measured"]["max"] <= target
-        else:  # Omni / the baseline, of the medians
+        else:  # Omni / the baseline, of the medians (the ratio kept to 3 decimals)
             assert claim["ratio"] == pytest.approx(
-                claim["measured"]["median"] / claim["baseline"]["median"], rel=0.01), name
+                claim["measured"]["median"] / claim["baseline"]["median"], rel=0.01,
+                abs=0.0006), name
             ratio = claim["ratio"]
             rule = claim["error"] is None and (ratio <= target if better == "lower"
                                                else ratio >= target)
