@@ -44,7 +44,7 @@ from omni.cluster.protocol import (
     PlaceRequest,
     endpoint_for,
 )
-from omni.cluster.remote import Deploy, RemoteReplica, Renew, RequestTrail
+from omni.cluster.remote import Deploy, KeptReleases, RemoteReplica, Renew, RequestTrail
 from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
 from omni.transport.credentials import Credentials
@@ -177,6 +177,7 @@ class ClusterLink:
         self._nursery: trio.Nursery | None = None
         self.mover = payload_mover()
         self.trail = RequestTrail()  # which workers served each request: its KV follows it
+        self.releases = KeptReleases()  # results kept on workers that this driver let go of
 
     def stop(self) -> None:
         """End `run`: it undeploys this driver's replicas (for at most 2 s), then returns."""
@@ -256,7 +257,7 @@ class ClusterLink:
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
                         session=self.session, nursery=self._nursery, trail=self.trail,
-                        member_rpc=member.rpc)
+                        member_rpc=member.rpc, releases=self.releases)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
         """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,
@@ -414,8 +415,9 @@ class ClusterLink:
             for member, client in members.items():
                 released = self.mover.take_releases(member)
                 try:
-                    ours = await client.call("node.renew", Renew(self.session, released),
-                                             timeout=RENEW_S, result_type=list[int])
+                    ours = await client.call(
+                        "node.renew", Renew(self.session, released, self.releases.take(member)),
+                        timeout=RENEW_S, result_type=list[int])
                 except TransportError:
                     continue  # a lost worker: the repair task deals with it
                 self.mover.release(member, ours)

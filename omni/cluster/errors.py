@@ -5,8 +5,8 @@ from __future__ import annotations
 from omni.errors import OmniError
 from omni.graph.errors import ReplicaLost
 
-__all__ = ["ClusterError", "HeadUnreachable", "NameTaken", "RemoteNodeError", "TokenRefused",
-           "WorkerLost"]
+__all__ = ["ClusterError", "HeadUnreachable", "KeptValueLost", "NameTaken", "RemoteNodeError",
+           "TokenRefused", "WorkerLost"]
 
 
 class ClusterError(OmniError):
@@ -34,6 +34,11 @@ class WorkerLost(ClusterError, ReplicaLost):
     def __init__(self, member: str, detail: str):
         self.member = member
         super().__init__(f"worker '{member}' stopped answering ({detail})")
+
+
+class KeptValueLost(ClusterError):
+    """A worker could not take a node's result kept on another worker (that worker is gone,
+    or the value was let go of): raised on the worker, a `WorkerLost` at the driver."""
 
 
 class RemoteNodeError(ClusterError):

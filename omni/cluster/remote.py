@@ -12,6 +12,16 @@ the worker is on this host, else as zero-copy frames. A message is ``[body, *fra
 value; its head (`CallHead`, `ValueHead`, `StreamBatch`, `Feed`) carries the buffer refs, and
 the shared-memory leases each side released since it last spoke, so segments are reused.
 
+A result that only class nodes take (`omni.graph.context.CallContext.keep`), with
+`KEEP_MIN` bytes or more out of band, stays on its worker: the call returns a `KeptValue`
+(a reference), which the scheduler passes to the next class nodes as it would the value, and
+their workers take it from that worker directly (``node.take``), over TCP or a Unix socket,
+so the bytes never cross this process. A kept value is let go of when its `KeptValue` is
+(the ids go back with the next call or renewal: `KeptReleases`), or with this driver's
+session. Should its worker die before a consumer took it, the consumer's call fails with
+`WorkerLost` as a stream that had passed items on does, and `omni.Runtime.run` runs the
+request again from the start.
+
 When the worker stops answering heartbeats the replica is marked dead: the call fails with
 `WorkerLost` naming the worker (a `ReplicaLost`: the scheduler retries it once on a live
 replica, unless a stream had passed items on), and the pool places no more calls on it until
@@ -22,26 +32,31 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
 import trio
 
 from omni.cluster._code import CodeRef
-from omni.cluster.errors import RemoteNodeError, WorkerLost
+from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
 from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["CallHead", "Chunk", "Deploy", "Feed", "KVHolder", "RemoteReplica", "Renew",
-           "RequestTrail", "StreamBatch", "ValueHead", "pack_for", "split_items", "unpack_from"]
+__all__ = ["KEEP_MIN", "KEPT_LOST", "CallHead", "Chunk", "Deploy", "Feed", "KeptArg",
+           "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "StreamBatch",
+           "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers", "split_items",
+           "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
+KEEP_MIN = 1 << 20  # a result only class nodes take stays on its worker from this size
 
 
 class Deploy(msgspec.Struct, frozen=True):
@@ -58,12 +73,30 @@ class Deploy(msgspec.Struct, frozen=True):
     host_id: str = ""  # the driver's host: on the same one, values move through shared memory
 
 
-class KVHolder(msgspec.Struct, array_like=True, frozen=True):
+class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
     """A worker that served an earlier node of a request, and its TCP endpoint (a worker that
     has not heard of it yet from the head can still reach it)."""
 
     name: str
     rpc: str
+
+
+class KeptArg(msgspec.Struct, array_like=True, frozen=True):
+    """An argument that is a value kept on a worker: argument `position` (or keyword `key`
+    when position is -1), kept value `kept` of worker `holder`."""
+
+    position: int
+    key: str
+    holder: WorkerAddress
+    kept: int
+
+
+class Take(msgspec.Struct, frozen=True):
+    """``node.take``: a worker asks the holder of kept value `kept` for it."""
+
+    session: str  # the driver whose request it is
+    kept: int
+    requester: str
 
 
 class CallHead(msgspec.Struct, frozen=True):
@@ -75,14 +108,20 @@ class CallHead(msgspec.Struct, frozen=True):
     released: list[int] = []  # leases of the worker's segments the driver is done with
     # workers that served earlier nodes of this request, latest first: their stores may hold
     # pages this call needs before the cluster's KV directory has heard of them
-    kv_from: list[KVHolder] = []
+    kv_from: list[WorkerAddress] = []
+    keep: bool = False  # only class nodes take the result: keep it here if it is large
+    kept_args: list[KeptArg] = []  # arguments to take from the workers that keep them
+    kept_released: list[int] = []  # kept values of this worker the driver let go of
 
 
 class ValueHead(msgspec.Struct, frozen=True):
-    """A call's result: its buffer refs, and the driver's leases the worker released."""
+    """A call's result: its buffer refs, and the driver's leases the worker released; or,
+    when `kept`, the id under which the worker keeps it (and its out-of-band bytes)."""
 
     refs: list[BufferRef] = []
     released: list[int] = []
+    kept: int = 0
+    kept_bytes: int = 0
 
 
 class StreamBatch(msgspec.Struct, frozen=True):
@@ -105,6 +144,7 @@ class Feed(msgspec.Struct, frozen=True):
 class Renew(msgspec.Struct, frozen=True):
     session: str
     released: list[int] = []
+    kept: list[int] = []  # kept values the driver let go of
 
 
 class Chunk(msgspec.Struct, frozen=True):
@@ -168,6 +208,41 @@ def split_items(refs: list[list[BufferRef]], frames: Any) -> list[tuple[list[Buf
     return items
 
 
+class KeptReleases:
+    """The kept values a driver has let go of, per worker, until they go back to it (with the
+    next call or renewal). Thread-safe: a `KeptValue` is let go of wherever the garbage
+    collector finds it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: dict[str, list[int]] = {}
+
+    def add(self, member: str, kept: int) -> None:
+        with self._lock:
+            self._ids.setdefault(member, []).append(kept)
+
+    def take(self, member: str) -> list[int]:
+        with self._lock:
+            return self._ids.pop(member, [])
+
+
+class KeptValue:
+    """A node's result kept on worker `holder` (see the module doc): what the scheduler holds
+    in its place. Only class nodes' calls take it (`CallContext.keep`); it cannot be used here.
+    """
+
+    __slots__ = ("__weakref__", "holder", "kept", "nbytes")
+
+    def __init__(self, holder: WorkerAddress, kept: int, nbytes: int, releases: KeptReleases):
+        self.holder = holder
+        self.kept = kept
+        self.nbytes = nbytes
+        weakref.finalize(self, releases.add, holder.name, kept)
+
+    def __repr__(self) -> str:
+        return f"<KeptValue {self.kept} on {self.holder.name}: {self.nbytes} bytes>"
+
+
 class RequestTrail:
     """Which workers served each recent request's nodes, latest first: the pages an earlier
     stage of a request computed follow it to the next stage's worker (`CallHead.kv_from`).
@@ -179,16 +254,16 @@ class RequestTrail:
     MAX_MEMBERS = 4
 
     def __init__(self) -> None:
-        self._trails: OrderedDict[str, list[KVHolder]] = OrderedDict()
+        self._trails: OrderedDict[str, list[WorkerAddress]] = OrderedDict()
 
-    def note(self, request_id: str, holder: KVHolder) -> None:
+    def note(self, request_id: str, holder: WorkerAddress) -> None:
         trail = self._trails.pop(request_id, [])
         self._trails[request_id] = [holder, *(h for h in trail if h.name != holder.name)][
             :self.MAX_MEMBERS]
         while len(self._trails) > self.MAX_REQUESTS:
             self._trails.popitem(last=False)
 
-    def holders(self, request_id: str, exclude: str) -> list[KVHolder]:
+    def holders(self, request_id: str, exclude: str) -> list[WorkerAddress]:
         return [h for h in self._trails.get(request_id, ()) if h.name != exclude]
 
 
@@ -201,7 +276,8 @@ class RemoteReplica:
         session: the driver's session id (names this driver to the worker).
         nursery: where stream arguments' feeders run (the cluster link's).
         trail: the driver's record of which workers served each request (None: none kept).
-        member_rpc: the worker's TCP endpoint, for that record.
+        member_rpc: the worker's TCP endpoint, for that record and for kept values.
+        releases: the driver's kept values let go of (None: results are never kept).
     """
 
     omni_remote = True
@@ -210,7 +286,7 @@ class RemoteReplica:
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
                  streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
                  nursery: trio.Nursery, trail: RequestTrail | None = None,
-                 member_rpc: str = ""):
+                 member_rpc: str = "", releases: KeptReleases | None = None):
         self.member = member
         self.client = client
         self.deployment = deployment
@@ -221,7 +297,8 @@ class RemoteReplica:
         self.session = session
         self.nursery = nursery
         self.trail = trail
-        self._holder = KVHolder(member, member_rpc)
+        self._holder = WorkerAddress(member, member_rpc)
+        self.releases = releases
         self.lost = False
 
     @property
@@ -233,6 +310,8 @@ class RemoteReplica:
 
         call = current.get()
         request_id = call.request_id if call is not None and call.request_id is not None else "-"
+        keep = call is not None and call.keep and self.releases is not None
+        args, kwargs, kept = _take_out_kept(args, kwargs)
         inputs: list[tuple[int, Any]] = []
 
         def stream_id(stream: Any) -> int:
@@ -246,32 +325,41 @@ class RemoteReplica:
             raise TypeError(f"cannot send the call's arguments to worker '{self.member}': "
                             f"{exc}") from None
         if self.streaming:
-            return self._stream(request_id, packed, inputs)
-        return self._call(request_id, packed, inputs)
+            return self._stream(request_id, packed, inputs, kept)
+        return self._call(request_id, packed, inputs, kept, keep)
 
-    async def _send_call(self, request_id: str, packed: Packed) -> tuple[CallHead, list[Any]]:
+    async def _send_call(self, request_id: str, packed: Packed, kept: list[KeptArg], *,
+                         keep: bool = False) -> tuple[CallHead, list[Any]]:
         """The call's head and frames, its buffers moved (pushed, for transfers)."""
         refs, frames = await move_out(self.mover, packed, peer=self.member,
                                       same_host=self.same_host)
         await self._push(refs)
         trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
+        let_go = [] if self.releases is None else self.releases.take(self.member)
         return CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
-                        self.mover.take_releases(self.member), trail), frames
+                        self.mover.take_releases(self.member), trail, keep, kept,
+                        let_go), frames
 
     def _served(self, request_id: str) -> None:
         if self.trail is not None and request_id != "-":
             self.trail.note(request_id, self._holder)
 
-    async def _call(self, request_id: str, packed: Packed, inputs: list) -> Any:
-        head, frames = await self._send_call(request_id, packed)
+    async def _call(self, request_id: str, packed: Packed, inputs: list, kept: list[KeptArg],
+                    keep: bool) -> Any:
+        head, frames = await self._send_call(request_id, packed, kept, keep=keep)
         feeders = self._start_feeders(inputs)
         try:
-            reply = await self._rpc("node.call", head, frames, result_type=ValueHead)
+            reply = await self._rpc("node.call", head, frames, result_type=ValueHead,
+                                    kept=kept)
         finally:
             for scope in feeders:
                 scope.cancel()
         self.mover.release(self.member, reply.body.released)
         self._served(request_id)
+        if reply.body.kept:
+            assert self.releases is not None
+            return KeptValue(self._holder, reply.body.kept, reply.body.kept_bytes,
+                             self.releases)
         await self._pull(reply.body.refs)
         return await unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
 
@@ -293,30 +381,18 @@ class RemoteReplica:
             raise
 
     async def _pull(self, refs: list[BufferRef]) -> None:
-        transfers = [ref for ref in refs if ref.transfer]
-        try:
-            for ref in transfers:
-                offset = 0
-                while offset < ref.nbytes:
-                    reply = await self._rpc("payload.pull",
-                                            Chunk(self.session, ref.transfer, offset), [])
-                    if len(reply.payload) != 1:
-                        raise WireError(f"a chunk arrived in {len(reply.payload)} frames")
-                    self.mover.accept(self.member, ref.transfer, ref.nbytes, offset,
-                                      reply.payload[0])
-                    offset += memoryview(reply.payload[0]).nbytes
-        except BaseException:
-            self.mover.drop_transfers(self.member, [ref.transfer for ref in transfers])
-            raise
+        await pull_transfers(self.mover, refs, self.member,
+                             lambda chunk: self._rpc("payload.pull", chunk, []),
+                             session=self.session)
 
-    async def _stream(self, request_id: str, packed: Packed, inputs: list
+    async def _stream(self, request_id: str, packed: Packed, inputs: list, kept: list[KeptArg]
                       ) -> AsyncIterator[Any]:
-        head, frames = await self._send_call(request_id, packed)
+        head, frames = await self._send_call(request_id, packed, kept)
         feeders = self._start_feeders(inputs)
         done = False
         stream_id: int | None = None
         try:
-            reply = await self._rpc("node.call", head, frames, result_type=int)
+            reply = await self._rpc("node.call", head, frames, result_type=int, kept=kept)
             stream_id = reply.body
             self._served(request_id)
             while not done:
@@ -393,7 +469,7 @@ class RemoteReplica:
         return bool(reply.body) and not error
 
     async def _rpc(self, method: str, body: Any, payload: list[Any], *,
-                   result_type: Any = Any) -> Any:
+                   result_type: Any = Any, kept: Sequence[KeptArg] = ()) -> Any:
         try:
             return await self.client.call_with_payload(method, body, payload=payload,
                                                        result_type=result_type)
@@ -402,11 +478,59 @@ class RemoteReplica:
             self.mover.forget(self.member)
             raise WorkerLost(self.member, f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
+            if exc.remote_type == KEPT_LOST and kept:
+                # an argument went with the worker that kept it: as a stream that had passed
+                # items on, not retried here; the request runs again from the start
+                lost = WorkerLost(kept[0].holder.name, exc.remote_message)
+                lost.items_passed = 1
+                raise lost from None
             raise RemoteNodeError(self.member, exc.remote_type, exc.remote_message) from None
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "lost"
         return f"<RemoteReplica {self.deployment}#{self.replica} on {self.member} {state}>"
+
+
+KEPT_LOST = KeptValueLost.__name__  # a worker's error when a kept argument is gone
+
+
+def _take_out_kept(args: tuple, kwargs: dict[str, Any]
+                   ) -> tuple[tuple, dict[str, Any], list[KeptArg]]:
+    """`args` and `kwargs` with each `KeptValue` replaced by None, and where they were."""
+    if not any(type(a) is KeptValue for a in (*args, *kwargs.values())):
+        return args, kwargs, []
+    kept: list[KeptArg] = []
+    new_args = list(args)
+    for i, arg in enumerate(args):
+        if type(arg) is KeptValue:
+            kept.append(KeptArg(i, "", arg.holder, arg.kept))
+            new_args[i] = None
+    new_kwargs = dict(kwargs)
+    for key, arg in kwargs.items():
+        if type(arg) is KeptValue:
+            kept.append(KeptArg(-1, key, arg.holder, arg.kept))
+            new_kwargs[key] = None
+    return tuple(new_args), new_kwargs, kept
+
+
+async def pull_transfers(mover: PayloadMover, refs: list[BufferRef], peer: str,
+                         pull: Callable[[Chunk], Awaitable[Any]], *, session: str = "") -> None:
+    """Receive the transfers among `refs` from `peer`, a chunk at a time (``pull(Chunk)``:
+    its reply's one frame), so that this process holds the value and one chunk, no more.
+    `session` names this process to the sender (default: `peer`)."""
+    transfers = [ref for ref in refs if ref.transfer]
+    try:
+        for ref in transfers:
+            offset = 0
+            while offset < ref.nbytes:
+                reply = await pull(Chunk(session or peer, ref.transfer, offset))
+                if len(reply.payload) != 1:
+                    raise WireError(f"a chunk arrived in {len(reply.payload)} frames")
+                mover.accept(peer, ref.transfer, ref.nbytes, offset, reply.payload[0])
+                offset += memoryview(reply.payload[0]).nbytes
+    except BaseException:
+        mover.drop_transfers(peer, [ref.transfer for ref in transfers])
+        raise
 
 
 async def _read_into(stream: Any, send: trio.MemorySendChannel, failure: list[str]) -> None:

@@ -36,25 +36,33 @@ from typing import Any
 import trio
 
 from omni.cluster._code import resolve
+from omni.cluster.errors import KeptValueLost
 from omni.cluster.kv import request_holders
 from omni.cluster.membership import ClientSet, HeadLink, Roster
 from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
+    KEEP_MIN,
     STREAM_BATCH,
     CallHead,
     Chunk,
     Deploy,
     Feed,
+    KeptArg,
     Renew,
     StreamBatch,
+    Take,
     ValueHead,
+    encode_for,
+    move_out,
     pack_for,
+    pull_transfers,
     split_items,
     unpack_from,
 )
 from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
+from omni.transport.errors import TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
@@ -202,6 +210,10 @@ class Worker:
         self.peers: Any = None  # the PeerFetcher, once the store exists
         self.directory: Any = None
         self._stopping = trio.Event()
+        # results kept for the class nodes that take them: id -> (driver session, value)
+        self._kept: dict[int, tuple[str, Any]] = {}
+        self._kept_ids = itertools.count(1)
+        self._takers: ClientSet | None = None  # clients to the workers kept values come from
 
     def stop(self) -> None:
         """End `run` cleanly: tell the head this worker leaves, drop its replicas, return."""
@@ -262,6 +274,7 @@ class Worker:
         server.register("node.leave", self._leave, body_type=Renew)
         server.register("payload.push", self._push, body_type=Chunk, with_payload=True)
         server.register("payload.pull", self._pull, body_type=Chunk)
+        server.register("node.take", self._take, body_type=Take)
         server.register("worker.load", self._load_rpc, body_type=Any)
 
     def info(self) -> MemberInfo:
@@ -324,6 +337,7 @@ class Worker:
         of its segments released here since."""
         self._sessions[body.session] = trio.current_time()
         self.mover.release(body.session, body.released)
+        self._let_go(body.session, body.kept)
         return self.mover.take_releases(body.session)
 
     async def _leave(self, body: Renew) -> list[int]:
@@ -355,6 +369,7 @@ class Worker:
             stream.scope.cancel()
             stream.receive.close()
         self._drop_inboxes(session, [feed for s, feed in self._inboxes if s == session])
+        self._let_go(session, [k for k, (s, _) in self._kept.items() if s == session])
         self.mover.forget(session)
         if not self._sessions:
             self.mover.shrink()
@@ -369,11 +384,18 @@ class Worker:
         session = hosted.session
         self._check_session(session)
         self.mover.release(session, head.released)
+        self._let_go(session, head.kept_released)
         feeds: list[int] = []
         try:
             args, kwargs = await unpack_from(self.mover, head.refs, payload, peer=session,
                                              streams=lambda i: self._inbox(session, i, feeds))
             del payload  # the arguments' leases end with the arguments
+            for kept in head.kept_args:
+                value = await self._kept_value(session, kept)
+                if kept.position >= 0:
+                    args[kept.position] = value
+                else:
+                    kwargs[kept.key] = value
             self._requests += 1
             if head.stream:
                 return self._open_stream(hosted, head, args, kwargs, feeds)
@@ -384,12 +406,62 @@ class Worker:
                 self._drop_inboxes(session, feeds)
         self._check_session(session)  # it may have left while the call ran
         try:
-            refs, frames = await pack_for(self.mover, result, peer=session,
-                                          same_host=hosted.same_host)
+            packed = encode_for(result, same_host=hosted.same_host)
         except TypeError as exc:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
+        nbytes = sum(buffer.nbytes for buffer in packed.buffers)
+        if head.keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
+            kept = next(self._kept_ids)
+            self._kept[kept] = (session, result)
+            return Reply(ValueHead([], self.mover.take_releases(session), kept, nbytes), [])
+        refs, frames = await move_out(self.mover, packed, peer=session,
+                                      same_host=hosted.same_host)
         return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
+
+    # -- kept results (see omni.cluster.remote) ------------------------------------------------
+
+    def _let_go(self, session: str, kept: list[int]) -> None:
+        for kept_id in kept:
+            if self._kept.get(kept_id, ("",))[0] == session:
+                del self._kept[kept_id]
+
+    async def _take(self, body: Take) -> Reply:
+        """Another worker takes a value kept here, as frames (it may be on another host)."""
+        entry = self._kept.get(body.kept)
+        if entry is None or entry[0] != body.session:
+            raise LookupError(f"worker '{self.name}' keeps no value {body.kept} (let go of)")
+        refs, frames = await pack_for(self.mover, entry[1], peer=_taker(body.requester),
+                                      same_host=False)
+        return Reply(ValueHead(refs), frames)
+
+    async def _kept_value(self, session: str, kept: KeptArg) -> Any:
+        """The value `kept` names: from this worker's own table, or taken from its holder
+        (its bytes come straight from there). `KeptValueLost` when it cannot be had."""
+        if kept.holder.name == self.name:
+            entry = self._kept.get(kept.kept)
+            if entry is None:
+                raise KeptValueLost(f"value {kept.kept} kept here was let go of")
+            return entry[1]
+        try:
+            # (a new client when the holder restarted at another endpoint)
+            client = await self._taking_clients().connect(kept.holder.name, kept.holder.rpc)
+            reply = await client.call_with_payload(
+                "node.take", Take(session, kept.kept, self.name), result_type=ValueHead)
+            peer = _taker(self.name)
+            await pull_transfers(self.mover, reply.body.refs, peer, functools.partial(
+                client.call_with_payload, "payload.pull"))
+            return await unpack_from(self.mover, reply.body.refs, reply.payload, peer=peer)
+        except (TransportError, LookupError) as exc:
+            raise KeptValueLost(f"the value kept on worker '{kept.holder.name}' cannot be "
+                                f"had: {exc}") from None
+
+    def _taking_clients(self) -> ClientSet:
+        if self._takers is None:
+            assert self._nursery is not None
+            self._takers = ClientSet(self.creds, self._nursery,
+                                     heartbeat_interval=self.heartbeat_interval)
+        return self._takers
 
     def _check_session(self, session: str) -> None:
         """Refuse work for a driver whose session has ended: nothing may be leased to it any
@@ -585,3 +657,9 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} at {self.endpoint} hosting {len(self._hosted)}>"
+
+
+def _taker(worker: str) -> str:
+    """The payload mover's name for a worker taking kept values (frames only, no leases)."""
+    return f"take:{worker}"
+

@@ -50,6 +50,10 @@ class Step:
     outputs: list[str] = field(default_factory=list)  # graph outputs this step's value is
     key: Any = None  # GetItem key
     branches: Mapping[Any, Plan] | None = None  # switch
+    # Only class nodes take this call's value, each as a whole argument: where class nodes
+    # run in other processes (a cluster), the value may stay where it was made and go from
+    # there to them, never through this process (`CallContext.keep`).
+    keep: bool = False
 
 
 @dataclass(eq=False)
@@ -126,6 +130,10 @@ def compile_plan(g: Graph) -> Plan:
         step.num_deps = len(producers) + len(step.in_edges)
         steps[c.slot] = step
     output_slots = _output_slots(g, steps)
+    by_slot = {c.slot: c for c in g.calls}
+    for step in steps:
+        if step is not None:
+            step.keep = _only_class_nodes_take(step, steps, by_slot)
     real = [s for s in steps if s is not None]
     return Plan(
         name=g.name, signature=g.signature,
@@ -139,6 +147,28 @@ def compile_plan(g: Graph) -> Plan:
         nodes=_all_nodes(real),
         input_set=frozenset(i.name for i in g.inputs),
     )
+
+
+def _only_class_nodes_take(step: Step, steps: list[Step | None],
+                           calls: Mapping[int, Call]) -> bool:
+    """Whether `step` is a call whose value only class nodes take, each as a whole argument
+    (not inside a container), balanced without looking at their arguments, and which is no
+    graph output: then nothing in this process ever needs the value itself."""
+    if step.kind != "call" or step.outputs or not step.consumers or step.stream_edges:
+        return False
+    for slot in step.consumers:
+        consumer = steps[slot]
+        if (consumer is None or consumer.kind not in ("call", "stream")
+                or consumer.node is None or consumer.node.kind != "class"
+                or consumer.node.options.balance not in ("round_robin", "least_loaded",
+                                                         "power_of_two")):
+            return False
+        c = calls[slot]
+        whole = [a for a in (*c.args, *c.kwargs.values()) if isinstance(a, Ref)]
+        if any(r.slot == step.slot and not any(r is w for w in whole)
+               for r in call_dependencies(c)):
+            return False
+    return True
 
 
 def _streamed_refs(c: Call) -> list[Ref]:

@@ -39,6 +39,9 @@ class CallContext(msgspec.Struct, frozen=True, kw_only=True):
     node: str
     replica: int | None
     runtime: NodeHost
+    # only class nodes take this call's value (`omni.graph._plan.Step.keep`): a replica in
+    # another process may keep it there and hand back a reference to it
+    keep: bool = False
 
 
 # Set, around each node call and each replica's construction, by whoever runs it: the

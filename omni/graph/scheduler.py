@@ -378,7 +378,8 @@ async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]
     pool = req.runtime.pool_for(node)
     async with pool.acquire(CallInfo(step.name, req.id, args, kwargs, attempt)) as replica:
         token = current.set(CallContext(request_id=req.id, node=step.name,
-                                        replica=replica.index, runtime=req.runtime))
+                                        replica=replica.index, runtime=req.runtime,
+                                        keep=step.keep))
         try:
             return await _apply(node, replica.instance, args, kwargs)
         finally:
