@@ -1,19 +1,25 @@
-"""Where shared memory lives, whether the process that made a segment still runs, and the one
-reclaim of the segments of processes that are gone (`reclaim_dead`: the KV stores' arenas and
-the payload segments both go through it); torch-free, so that processes that only talk (a
-head, a status query) can name their machine without loading the KV layer."""
+"""Shared-memory segments: where they live, how one is made (`create_segment`: this user's
+only, its memory reserved up front) and opened (`open_segment`), whether the process that made
+one still runs, and the one reclaim of the segments of processes that are gone
+(`reclaim_dead`). The KV stores' arenas (`omni.kv.arena`) and the payload segments
+(`omni.transport.payloads`) are both made, opened and reclaimed here. Torch-free, so that
+processes that only talk (a head, a status query) can name their machine without loading the
+KV layer."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
 import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-__all__ = ["owner_stamp", "process_alive", "process_start_time", "reclaim_dead",
-           "shm_directory", "stamp_owner"]
+__all__ = ["create_segment", "open_segment", "owner_stamp", "page_end", "process_alive",
+           "process_start_time", "reclaim_dead", "reserve_bytes", "room_left", "shm_directory",
+           "stamp_owner"]
 
 
 def shm_directory() -> Path:
@@ -102,3 +108,68 @@ def reclaim_dead(pattern: str, owner: Callable[[Path], tuple[int, int] | None], 
                 doomed.unlink()
                 removed.append(doomed.name)
     return removed
+
+
+def create_segment(name: str, size: int, *, reserve: int | None = None) -> int:
+    """Create the segment `name` (a file of `shm_directory()`) of `size` bytes, readable and
+    writable by this user only, never through a link, with memory reserved for its first
+    `reserve` bytes (default: all of them): a full filesystem is an `OSError` naming the
+    room left here, not a SIGBUS when the bytes are first written. Its open descriptor.
+
+    Raises:
+        FileExistsError: a segment of that name exists already.
+        OSError: no room for `reserve` bytes (the file is removed again).
+    """
+    path = shm_directory() / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)  # sparse: the size costs nothing until reserved
+        end = page_end(size if reserve is None else reserve, size)
+        no_room = reserve_bytes(fd, 0, end)
+        if no_room is not None:
+            free = room_left(fd)
+            raise OSError(no_room, f"cannot reserve {end} B for shared memory {name!r} in "
+                          f"{path.parent} ({'unknown' if free is None else free} B free; in a "
+                          f"container, raise --shm-size): {os.strerror(no_room)}")
+    except BaseException:
+        os.unlink(path)
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_segment(name: str, *, writable: bool = True) -> int:
+    """Open the existing segment `name`, never through a link; its descriptor.
+
+    Raises:
+        FileNotFoundError: there is none (its owner removed it).
+    """
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(shm_directory() / name, flags)
+
+
+def reserve_bytes(fd: int, start: int, end: int) -> int | None:
+    """Reserve memory for bytes [start, end) of a segment. None when done, or the errno saying
+    the filesystem has no room (ENOSPC; ENOMEM: a memory cgroup's limit). A filesystem without
+    fallocate cannot reserve: done, and its pages come when first touched."""
+    try:
+        os.posix_fallocate(fd, start, end - start)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return None
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            return exc.errno
+        raise
+    return None
+
+
+def page_end(nbytes: int, size: int) -> int:
+    """`nbytes` rounded up to whole memory pages (what a filesystem reserves), at most `size`."""
+    return min(size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def room_left(fd: int) -> int | None:
+    """Bytes free in a segment's filesystem, or None when it has no fixed size (a tmpfs
+    mounted without one reports no blocks at all)."""
+    info = os.fstatvfs(fd)
+    return info.f_bavail * info.f_frsize if info.f_blocks else None

@@ -22,7 +22,14 @@ from types import TracebackType
 
 import torch
 
-from omni._shm import shm_directory
+from omni._shm import (
+    create_segment,
+    open_segment,
+    page_end,
+    reserve_bytes,
+    room_left,
+    shm_directory,
+)
 from omni.kv.errors import KVLeaseError
 
 __all__ = ["Arena", "register_pinned", "shm_directory"]
@@ -36,35 +43,6 @@ _NAME_PATTERN = re.compile(r"omni-[0-9a-f]{8,32}-[a-z]+")
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or _NAME_PATTERN.fullmatch(name) is None:
         raise ValueError(f"invalid arena name {name!r}: expected omni-<8 to 32 hex digits>-<tier>")
-
-
-def _grow(fd: int, start: int, end: int) -> int | None:
-    """Reserve bytes [start, end) of the segment. Returns None when done, or the errno saying
-    the filesystem has no room (ENOSPC; ENOMEM: a memory cgroup's limit).
-
-    A filesystem without fallocate cannot reserve: done, and its pages come when first touched.
-    """
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return None
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            return exc.errno
-        raise
-    return None
-
-
-def _page_end(nbytes: int, size: int) -> int:
-    """`nbytes` rounded up to whole memory pages (what a filesystem reserves), at most `size`."""
-    return min(size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-
-
-def _room_left(fd: int) -> int | None:
-    """Bytes free in the segment's filesystem, or None when it has no fixed size (a tmpfs
-    mounted without one reports no blocks at all)."""
-    info = os.fstatvfs(fd)
-    return info.f_bavail * info.f_frsize if info.f_blocks else None
 
 
 class _Cleanup:
@@ -145,24 +123,15 @@ class Arena:
         reserve = size if reserve is None else reserve
         if not isinstance(reserve, int) or not 1 <= reserve <= size:
             raise ValueError(f"an arena of {size} B reserves 1 to {size} B, not {reserve!r}")
+        fd = create_segment(name, size, reserve=reserve)
         path = shm_directory() / name
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
         try:
-            os.ftruncate(fd, size)  # sparse: the size costs nothing until reserved
-            reserve = _page_end(reserve, size)
-            no_room = _grow(fd, 0, reserve)
-            if no_room is not None:
-                info = os.fstatvfs(fd)
-                free = info.f_bavail * info.f_frsize
-                raise OSError(no_room, f"cannot reserve {reserve} B for arena {name!r} in "
-                              f"{path.parent} ({free} B free; in a container, raise "
-                              f"--shm-size): {os.strerror(no_room)}")
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.unlink(path)
             os.close(fd)
             raise
+        reserve = page_end(reserve, size)
         return cls(name, path, mapping, owner=True, fd=fd, reserved=reserve)
 
     @classmethod
@@ -178,9 +147,8 @@ class Arena:
         """
         _check_name(name)
         path = shm_directory() / name
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, flags)
+            fd = open_segment(name, writable=writable)
         except FileNotFoundError:
             raise KVLeaseError(f"shared memory arena {name!r} does not exist") from None
         try:
@@ -229,13 +197,13 @@ class Arena:
         fd = self._cleanup.fd
         if self._reserved is None or fd is None:
             raise ValueError(f"arena {self._name!r}: only its open owner reserves memory")
-        end = _page_end(nbytes, self._size)
+        end = page_end(nbytes, self._size)
         if end <= self._reserved:
             return True
-        free = _room_left(fd)
+        free = room_left(fd)
         if free is not None and free < end - self._reserved:
             return False  # known without trying: a failing fallocate first fills, then undoes
-        if _grow(fd, self._reserved, end) is not None:
+        if reserve_bytes(fd, self._reserved, end) is not None:
             return False
         self._reserved = end
         return True

@@ -50,7 +50,14 @@ from typing import Any
 
 import msgspec
 
-from omni._shm import owner_stamp, reclaim_dead, shm_directory, stamp_owner
+from omni._shm import (
+    create_segment,
+    open_segment,
+    owner_stamp,
+    reclaim_dead,
+    shm_directory,
+    stamp_owner,
+)
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
@@ -253,13 +260,11 @@ class PayloadMover:
         pooled = nbytes <= POOL_MAX
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
         name = f"{self._prefix}-{next(self._names)}"
-        path = shm_directory() / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_segment(name, size)  # reserved: a full /dev/shm is an error, not a SIGBUS
         try:
-            os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if pooled else None
         except BaseException:
-            os.unlink(path)
+            os.unlink(shm_directory() / name)
             raise
         finally:
             os.close(fd)
@@ -392,7 +397,7 @@ class PayloadMover:
                 self._maps.move_to_end(ref.segment)
                 return cached[1]
         try:
-            fd = os.open(shm_directory() / ref.segment, os.O_RDWR)
+            fd = open_segment(ref.segment)
         except OSError as exc:
             raise WireError(f"payload segment {ref.segment} cannot be opened: "
                             f"{exc.strerror}") from None
@@ -467,7 +472,7 @@ def _frame(frame: Any, nbytes: int) -> memoryview:
 
 
 def _pwrite_all(name: str, buffer: memoryview) -> None:
-    fd = os.open(shm_directory() / name, os.O_WRONLY)
+    fd = open_segment(name)
     try:
         offset = 0
         while offset < buffer.nbytes:

@@ -280,3 +280,23 @@ async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
             async with client:
                 with trio.fail_after(60):
                     assert await client.call("size", None, payload=[frame]) == len(frame)
+
+
+def test_a_full_shared_memory_folder_is_an_error_naming_it_not_a_crash(movers, monkeypatch):
+    """The segment's memory is reserved when it is made: with no room left the value fails
+    to go, with the reason, instead of the process dying of SIGBUS when the copy touches
+    memory that is not there; no file is left behind."""
+    import errno
+
+    producer, _ = movers
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"cannot reserve \d+ B for shared memory 'omni-pay-.*"
+                                      r"--shm-size"):
+        producer.pack(pack_value(np.ones(SHM_MIN, np.uint8)).buffers, peer="consumer",
+                      same_host=True)
+    assert segments(producer) == []
+    assert producer.stats()["leased"] == 0

@@ -197,7 +197,7 @@ def test_a_tier_that_cannot_reserve_its_first_step_is_not_made(
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
-    with pytest.raises(OSError, match=f"cannot reserve {RESERVE_STEP} B for arena "
+    with pytest.raises(OSError, match=f"cannot reserve {RESERVE_STEP} B for shared memory "
                                       f"'omni-{store_id}-host'.*--shm-size"):
         HostTier.create(layout, 4 * RESERVE_STEP // layout.page_bytes, store_id)
     assert not (shm_directory() / f"omni-{store_id}-host").exists()
