@@ -212,7 +212,6 @@ class Worker:
         self._stopping = trio.Event()
         # results kept for the class nodes that take them: id -> (driver session, value)
         self._kept: dict[int, tuple[str, Any]] = {}
-        self._kept_ids = itertools.count(1)
         self._takers: ClientSet | None = None  # clients to the workers kept values come from
 
     def stop(self) -> None:
@@ -412,7 +411,8 @@ class Worker:
                 from None
         nbytes = sum(buffer.nbytes for buffer in packed.buffers)
         if head.keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
-            kept = next(self._kept_ids)
+            # a random id, never one a restarted worker of the same name could mean too
+            kept = secrets.randbits(62) + 1
             self._kept[kept] = (session, result)
             return Reply(ValueHead([], self.mover.take_releases(session), kept, nbytes), [])
         refs, frames = await move_out(self.mover, packed, peer=session,
@@ -438,7 +438,7 @@ class Worker:
     async def _kept_value(self, session: str, kept: KeptArg) -> Any:
         """The value `kept` names: from this worker's own table, or taken from its holder
         (its bytes come straight from there). `KeptValueLost` when it cannot be had."""
-        if kept.holder.name == self.name:
+        if kept.holder.name == self.name and kept.holder.rpc == self.endpoint:
             entry = self._kept.get(kept.kept)
             if entry is None:
                 raise KeptValueLost(f"value {kept.kept} kept here was let go of")

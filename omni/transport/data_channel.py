@@ -9,7 +9,10 @@ their CURVE connection, and any message whose payload frames total `DATA_MIN` by
 - **Key agreement**: the client draws a channel id and a 32-byte key and sends both in the
   ``_data.open`` call, over the CURVE connection (encrypted, and both ends authenticated by
   it). From the key, HKDF-SHA256 derives one AES-256-GCM key per direction and the channel's
-  admission password. The server answers with its data socket's address.
+  admission password. The server answers with its data socket's port, and the client's
+  first message on it is a probe (an empty message, answered in kind): the channel is used
+  only once that round trip worked, so a data port that a firewall blocks leaves the
+  connection on CURVE rather than losing replies.
 - **Admission**: the server's data socket is a ROUTER with ZeroMQ's PLAIN mechanism, vetted
   by the process's ZAP authenticator (`omni.transport.security.Authenticator.admit_data`): a
   peer that cannot name an open channel and its password is refused in the handshake, before
@@ -29,7 +32,9 @@ their CURVE connection, and any message whose payload frames total `DATA_MIN` by
 
 Control messages, heartbeats and cancels stay on the CURVE connection; a message below
 `DATA_MIN`, or sent before the channel is open, goes there too (the channel is an
-optimisation: nothing waits for it). Unix-socket connections (one host) have none.
+optimisation: nothing waits for it). Unix-socket connections (one host) have none. Memory:
+a head commits none; a payload frame's buffer is allocated as its first piece lands, within
+the wire limits.
 """
 
 from __future__ import annotations
