@@ -73,6 +73,9 @@ _KEY = 32  # AES-256
 _HWM = 64  # pieces ZeroMQ queues per peer and direction (128 MiB): backpressure beyond
 MAX_CHANNELS = 1024  # open channels a server keeps; opening one more closes the oldest
 PROBE_S = 10.0  # how long a new channel's first round trip may take before it is given up
+# TCP keepalives on data sockets: a channel idle between bursts must not be dropped by a NAT
+# or firewall while its CURVE connection, kept busy by heartbeats, lives on
+_KEEPALIVE = {zmq.TCP_KEEPALIVE: 1, zmq.TCP_KEEPALIVE_IDLE: 30, zmq.TCP_KEEPALIVE_INTVL: 10}
 
 
 def data_plane_mode(value: str | None = None) -> str:
@@ -393,7 +396,7 @@ class DataServer:
         # ROUTER_MANDATORY: a peer at its high-water mark makes sends wait (not vanish), one
         # that is gone makes them fail loudly
         options = {zmq.PLAIN_SERVER: 1, zmq.ZAP_DOMAIN: DATA_ZAP_DOMAIN.encode(),
-                   zmq.ROUTER_MANDATORY: 1}
+                   zmq.ROUTER_MANDATORY: 1, **_KEEPALIVE}
         self._sock = await stack.enter_async_context(open_socket(
             self._ctx, zmq.ROUTER, bind=f"tcp://{host}:*", options=options,
             max_msg_size=PIECE + _TAG + 4096, sndhwm=_HWM, rcvhwm=_HWM,
@@ -529,7 +532,7 @@ class DataClient:
         host = endpoint.rsplit(":", 1)[0]
         options = {zmq.ROUTING_ID: channel,
                    zmq.PLAIN_USERNAME: admission_name(channel).encode(),
-                   zmq.PLAIN_PASSWORD: password.encode()}
+                   zmq.PLAIN_PASSWORD: password.encode(), **_KEEPALIVE}
         self._sender = Sender(None if plain else up)
         self._receiver = Receiver(None if plain else down, self._limits)
         address = f"{host}:{opened.port}"
