@@ -212,6 +212,8 @@ class Worker:
         self._stopping = trio.Event()
         # results kept for the class nodes that take them: id -> (driver session, value)
         self._kept: dict[int, tuple[str, Any]] = {}
+        # the chunked sends of kept values to the workers taking them: id -> [(peer, ids)]
+        self._kept_sends: dict[int, list[tuple[str, list[int]]]] = {}
         self._takers: ClientSet | None = None  # clients to the workers kept values come from
 
     def stop(self) -> None:
@@ -422,17 +424,24 @@ class Worker:
     # -- kept results (see omni.cluster.remote) ------------------------------------------------
 
     def _let_go(self, session: str, kept: list[int]) -> None:
+        """Drop kept values of `session`, and what a taker left unfinished of them (one that
+        died half-way through a large value would otherwise keep it alive here)."""
         for kept_id in kept:
             if self._kept.get(kept_id, ("",))[0] == session:
                 del self._kept[kept_id]
+                for peer, transfers in self._kept_sends.pop(kept_id, []):
+                    self.mover.drop_transfers(peer, transfers)
 
     async def _take(self, body: Take) -> Reply:
         """Another worker takes a value kept here, as frames (it may be on another host)."""
         entry = self._kept.get(body.kept)
         if entry is None or entry[0] != body.session:
             raise LookupError(f"worker '{self.name}' keeps no value {body.kept} (let go of)")
-        refs, frames = await pack_for(self.mover, entry[1], peer=_taker(body.requester),
-                                      same_host=False)
+        peer = _taker(body.requester)
+        refs, frames = await pack_for(self.mover, entry[1], peer=peer, same_host=False)
+        transfers = [ref.transfer for ref in refs if ref.transfer]
+        if transfers:
+            self._kept_sends.setdefault(body.kept, []).append((peer, transfers))
         return Reply(ValueHead(refs), frames)
 
     async def _kept_value(self, session: str, kept: KeptArg) -> Any:

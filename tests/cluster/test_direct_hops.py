@@ -78,3 +78,37 @@ async def test_a_request_whose_kept_value_died_with_its_worker_runs_again(
             assert result == [expected(N)]
     finally:
         h.GATE.clear()
+
+
+async def test_a_taker_that_never_finishes_leaves_nothing_once_the_value_is_let_go_of(
+        local_cluster: LocalCluster) -> None:
+    """A worker that died half-way through taking a value of several chunks leaves the
+    holder's send of it behind; letting the value go drops that too."""
+    from omni.cluster.remote import Take
+
+    await local_cluster.start()
+    w1 = await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    n = 20 << 20  # float32: 80 MiB, two chunks
+    h.GATE.append(trio.Event())
+    try:
+        async with local_cluster.driver() as rt:
+            result: list[float] = []
+
+            async def request() -> None:
+                result.append(await rt.run(h.gated, n=n))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(request)
+                await wait_until(lambda: w1._kept, "w1 keeping the array")
+                (kept, (session, _)), = w1._kept.items()
+                await w1._take(Take(session, kept, "ghost"))  # a taker that pulls nothing
+                assert w1.mover._sending  # its chunks wait for it
+                h.GATE[-1].set()
+            assert result == [expected(n)]
+            gc.collect()
+            with trio.fail_after(CAP_S):  # let go of with the renewal: the ghost's send too
+                await wait_until(lambda: not w1._kept and not w1.mover._sending,
+                                 "w1 dropping the value and the unfinished send")
+    finally:
+        h.GATE.clear()
