@@ -71,7 +71,9 @@ _NONCE = struct.Struct("<QI")  # sequence number, piece index (0: the head)
 _TAG = 16  # AES-GCM's tag
 _KEY = 32  # AES-256
 _HWM = 64  # pieces ZeroMQ queues per peer and direction (128 MiB): backpressure beyond
-MAX_CHANNELS = 1024  # open channels a server keeps; opening one more closes the oldest
+# open channels a server keeps; past that a new client stays on CURVE (never an open channel
+# closed under its client, whose messages would then go unread)
+MAX_CHANNELS = 16384
 PROBE_S = 10.0  # how long a new channel's first round trip may take before it is given up
 # TCP keepalives on data sockets: a channel idle between bursts must not be dropped by a NAT
 # or firewall while its CURVE connection, kept busy by heartbeats, lives on
@@ -421,8 +423,9 @@ class DataServer:
         for old in (self._by_routing.get(request.channel), self._by_control.get(control)):
             if old is not None:
                 self._close(old)
-        while len(self._by_routing) >= MAX_CHANNELS:  # the oldest goes
-            self._close(next(iter(self._by_routing.values())))
+        if len(self._by_routing) >= MAX_CHANNELS:
+            raise TransportError(f"{len(self._by_routing)} data channels are open here: this "
+                                 "connection stays on CURVE")
         self._by_routing[channel.routing] = self._by_control[control] = channel
         assert self.plane.authenticator is not None
         self.plane.authenticator.admit_data(channel.name, password)

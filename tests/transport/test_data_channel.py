@@ -264,3 +264,21 @@ async def test_a_data_port_that_does_not_answer_leaves_the_client_on_curve(
         assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
         assert client.data_mode == ""
     assert served.server.stats().data.messages_in == 0  # type: ignore[union-attr]
+
+
+async def test_a_client_past_the_servers_channels_stays_on_curve(
+        creds: Credentials, served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No open channel is ever closed under its client: one client more than the server
+    keeps is refused a channel and served on its CURVE connection."""
+    from omni.transport import data_channel
+
+    monkeypatch.setattr(data_channel, "MAX_CHANNELS", 1)
+    big = np.arange(BIG, dtype=np.uint8)
+    async with _client(creds, served.server.endpoint) as first, \
+            _client(creds, served.server.endpoint) as second:
+        await wait_until(lambda: first.data_mode == "encrypted")
+        await wait_until(lambda: second.stats().data.mode == "off")  # type: ignore[union-attr]
+        for client in (first, second):
+            reply = await client.call_with_payload("echo", 1, payload=[big])
+            assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
+        assert first.stats().data.messages_out == 2  # type: ignore[union-attr]
