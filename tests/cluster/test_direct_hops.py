@@ -5,7 +5,10 @@ payload mover of its own, as a process of its own has."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import trio
@@ -26,6 +29,24 @@ def moved() -> dict[str, int]:
 
 def expected(n: int, then: int = 0) -> float:
     return float(n) * (n - 1) / 2 + then
+
+
+@contextlib.asynccontextmanager
+async def gated(rt: Any, n: int) -> AsyncIterator[list[float]]:
+    """A request of `h.gated` running while the body runs (w2's call held back by the gate
+    until it ends); its result in the list yielded once the body and the request are done."""
+    result: list[float] = []
+    h.GATE.append(trio.Event())
+    try:
+        async with trio.open_nursery() as nursery:
+            async def request() -> None:
+                result.append(await rt.run(h.gated, n=n))
+
+            nursery.start_soon(request)
+            yield result
+            h.GATE[-1].set()
+    finally:
+        h.GATE.clear()
 
 
 async def test_a_value_only_class_nodes_take_goes_worker_to_worker(
@@ -59,25 +80,13 @@ async def test_a_request_whose_kept_value_died_with_its_worker_runs_again(
     await local_cluster.start()
     first = await local_cluster.worker("w1")
     await local_cluster.worker("w2")
-    h.GATE.append(trio.Event())
-    try:
-        async with local_cluster.driver(heartbeat=0.2) as rt:
-            result: list[float] = []
-
-            async def request() -> None:
-                result.append(await rt.run(h.gated, n=N))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(request)
-                await wait_until(lambda: first._kept, "w1 keeping the array")
-                await local_cluster.stop_answering("w1")
-                await local_cluster.wait_members(lambda m: "w1" not in m
-                                                 or m["w1"]["state"] != "up", "w1 lost")
-                await local_cluster.worker("w1")  # the same name joins again
-                h.GATE[-1].set()
-            assert result == [expected(N)]
-    finally:
-        h.GATE.clear()
+    async with local_cluster.driver(heartbeat=0.2) as rt, gated(rt, N) as result:
+        await wait_until(lambda: first._kept, "w1 keeping the array")
+        await local_cluster.stop_answering("w1")
+        await local_cluster.wait_members(lambda m: "w1" not in m
+                                         or m["w1"]["state"] != "up", "w1 lost")
+        await local_cluster.worker("w1")  # the same name joins again
+    assert result == [expected(N)]
 
 
 async def test_a_taker_that_never_finishes_leaves_nothing_once_the_value_is_let_go_of(
@@ -90,25 +99,14 @@ async def test_a_taker_that_never_finishes_leaves_nothing_once_the_value_is_let_
     w1 = await local_cluster.worker("w1")
     await local_cluster.worker("w2")
     n = 20 << 20  # float32: 80 MiB, two chunks
-    h.GATE.append(trio.Event())
-    try:
-        async with local_cluster.driver() as rt:
-            result: list[float] = []
-
-            async def request() -> None:
-                result.append(await rt.run(h.gated, n=n))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(request)
-                await wait_until(lambda: w1._kept, "w1 keeping the array")
-                (kept, (session, _)), = w1._kept.items()
-                await w1._take(Take(session, kept, "ghost"))  # a taker that pulls nothing
-                assert w1.mover._sending  # its chunks wait for it
-                h.GATE[-1].set()
-            assert result == [expected(n)]
-            gc.collect()
-            with trio.fail_after(CAP_S):  # let go of with the renewal: the ghost's send too
-                await wait_until(lambda: not w1._kept and not w1.mover._sending,
-                                 "w1 dropping the value and the unfinished send")
-    finally:
-        h.GATE.clear()
+    async with local_cluster.driver() as rt:
+        async with gated(rt, n) as result:
+            await wait_until(lambda: w1._kept, "w1 keeping the array")
+            (kept, (session, _)), = w1._kept.items()
+            await w1._take(Take(session, kept, "ghost"))  # a taker that pulls nothing
+            assert w1.mover._sending  # its chunks wait for it
+        assert result == [expected(n)]
+        gc.collect()
+        with trio.fail_after(CAP_S):  # let go of with the renewal: the ghost's send too
+            await wait_until(lambda: not w1._kept and not w1.mover._sending,
+                             "w1 dropping the value and the unfinished send")
