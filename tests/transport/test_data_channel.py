@@ -274,11 +274,11 @@ async def test_a_client_past_the_servers_channels_stays_on_curve(
 
     monkeypatch.setattr(data_channel, "MAX_CHANNELS", 1)
     big = np.arange(BIG, dtype=np.uint8)
-    async with _client(creds, served.server.endpoint) as first, \
-            _client(creds, served.server.endpoint) as second:
-        await wait_until(lambda: first.data_mode == "encrypted")
-        await wait_until(lambda: second.stats().data.mode == "off")  # type: ignore[union-attr]
-        for client in (first, second):
-            reply = await client.call_with_payload("echo", 1, payload=[big])
-            assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
+    async with _client(creds, served.server.endpoint) as first:
+        await wait_until(lambda: first.data_mode == "encrypted")  # it has the one channel
+        async with _client(creds, served.server.endpoint) as second:
+            await wait_until(lambda: second.stats().data.mode == "off")  # type: ignore
+            for client in (first, second):
+                reply = await client.call_with_payload("echo", 1, payload=[big])
+                assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
         assert first.stats().data.messages_out == 2  # type: ignore[union-attr]
