@@ -189,7 +189,7 @@ class ClientSet:
         unix = endpoint.startswith("unix://")
         client = RPCClient(endpoint, ctx=self.creds.ctx,
                            options={} if unix else self.creds.client_options(),
-                           data_plane=None if unix else self.creds.data_plane(),
+                           data_plane=self.creds.data_plane(),  # used over TCP only
                            heartbeat_interval=self.heartbeat_interval,
                            missed_heartbeats=self.missed)
         scope = await self._nursery.start(_hold, client)

@@ -49,7 +49,7 @@ from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["KEEP_MIN", "KEPT_LOST", "CallHead", "Chunk", "Deploy", "Feed", "KeptArg",
+__all__ = ["KEEP_MIN", "CallHead", "Chunk", "Deploy", "Feed", "KeptArg",
            "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "StreamBatch",
            "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers", "split_items",
            "unpack_from"]
@@ -74,8 +74,8 @@ class Deploy(msgspec.Struct, frozen=True):
 
 
 class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
-    """A worker that served an earlier node of a request, and its TCP endpoint (a worker that
-    has not heard of it yet from the head can still reach it)."""
+    """A worker by name and TCP endpoint: one that served an earlier node of a request, or
+    keeps a value; another worker that has not heard of it from the head can still reach it."""
 
     name: str
     rpc: str
@@ -222,6 +222,8 @@ class KeptReleases:
             self._ids.setdefault(member, []).append(kept)
 
     def take(self, member: str) -> list[int]:
+        if not self._ids:  # the common case, on every call: no lock (one added meanwhile
+            return []      # goes with the next call)
         with self._lock:
             return self._ids.pop(member, [])
 
@@ -478,7 +480,7 @@ class RemoteReplica:
             self.mover.forget(self.member)
             raise WorkerLost(self.member, f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
-            if exc.remote_type == KEPT_LOST and kept:
+            if exc.remote_type == KeptValueLost.__name__ and kept:
                 # an argument went with the worker that kept it: as a stream that had passed
                 # items on, not retried here; the request runs again from the start
                 lost = WorkerLost(kept[0].holder.name, exc.remote_message)
@@ -489,9 +491,6 @@ class RemoteReplica:
     def __repr__(self) -> str:
         state = "alive" if self.alive else "lost"
         return f"<RemoteReplica {self.deployment}#{self.replica} on {self.member} {state}>"
-
-
-KEPT_LOST = KeptValueLost.__name__  # a worker's error when a kept argument is gone
 
 
 def _take_out_kept(args: tuple, kwargs: dict[str, Any]

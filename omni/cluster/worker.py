@@ -214,7 +214,7 @@ class Worker:
         self._kept: dict[int, tuple[str, Any]] = {}
         # the chunked sends of kept values to the workers taking them: id -> [(peer, ids)]
         self._kept_sends: dict[int, list[tuple[str, list[int]]]] = {}
-        self._takers: ClientSet | None = None  # clients to the workers kept values come from
+        self._peer_set: ClientSet | None = None  # clients to other workers (KV, kept values)
 
     def stop(self) -> None:
         """End `run` cleanly: tell the head this worker leaves, drop its replicas, return."""
@@ -454,7 +454,7 @@ class Worker:
             return entry[1]
         try:
             # (a new client when the holder restarted at another endpoint)
-            client = await self._taking_clients().connect(kept.holder.name, kept.holder.rpc)
+            client = await self._peers().connect(kept.holder.name, kept.holder.rpc)
             reply = await client.call_with_payload(
                 "node.take", Take(session, kept.kept, self.name), result_type=ValueHead)
             peer = _taker(self.name)
@@ -465,12 +465,13 @@ class Worker:
             raise KeptValueLost(f"the value kept on worker '{kept.holder.name}' cannot be "
                                 f"had: {exc}") from None
 
-    def _taking_clients(self) -> ClientSet:
-        if self._takers is None:
+    def _peers(self) -> ClientSet:
+        """This worker's clients to other workers: for their KV pages and kept values."""
+        if self._peer_set is None:
             assert self._nursery is not None
-            self._takers = ClientSet(self.creds, self._nursery,
-                                     heartbeat_interval=self.heartbeat_interval)
-        return self._takers
+            self._peer_set = ClientSet(self.creds, self._nursery,
+                                       heartbeat_interval=self.heartbeat_interval)
+        return self._peer_set
 
     def _check_session(self, session: str) -> None:
         """Refuse work for a driver whose session has ended: nothing may be leased to it any
@@ -648,8 +649,8 @@ class Worker:
 
         assert self._servers and self.link is not None
         publisher = KVPublisher(self.kv, self.name, self.creds, bind=f"tcp://{self.host}:*")
-        async with publisher, trio.open_nursery() as nursery:
-            clients = ClientSet(self.creds, nursery, heartbeat_interval=self.heartbeat_interval)
+        async with publisher:
+            clients = self._peers()
             for server in self._servers:
                 publisher.register(server)
                 serve_kv(server, self.kv)

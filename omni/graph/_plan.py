@@ -158,10 +158,11 @@ def _only_class_nodes_take(step: Step, steps: list[Step | None],
         return False
     for slot in step.consumers:
         consumer = steps[slot]
-        if (consumer is None or consumer.kind not in ("call", "stream")
-                or consumer.node is None or consumer.node.kind != "class"
-                or consumer.node.options.balance not in ("round_robin", "least_loaded",
-                                                         "power_of_two")):
+        if consumer is None or consumer.kind not in ("call", "stream") \
+                or consumer.node is None or consumer.node.kind != "class":
+            return False
+        balance = consumer.node.options.balance  # kv_aware and custom balancers read args
+        if not isinstance(balance, str) or balance == "kv_aware":
             return False
         c = calls[slot]
         whole = [a for a in (*c.args, *c.kwargs.values()) if isinstance(a, Ref)]

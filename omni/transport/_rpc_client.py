@@ -16,7 +16,7 @@ from omni.transport._rpc_base import (
     RPCClientStats,
     _Service,
 )
-from omni.transport.data_channel import DATA_MIN, DataClient, DataPlane, payload_bytes
+from omni.transport.data_channel import DataClient, DataPlane, is_bulk
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError, WireError
 from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
 from omni.transport.wire import (
@@ -178,8 +178,7 @@ class RPCClient(_Service):
         self._calls += 1
         queued = False
         try:
-            if self._data is not None and self._data.ready and payload \
-                    and payload_bytes(payload) >= DATA_MIN:
+            if self._data is not None and self._data.ready and payload and is_bulk(payload):
                 await self._data.send(frames[0], payload)
             else:
                 try:  # no checkpoint on the fast path: waiting for the reply is the checkpoint

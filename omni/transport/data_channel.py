@@ -45,7 +45,7 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -56,11 +56,11 @@ import zmq
 from omni.transport.errors import TransportError
 from omni.transport.security import DATA_ZAP_DOMAIN, Authenticator
 from omni.transport.trio_zmq import ZERO_COPY_THRESHOLD, Buffer, Socket, open_socket
-from omni.transport.wire import WireLimits
+from omni.transport.wire import WireLimits, payload_nbytes
 
 __all__ = ["DATA_MIN", "MODES", "PIECE", "DataChannelStats", "DataClient", "DataOpen",
            "DataOpened", "DataPlane", "DataServer", "Receiver", "Refused", "Sender",
-           "channel_secrets", "data_plane_mode", "payload_bytes"]
+           "channel_secrets", "data_plane_mode", "is_bulk"]
 
 log = logging.getLogger("omni.transport.data")
 
@@ -150,8 +150,9 @@ def admission_name(channel: bytes) -> str:
     return channel.hex()
 
 
-def payload_bytes(frames: Sequence[Buffer]) -> int:
-    return sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
+def is_bulk(payload: Sequence[Buffer]) -> bool:
+    """Whether a message with these payload frames goes on the data channel."""
+    return payload_nbytes(payload) >= DATA_MIN
 
 
 class Refused(TransportError):
@@ -390,7 +391,7 @@ class DataServer:
         self._sock: Socket | None = None
         self._by_routing: dict[bytes, _Channel] = {}
         self._by_control: dict[bytes, _Channel] = {}
-        self._closed = _Totals()  # the traffic of channels closed or replaced
+        self._closed = [0] * 6  # the traffic of channels closed or replaced (`_counts`)
 
     async def start(self, stack: contextlib.AsyncExitStack, host: str) -> None:
         auth = self.plane.authenticator
@@ -445,7 +446,8 @@ class DataServer:
         self._by_routing.pop(channel.routing, None)
         if self._by_control.get(channel.control) is channel:
             del self._by_control[channel.control]
-        self._closed.add(channel.sender, channel.receiver)
+        counts = _counts(channel.sender, channel.receiver)
+        self._closed = [a + b for a, b in zip(self._closed, counts, strict=True)]
         if self.plane.authenticator is not None:
             self.plane.authenticator.revoke_data(channel.name)
 
@@ -461,7 +463,7 @@ class DataServer:
     def _on_message(self, frames: list[Buffer]) -> None:
         channel = self._by_routing.get(bytes(frames[0]))
         if channel is None:  # admitted, then closed: its frames are not read
-            self._closed.refused += 1
+            self._closed[4] += 1  # refused
             return
         try:
             message = channel.receiver.feed(frames[1:])
@@ -483,11 +485,8 @@ class DataServer:
             channel.receiver.refused += 1  # nothing but the probe comes first
 
     def stats(self) -> DataChannelStats:
-        totals = _Totals()
-        totals.merge(self._closed)
-        for channel in self._by_routing.values():
-            totals.add(channel.sender, channel.receiver)
-        return totals.stats(self.plane.mode)
+        return _stats(self.plane.mode, [self._closed, *(_counts(c.sender, c.receiver)
+                                                        for c in self._by_routing.values())])
 
 
 class DataClient:
@@ -579,34 +578,20 @@ class DataClient:
             self._probed.set()
 
     def stats(self) -> DataChannelStats:
-        totals = _Totals()
-        if self._sender is not None and self._receiver is not None:
-            totals.add(self._sender, self._receiver)
-        return totals.stats(self.mode)
+        if self._sender is None or self._receiver is None:
+            return _stats(self.mode, [])
+        return _stats(self.mode, [_counts(self._sender, self._receiver)])
 
 
-class _Totals:
-    __slots__ = ("bytes_in", "bytes_out", "dropped", "messages_in", "messages_out", "refused")
+def _counts(sender: Sender, receiver: Receiver) -> list[int]:
+    """One channel's traffic, in `DataChannelStats`'s order after the mode."""
+    return [sender.messages, receiver.messages, sender.bytes, receiver.bytes,
+            receiver.refused, receiver.dropped]
 
-    def __init__(self) -> None:
-        self.messages_out = self.messages_in = self.bytes_out = self.bytes_in = 0
-        self.refused = self.dropped = 0
 
-    def add(self, sender: Sender, receiver: Receiver) -> None:
-        self.messages_out += sender.messages
-        self.bytes_out += sender.bytes
-        self.messages_in += receiver.messages
-        self.bytes_in += receiver.bytes
-        self.refused += receiver.refused
-        self.dropped += receiver.dropped
-
-    def merge(self, other: _Totals) -> None:
-        for name in self.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def stats(self, mode: str) -> DataChannelStats:
-        return DataChannelStats(mode, self.messages_out, self.messages_in, self.bytes_out,
-                                self.bytes_in, self.refused, self.dropped)
+def _stats(mode: str, counts: Iterable[list[int]]) -> DataChannelStats:
+    return DataChannelStats(mode, *(sum(column) for column in zip([0] * 6, *counts,
+                                                                  strict=True)))
 
 
 def fingerprint(channel: bytes) -> str:

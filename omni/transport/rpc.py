@@ -39,11 +39,10 @@ from omni.transport._rpc_base import (
 )
 from omni.transport._rpc_client import RPCClient
 from omni.transport.data_channel import (
-    DATA_MIN,
     DataOpen,
     DataPlane,
     DataServer,
-    payload_bytes,
+    is_bulk,
 )
 from omni.transport.errors import TransportError, WireError
 from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
@@ -306,12 +305,19 @@ class RPCServer(_Service):
         reply.insert(0, job.identity)
         return reply
 
+    def _bulk_channel(self, reply: list[Buffer]) -> Any:
+        """The caller's data channel, when `reply` is large and the caller has one."""
+        if self._data is None or len(reply) <= 2:
+            return None
+        channel = self._data.channel_of(reply[0])
+        return channel if channel is not None and is_bulk(reply[2:]) else None
+
     def _reply_nowait(self, reply: list[Buffer]) -> bool:
         """Send `reply` unless that would wait (False: the outbox is full, or the reply
         goes on the caller's data channel)."""
-        if self._data is not None and len(reply) > 2 and payload_bytes(reply[2:]) >= DATA_MIN \
-                and self._data.channel_of(reply[0]) is not None:
-            return False
+        return self._bulk_channel(reply) is None and self._send_reply_nowait(reply)
+
+    def _send_reply_nowait(self, reply: list[Buffer]) -> bool:
         try:
             self._require_socket().send_multipart_nowait(reply)
         except trio.WouldBlock:
@@ -321,12 +327,12 @@ class RPCServer(_Service):
         return True
 
     async def _reply(self, reply: list[Buffer]) -> None:
-        channel = self._data.channel_of(reply[0]) if self._data is not None else None
-        if channel is not None and len(reply) > 2 and payload_bytes(reply[2:]) >= DATA_MIN:
+        channel = self._bulk_channel(reply)
+        if channel is not None:
+            assert self._data is not None
             with contextlib.suppress(TransportError):
-                await self._data.send(channel, reply[1], reply[2:])  # type: ignore[union-attr]
-            return
-        if not self._reply_nowait(reply):
+                await self._data.send(channel, reply[1], reply[2:])
+        elif not self._send_reply_nowait(reply):
             with contextlib.suppress(TransportError):
                 await self._require_socket().send_multipart(reply)
 

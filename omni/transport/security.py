@@ -454,12 +454,9 @@ class ServerSecurity:
             TransportError: no CURVE, `authenticator` is not running or serves another
                 context (the socket would admit anyone), or the socket is bound already.
         """
-        if authenticator.context.underlying != sock.context.underlying:
-            raise TransportError("the authenticator serves another zmq context: ZAP is per "
-                                 "context, so this socket would admit any client")
         _check_unconnected(sock, "server")
         options = self.socket_options(authenticator)
-        authenticator._vet(sock)
+        authenticator.guard(sock)
         for option, value in options.items():
             sock.setsockopt(option, value)
 

@@ -24,7 +24,7 @@ from omni.transport.errors import WireError
 __all__ = [
     "MAX_CONTROL_BYTES", "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_FRAMES", "NIL", "PROTOCOL_VERSION",
     "AnyMessage", "Cancel", "Codec", "Error", "Heartbeat", "Message", "Request", "Response",
-    "WireLimits", "WireStats", "decode", "encode", "stats",
+    "WireLimits", "WireStats", "decode", "encode", "payload_nbytes", "stats",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -137,6 +137,11 @@ class WireStats:
 
 def _nbytes(frame: Any) -> int:
     return len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+
+
+def payload_nbytes(frames: Any) -> int:
+    """The bytes of payload frames, all together."""
+    return sum(_nbytes(frame) for frame in frames)
 
 
 # Everything msgspec (or the interpreter, for deeply nested input) raises on hostile bytes.
