@@ -114,6 +114,7 @@ class Params:
     section_timeout_s: float = 240.0
     ray: bool = True
     quick: bool = False
+    only: tuple[str, ...] = ()  # the claims to measure (their sections); empty: all
 
     @classmethod
     def small(cls, seed: int = 0) -> Params:
@@ -242,6 +243,8 @@ async def drive(p: Params, procs: Processes, ray: RayState, thread: BlockingThre
              lambda: lat.pipeline_section(rt, p, ray, thread, pipeline_pids)),
         ]
         for names, section in sections:
+            if p.only and not set(names) & set(p.only):
+                continue
             began = time.perf_counter()
             try:
                 with trio.fail_after(p.section_timeout_s):
@@ -338,14 +341,14 @@ def summarise(p: Params, claims: dict[str, Any], procs: Processes, ray: RayState
         "sizes": {"payload": size_label(p.payload_bytes), "big": size_label(p.big_bytes)},
         "ray": {"used": ray.side is not None, "version": ray.version,
                 "error": ray.error if p.ray else NO_RAY_NOTE},
-        **{name: claims[name] for name in CLAIMS},
+        **{name: claims[name] for name in CLAIMS if name in claims},
         "pids": {"driver": os.getpid(),
                  **{name: w.popen.pid for name, w in procs.workers.items()}},
         "workers": procs.report(),
         "shm_removed": summarise_names(shm_removed),
         **timing,
     }
-    result["all_pass"] = all(claims[name]["pass"] for name in CLAIMS)
+    result["all_pass"] = all(claims[name]["pass"] for name in CLAIMS if name in claims)
     return result
 
 
@@ -373,7 +376,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
                               ("hop_latency", "pipeline hop", "µs"),
                               ("pipeline_throughput", "pipeline, 64 in flight",
                                "requests/s (higher is better)")):
-        c = result[name]
+        c = result.get(name, {})
         other = "pyzmq" if name == "tcp_64mib" else "Ray"
         bars = {"Omni": _samples(c.get("measured")), other: _samples(c.get("baseline"))}
         if c.get("pyzmq_curve_gib_s"):
@@ -381,7 +384,7 @@ def _plot(result: dict[str, Any], path: str) -> None:
         if c.get("copy"):
             bars["copy"] = _samples(c["copy"])
         panels.append((title, unit, {k: v for k, v in bars.items() if v is not None}))
-    big = result["one_gib"]
+    big = result.get("one_gib", {})
     rss = {f"{part[:3]} {end}": _samples(big[part]["above_idle_mib"][end])
            for part in ("argument", "result") if (big.get(part) or {}).get("above_idle_mib")
            for end in ("driver", "worker")}
@@ -433,8 +436,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                            "the whole run (to stderr)")
     parser.add_argument("--no-ray", action="store_true",
                         help="skip the Ray baselines (the suite runs without Ray installed)")
+    parser.add_argument("--only", metavar="CLAIMS", default="",
+                        help="measure only these claims (comma-separated: "
+                             f"{', '.join(CLAIMS)}) and those measured with them")
     args = parser.parse_args(argv)
     params = Params.small(args.seed) if args.quick else Params(seed=args.seed)
+    only = tuple(name for name in args.only.split(",") if name)
+    if unknown := set(only) - set(CLAIMS):
+        parser.exit(2, f"perf/payloads.py: --only: no claim {', '.join(sorted(unknown))} "
+                       f"(claims: {', '.join(CLAIMS)})\n")
+    params = replace(params, only=only)
     if args.repeats is not None:
         params = replace(params, repeats=args.repeats)
     if args.no_ray:

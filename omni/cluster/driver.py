@@ -44,7 +44,14 @@ from omni.cluster.protocol import (
     PlaceRequest,
     endpoint_for,
 )
-from omni.cluster.remote import Deploy, KeptReleases, RemoteReplica, Renew, RequestTrail
+from omni.cluster.remote import (
+    Deploy,
+    KeptReleases,
+    RemoteReplica,
+    Renew,
+    RequestTrail,
+    WorkerAddress,
+)
 from omni.graph.balance import REPLACE_TIMEOUT_S, CallInfo, Pool, Replica
 from omni.graph.errors import NodeError
 from omni.transport.credentials import Credentials
@@ -104,6 +111,17 @@ class _Tracked(RemoteReplica):
             return await call
         finally:
             self._left()
+
+    async def omni_chain(self, request_id: str, args: tuple, kwargs: dict[str, Any],
+                         later: Sequence[_Tracked], *, keep: bool) -> tuple[Any, list[float]]:
+        stages = (self, *later)
+        for replica in stages:
+            replica.num_calls += 1
+        try:
+            return await super().omni_chain(request_id, args, kwargs, later, keep=keep)
+        finally:
+            for replica in stages:
+                replica._left()
 
     async def _counted_stream(self, stream: Any) -> Any:
         self.num_calls += 1
@@ -246,7 +264,7 @@ class ClusterLink:
         body = Deploy(deployment, replica, node.name, code_ref(node.target),
                       encode_value([list(node.init_args), node.init_kwargs]),
                       dict(node.options.resources or {}), self.session, self._layout_spec(),
-                      host_id())
+                      host_id(), node.options.concurrency)
         try:
             await client.call("node.deploy", body, timeout=120.0)
         except RPCError as exc:
@@ -257,7 +275,9 @@ class ClusterLink:
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
                         session=self.session, nursery=self._nursery, trail=self.trail,
-                        member_rpc=member.rpc, releases=self.releases)
+                        address=WorkerAddress(member.name, member.rpc, member.ipc,
+                                              member.host_id),
+                        releases=self.releases)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
         """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,

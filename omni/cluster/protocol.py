@@ -13,7 +13,7 @@ from omni.transport.host import host_id, ipc_enabled
 __all__ = [
     "HEARTBEAT_S", "LOST_KEPT_S", "MISSED_BEATS", "RESERVATION_S", "Beat", "BeatReply",
     "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Register", "Welcome",
-    "check_address", "endpoint_for",
+    "check_address", "endpoint_for", "pick_endpoint",
 ]
 
 HEARTBEAT_S = 0.5  # seconds between heartbeats, both ways
@@ -59,9 +59,12 @@ def endpoint_for(info: MemberInfo) -> str:
     """Where this process reaches `info`: its unix:// endpoint when both share a host (the
     socket lives in a 0700 folder, so the filesystem is the authentication, and nothing
     crosses the network stack), else its TCP endpoint with CURVE."""
-    if info.ipc and info.host_id == host_id() and ipc_enabled():
-        return info.ipc
-    return info.rpc
+    return pick_endpoint(info.rpc, info.ipc, info.host_id)
+
+
+def pick_endpoint(rpc: str, ipc: str, host: str) -> str:
+    """`endpoint_for` a member known by its TCP endpoint, Unix endpoint and host."""
+    return ipc if ipc and host == host_id() and ipc_enabled() else rpc
 
 
 class MemberLoad(msgspec.Struct, frozen=True):

@@ -43,19 +43,22 @@ import trio
 
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
+from omni.cluster.protocol import pick_endpoint
+from omni.graph.errors import StageError
 from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.payloads import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["KEEP_MIN", "CallHead", "Chunk", "Deploy", "Feed", "KeptArg",
-           "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "StreamBatch",
-           "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers", "split_items",
-           "unpack_from"]
+__all__ = ["KEEP_MIN", "CallHead", "ChainBroken", "Chunk", "Deploy", "Feed", "KeptArg",
+           "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "Stage",
+           "StreamBatch", "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers",
+           "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
+_CHAIN_ERROR_CHARS = 8192  # of a chain stage's error message
 KEEP_MIN = 1 << 20  # a result only class nodes take stays on its worker from this size
 
 
@@ -71,14 +74,22 @@ class Deploy(msgspec.Struct, frozen=True):
     session: str = ""  # the driver's; its replicas go when it stops renewing (`node.renew`)
     kv_layout: dict[str, Any] | None = None  # a LayoutSpec's fields, when the node uses KV
     host_id: str = ""  # the driver's host: on the same one, values move through shared memory
+    concurrency: int | None = None  # the node's calls in flight at once (None: unbounded)
 
 
 class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
-    """A worker by name and TCP endpoint: one that served an earlier node of a request, or
-    keeps a value; another worker that has not heard of it from the head can still reach it."""
+    """A worker by name and endpoints: one that served an earlier node of a request, keeps a
+    value, or runs the next stage of a chain; another worker that has not heard of it from
+    the head can still reach it (`endpoint`)."""
 
     name: str
-    rpc: str
+    rpc: str  # TCP
+    ipc: str = ""  # its Unix socket, for processes on its host
+    host: str = ""
+
+    def endpoint(self) -> str:
+        """Where this process reaches it: its Unix socket on the same host, else TCP."""
+        return pick_endpoint(self.rpc, self.ipc, self.host)
 
 
 class KeptArg(msgspec.Struct, array_like=True, frozen=True):
@@ -112,6 +123,16 @@ class CallHead(msgspec.Struct, frozen=True):
     keep: bool = False  # only class nodes take the result: keep it here if it is large
     kept_args: list[KeptArg] = []  # arguments to take from the workers that keep them
     kept_released: list[int] = []  # kept values of this worker the driver let go of
+    stage: int = 0  # its place in a chain: > 0 when the stage before's worker sent it
+    then: list[Stage] = []  # the chain's later stages: the result is the next one's argument
+
+
+class Stage(msgspec.Struct, array_like=True, frozen=True):
+    """A later stage of a chain: its worker, and its call's head as the driver made it (the
+    worker before adds the argument: its own result)."""
+
+    worker: WorkerAddress
+    head: CallHead
 
 
 class ValueHead(msgspec.Struct, frozen=True):
@@ -122,6 +143,42 @@ class ValueHead(msgspec.Struct, frozen=True):
     released: list[int] = []
     kept: int = 0
     kept_bytes: int = 0
+    seconds: list[float] = []  # a chain's: each stage's own time, from receipt to result
+
+
+class ChainBroken(Exception):
+    """A chain's stage `stage` failed: `remote_type` and `message` are its error's, `member`
+    its worker, `lost` whether that worker stopped answering. Raised by the worker of the stage
+    before (and passed on by those before it); the driver reads it from the error's message."""
+
+    def __init__(self, stage: int, member: str, remote_type: str, message: str, lost: bool):
+        # (cut short, so that the whole survives the RPC layer's cut of error messages)
+        self.fields = [stage, member, remote_type, message[:_CHAIN_ERROR_CHARS], lost]
+        super().__init__(msgspec.json.encode(self.fields).decode())
+
+    @classmethod
+    def parse(cls, message: str) -> ChainBroken:
+        """The `ChainBroken` whose message is `message`.
+
+        Raises:
+            WireError: `message` is not one.
+        """
+        try:
+            stage, member, remote_type, text, lost = msgspec.json.decode(message)
+            return cls(int(stage), str(member), str(remote_type), str(text), bool(lost))
+        except (msgspec.DecodeError, TypeError, ValueError) as exc:
+            raise WireError(f"a chain's failure came back unreadable: {exc}") from None
+
+    def cause(self) -> Exception:
+        """The stage's error as the driver raises it: `WorkerLost` for a lost worker (as a
+        stream that had passed items on: an earlier stage's value went on, so the request
+        runs again from the start, `omni.Runtime.run`), else `RemoteNodeError`."""
+        _, member, remote_type, message, lost = self.fields
+        if lost:
+            error = WorkerLost(member, message)
+            error.items_passed = 1
+            return error
+        return RemoteNodeError(member, remote_type, message)
 
 
 class StreamBatch(msgspec.Struct, frozen=True):
@@ -278,7 +335,7 @@ class RemoteReplica:
         session: the driver's session id (names this driver to the worker).
         nursery: where stream arguments' feeders run (the cluster link's).
         trail: the driver's record of which workers served each request (None: none kept).
-        member_rpc: the worker's TCP endpoint, for that record and for kept values.
+        address: the worker's address, for that record, kept values and chains.
         releases: the driver's kept values let go of (None: results are never kept).
     """
 
@@ -288,7 +345,7 @@ class RemoteReplica:
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
                  streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
                  nursery: trio.Nursery, trail: RequestTrail | None = None,
-                 member_rpc: str = "", releases: KeptReleases | None = None):
+                 address: WorkerAddress | None = None, releases: KeptReleases | None = None):
         self.member = member
         self.client = client
         self.deployment = deployment
@@ -299,7 +356,7 @@ class RemoteReplica:
         self.session = session
         self.nursery = nursery
         self.trail = trail
-        self._holder = WorkerAddress(member, member_rpc)
+        self.address = address or WorkerAddress(member, "")
         self.releases = releases
         self.lost = False
 
@@ -344,7 +401,7 @@ class RemoteReplica:
 
     def _served(self, request_id: str) -> None:
         if self.trail is not None and request_id != "-":
-            self.trail.note(request_id, self._holder)
+            self.trail.note(request_id, self.address)
 
     async def _call(self, request_id: str, packed: Packed, inputs: list, kept: list[KeptArg],
                     keep: bool) -> Any:
@@ -360,10 +417,64 @@ class RemoteReplica:
         self._served(request_id)
         if reply.body.kept:
             assert self.releases is not None
-            return KeptValue(self._holder, reply.body.kept, reply.body.kept_bytes,
+            return KeptValue(self.address, reply.body.kept, reply.body.kept_bytes,
                              self.releases)
         await self._pull(reply.body.refs)
         return await unpack_from(self.mover, reply.body.refs, reply.payload, peer=self.member)
+
+    async def omni_chain(self, request_id: str, args: tuple, kwargs: dict[str, Any],
+                         later: Sequence[RemoteReplica], *, keep: bool
+                         ) -> tuple[Any, list[float]]:
+        """Run this replica's node on `args`, then each of `later`'s on the value of the one
+        before, as one call: each worker sends its result straight to the next stage's worker
+        and the last stage's value comes back through them (`Stage`). `keep`: only class
+        nodes take the last value. Returns the last value and each stage's seconds.
+
+        Raises:
+            WorkerLost: this replica's worker stopped answering.
+            StageError: a later stage failed (its cause a `RemoteNodeError`, or a `WorkerLost`
+                as of a stream that had passed items on).
+        """
+        args, kwargs, kept = _take_out_kept(args, kwargs)
+        try:
+            packed = encode_for([list(args), kwargs], same_host=self.same_host)
+        except TypeError as exc:
+            raise TypeError(f"cannot send the call's arguments to worker '{self.member}': "
+                            f"{exc}") from None
+        head, frames = await self._send_call(request_id, packed, kept)
+        stages, before = [], [self.address]
+        for i, replica in enumerate(later, 1):
+            stage_head = replica._stage_head(request_id, i, before,
+                                             keep=keep and i == len(later))
+            stages.append(Stage(replica.address, stage_head))
+            before.insert(0, replica.address)
+        reply = await self._rpc("node.call", msgspec.structs.replace(head, then=stages), frames,
+                                result_type=ValueHead, kept=kept)
+        self.mover.release(self.member, reply.body.released)
+        for replica in (self, *later):
+            replica._served(request_id)
+        last = later[-1]
+        if reply.body.kept:
+            assert last.releases is not None
+            value = KeptValue(last.address, reply.body.kept, reply.body.kept_bytes,
+                              last.releases)
+        else:
+            await last._pull(reply.body.refs)
+            value = await unpack_from(self.mover, reply.body.refs, reply.payload,
+                                      peer=last.member)
+        return value, reply.body.seconds
+
+    def _stage_head(self, request_id: str, stage: int, before: list[WorkerAddress], *,
+                    keep: bool) -> CallHead:
+        """The head of this replica's call as stage `stage` of a chain (`before`: the
+        workers of the stages before it, latest first)."""
+        trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
+        kv_from = [a for a in before if a.name != self.member]
+        kv_from += [a for a in trail if a not in kv_from]
+        let_go = [] if self.releases is None else self.releases.take(self.member)
+        return CallHead(self.deployment, self.replica, request_id, False, [],
+                        self.mover.take_releases(self.member), kv_from,
+                        keep and self.releases is not None, [], let_go, stage)
 
     # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
     # chunk at a time, so neither side holds more than the value and one chunk --------------
@@ -480,6 +591,9 @@ class RemoteReplica:
             self.mover.forget(self.member)
             raise WorkerLost(self.member, f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
+            if exc.remote_type == ChainBroken.__name__:
+                broken = ChainBroken.parse(exc.remote_message)
+                raise StageError(broken.fields[0], broken.cause()) from None
             if exc.remote_type == KeptValueLost.__name__ and kept:
                 # an argument went with the worker that kept it: as a stream that had passed
                 # items on, not retried here; the request runs again from the start

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import trio
 
 from omni.cluster._code import resolve
@@ -44,6 +45,7 @@ from omni.cluster.remote import (
     KEEP_MIN,
     STREAM_BATCH,
     CallHead,
+    ChainBroken,
     Chunk,
     Deploy,
     Feed,
@@ -52,6 +54,7 @@ from omni.cluster.remote import (
     StreamBatch,
     Take,
     ValueHead,
+    WorkerAddress,
     encode_for,
     move_out,
     pack_for,
@@ -62,7 +65,7 @@ from omni.cluster.remote import (
 from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
-from omni.transport.errors import TransportError
+from omni.transport.errors import RPCError, TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.payloads import payload_mover
 from omni.transport.rpc import Reply, RPCServer
@@ -125,6 +128,9 @@ class _Hosted:
     session: str
     same_host: bool
     stop: trio.Event = field(default_factory=trio.Event)
+    # the node's calls in flight at once (its ``concurrency``): the driver holds its calls to
+    # it, but a chain's later stages come from other workers and wait here (`_run`)
+    gate: trio.Semaphore | None = None
 
 
 @dataclass
@@ -323,7 +329,9 @@ class Worker:
                 stop, in_thread=True))
             self._hosted[key] = _Hosted(body.node, instance, streaming, is_async,
                                         dict(body.resources), body.session,
-                                        body.host_id == host_id(), stop)
+                                        body.host_id == host_id(), stop,
+                                        trio.Semaphore(body.concurrency)
+                                        if body.concurrency else None)
             task_status.started()
         self._hosted.pop(key, None)
 
@@ -378,6 +386,7 @@ class Worker:
     # -- calls -------------------------------------------------------------------------------
 
     async def _call(self, head: CallHead, payload: list[Any]) -> Any:
+        started = trio.current_time()
         hosted = self._hosted.get((head.deployment, head.replica))
         if hosted is None:
             raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
@@ -406,20 +415,77 @@ class Worker:
             if not head.stream:
                 self._drop_inboxes(session, feeds)
         self._check_session(session)  # it may have left while the call ran
+        if head.then:
+            return await self._pass_on(hosted, head, result, started)
         try:
             packed = encode_for(result, same_host=hosted.same_host)
         except TypeError as exc:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
         nbytes = sum(buffer.nbytes for buffer in packed.buffers)
+        # a chain's last stage answers the worker before it: the driver's leases wait here
+        released = self.mover.take_releases(session) if head.stage == 0 else []
+        seconds = [trio.current_time() - started] if head.stage else []
         if head.keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
-            # a random id, never one a restarted worker of the same name could mean too
-            kept = secrets.randbits(62) + 1
-            self._kept[kept] = (session, result)
-            return Reply(ValueHead([], self.mover.take_releases(session), kept, nbytes), [])
+            kept = self._keep(session, result)
+            return Reply(ValueHead([], released, kept, nbytes, seconds), [])
         refs, frames = await move_out(self.mover, packed, peer=session,
                                       same_host=hosted.same_host)
-        return Reply(ValueHead(refs, self.mover.take_releases(session)), frames)
+        return Reply(ValueHead(refs, released, seconds=seconds), frames)
+
+    async def _pass_on(self, hosted: _Hosted, head: CallHead, result: Any, started: float
+                       ) -> Reply:
+        """Send `result` to the chain's next stage as its argument; answer with what comes
+        back (the last stage's value, passed on as it came) or its failure (`ChainBroken`)."""
+        session = hosted.session
+        stage, later = head.then[0], head.then[1:]
+        try:
+            packed = encode_for([[result], {}], same_host=False)
+        except TypeError as exc:
+            raise TypeError(f"the result of node '{hosted.node}' cannot travel on: {exc}") \
+                from None
+        kept = 0
+        kept_args: list[KeptArg] = []
+        if sum(buffer.nbytes for buffer in packed.buffers) >= KEEP_MIN:
+            # too large to ride with the call: the next worker takes it from here
+            kept = self._keep(session, result)
+            kept_args = [KeptArg(0, "", self.address(), kept)]
+            packed = encode_for([[None], {}], same_host=False)
+        del result
+        refs, frames = await move_out(self.mover, packed, peer=stage.worker.name,
+                                      same_host=False)
+        seconds = trio.current_time() - started
+        call = msgspec.structs.replace(stage.head, refs=refs, kept_args=kept_args, then=later)
+        try:
+            client = await self._peers().connect(stage.worker.name, stage.worker.endpoint())
+            reply = await client.call_with_payload("node.call", call, payload=frames,
+                                                   result_type=ValueHead)
+        except RPCError as exc:
+            if exc.remote_type == ChainBroken.__name__:
+                raise ChainBroken.parse(exc.remote_message) from None
+            raise ChainBroken(call.stage, stage.worker.name, exc.remote_type,
+                              exc.remote_message, lost=False) from None
+        except TransportError as exc:  # stopped answering, or cannot be reached
+            raise ChainBroken(call.stage, stage.worker.name, type(exc).__name__, str(exc),
+                              lost=True) from None
+        finally:
+            if kept:
+                self._let_go(session, [kept])
+        body = reply.body
+        released = self.mover.take_releases(session) if head.stage == 0 else []
+        return Reply(ValueHead(body.refs, released, body.kept, body.kept_bytes,
+                               [seconds, *body.seconds]), reply.payload)
+
+    def _keep(self, session: str, value: Any) -> int:
+        """Keep `value` here for the class nodes that take it; its id, a random one (never
+        one a restarted worker of the same name could mean too)."""
+        kept = secrets.randbits(62) + 1
+        self._kept[kept] = (session, value)
+        return kept
+
+    def address(self) -> WorkerAddress:
+        """How other processes reach this worker."""
+        return WorkerAddress(self.name, self.endpoint or "", self.ipc, host_id())
 
     # -- kept results (see omni.cluster.remote) ------------------------------------------------
 
@@ -454,7 +520,7 @@ class Worker:
             return entry[1]
         try:
             # (a new client when the holder restarted at another endpoint)
-            client = await self._peers().connect(kept.holder.name, kept.holder.rpc)
+            client = await self._peers().connect(kept.holder.name, kept.holder.endpoint())
             reply = await client.call_with_payload(
                 "node.take", Take(session, kept.kept, self.name), result_type=ValueHead)
             peer = _taker(self.name)
@@ -480,9 +546,16 @@ class Worker:
             raise LookupError(f"the driver of this call has left worker '{self.name}'")
 
     async def _run(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
+        if hosted.gate is None:
+            return await self._invoke(hosted, head, args, kwargs)
+        async with hosted.gate:  # first come, first served
+            return await self._invoke(hosted, head, args, kwargs)
+
+    async def _invoke(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        request_holders.set(tuple((h.name, h.rpc) for h in head.kv_from))  # this task's own
+        # this task's own:
+        request_holders.set(tuple((h.name, h.endpoint()) for h in head.kv_from))
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -508,7 +581,7 @@ class Worker:
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        request_holders.set(tuple((h.name, h.rpc) for h in head.kv_from))  # a task's own
+        request_holders.set(tuple((h.name, h.endpoint()) for h in head.kv_from))  # a task's own
         try:
             async with send:
                 with stream.scope:

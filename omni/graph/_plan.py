@@ -54,6 +54,11 @@ class Step:
     # run in other processes (a cluster), the value may stay where it was made and go from
     # there to them, never through this process (`CallContext.keep`).
     keep: bool = False
+    # The steps after this one that may run as one chain with it where class nodes run in
+    # other processes: each takes the one before as its only argument and nothing else reads
+    # it, so each stage's value goes from its process straight to the next's
+    # (`_chain_after`). Set on a chain's first step only; empty elsewhere.
+    chain: tuple[Step, ...] = ()
 
 
 @dataclass(eq=False)
@@ -134,6 +139,7 @@ def compile_plan(g: Graph) -> Plan:
     for step in steps:
         if step is not None:
             step.keep = _only_class_nodes_take(step, steps, by_slot)
+    _mark_chains(steps, by_slot)
     real = [s for s in steps if s is not None]
     return Plan(
         name=g.name, signature=g.signature,
@@ -170,6 +176,50 @@ def _only_class_nodes_take(step: Step, steps: list[Step | None],
                for r in call_dependencies(c)):
             return False
     return True
+
+
+def _mark_chains(steps: list[Step | None], calls: Mapping[int, Call]) -> None:
+    """Set `Step.chain` on the first step of each run of steps that may run as one chain."""
+    follows = {}
+    for step in steps:
+        if step is not None and (after := _chain_after(step, steps, calls)) is not None:
+            follows[step.slot] = after
+    followers = {after.slot for after in follows.values()}
+    for slot, after in follows.items():
+        if slot in followers:
+            continue  # not a chain's first step
+        chain, nodes = [], {id(steps[slot].node)}
+        while after is not None and id(after.node) not in nodes:
+            # a node once per chain: a chain holds a slot of each stage's pool at once
+            chain.append(after)
+            nodes.add(id(after.node))
+            after = follows.get(after.slot)
+        steps[slot].chain = tuple(chain)
+
+
+def _chain_after(step: Step, steps: list[Step | None], calls: Mapping[int, Call]) -> Step | None:
+    """The step that may run right after `step` in one chain, or None. Both are plain calls of
+    class nodes with neither timeout nor retries (a chain is retried only as a whole, when its
+    first stage is lost); the next takes `step`'s value as its one and only argument, nothing
+    else takes it, and it is balanced without looking at its arguments (its replica is chosen
+    before the value exists)."""
+    if not step.keep or len(step.consumers) != 1 or not _chainable(step):
+        return None
+    after = steps[step.consumers[0]]
+    if after is None or after.kind != "call" or after.num_deps != 1 or not _chainable(after):
+        return None
+    c = calls[after.slot]
+    if c.kwargs or len(c.args) != 1 or not isinstance(c.args[0], Ref) \
+            or c.args[0].slot != step.slot:
+        return None
+    return after
+
+
+def _chainable(step: Step) -> bool:
+    node = step.node
+    return step.kind == "call" and not step.in_edges and node is not None \
+        and node.kind == "class" and not node.streaming and node.options.timeout is None \
+        and not node.options.retries
 
 
 def _streamed_refs(c: Call) -> list[Ref]:

@@ -189,6 +189,35 @@ class Pool:
                 raise NoLiveReplica(self.name, self.replicas, self.replace_timeout)
 
     @asynccontextmanager
+    async def queue_on(self, call: CallInfo, *, wait: bool = True
+                       ) -> AsyncIterator[Replica | None]:
+        """Choose a live replica with room for `call` and count the call as queued on it for
+        its duration, without taking a slot: the replica's process holds its calls to its
+        concurrency itself (a chain's stages). Without room, wait for it as `acquire` does,
+        or with `wait` False hold None.
+
+        Raises:
+            NoLiveReplica: as for `acquire`.
+        """
+        replica = self._place(call)
+        if replica is None:
+            if not wait:
+                yield None
+                return
+            replica = await self._choose(call)
+        replica.queued += 1
+        try:
+            yield replica
+        except BaseException:
+            replica.failed += 1
+            raise
+        else:
+            replica.completed += 1
+        finally:
+            replica.queued -= 1
+            self._space.unpark()
+
+    @asynccontextmanager
     async def acquire(self, call: CallInfo) -> AsyncIterator[Replica]:
         """Hold a slot on a live replica for the duration of one call.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omni.errors import OmniError
 
-__all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError"]
+__all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError", "StageError"]
 
 
 class GraphError(OmniError):
@@ -70,3 +70,17 @@ class ReplicaLost(OmniError):
     """
 
     items_passed: int = 0
+
+
+class StageError(OmniError):
+    """A chain of class-node calls run in other processes as one (`omni.graph._plan.Step.chain`)
+    failed at stage `stage` (0: its first) with `cause`, that stage's own error; the scheduler
+    reports it as that stage's node failing."""
+
+    def __init__(self, stage: int, cause: BaseException):
+        self.stage = stage
+        self.cause = cause
+        super().__init__(f"stage {stage} of a chain failed: {type(cause).__name__}: {cause}")
+
+    def __reduce__(self):
+        return (type(self), (self.stage, self.cause))

@@ -5,12 +5,17 @@ finishes a step runs the first newly ready consumer itself and starts a task for
 one, so a chain of nodes costs one task in all and independent branches run concurrently.
 A plan that is a plain chain runs in the caller's task with no nursery at all.
 
+Where class nodes run in other processes (a cluster), a run of steps that each take the one
+before as their only argument (`Step.chain`) is one call: the first stage's process runs it
+and hands its value straight to the next stage's, and the last stage's value comes back.
+
 A failing step records a `NodeError` on the request and cancels its nursery, so the request's
 other tasks stop and the error reaches the caller alone, not in an ExceptionGroup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,7 +27,7 @@ from omni.graph._plan import Plan, Step
 from omni.graph._retry import retrying
 from omni.graph.balance import CallInfo
 from omni.graph.context import CallContext, current
-from omni.graph.errors import NodeError, ReplicaLost, RouteError
+from omni.graph.errors import NodeError, ReplicaLost, RouteError, StageError
 
 __all__ = ["STREAM_BUFFER", "Emit", "run_plan"]
 
@@ -71,9 +76,10 @@ async def run_plan(plan: Plan, runtime: Any, request_id: str, values: list[Any],
     if emit is not None:
         await _emit_inputs(req)
     if plan.sequential:
+        done = -1  # the last slot that ran (a chain runs several at once)
         for step in plan.steps:
-            if step is not None:
-                await _run_step(req, step)
+            if step is not None and step.slot > done:
+                done = (await _advance(req, step)).slot
         return plan.outputs(values)
     async with trio.open_nursery() as nursery:
         req.nursery = nursery
@@ -108,11 +114,23 @@ async def _run_step(req: Request, step: Step) -> Any:
     finally:
         if metrics is not None:
             metrics.node_latency(step.name, trio.current_time() - started)
+    await _store(req, step, value)
+    return value
+
+
+async def _store(req: Request, step: Step, value: Any) -> None:
     req.values[step.slot] = value
     if step.outputs and req.emit is not None and step.kind != "stream":
         for name in step.outputs:
             await req.emit(name, value)
-    return value
+
+
+async def _advance(req: Request, step: Step) -> Step:
+    """Run `step`, or as much of its chain as runs as one call; return the last step run."""
+    if step.chain:
+        return await _run_chain(req, step)
+    await _run_step(req, step)
+    return step
 
 
 async def _run_from(req: Request, slot: int) -> None:
@@ -120,7 +138,7 @@ async def _run_from(req: Request, slot: int) -> None:
     while True:
         step = steps[slot]
         try:
-            await _run_step(req, step)
+            step = await _advance(req, step)
         except NodeError as exc:
             req.fail(exc)
             return
@@ -382,6 +400,69 @@ async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]
                                         keep=step.keep))
         try:
             return await _apply(node, replica.instance, args, kwargs)
+        finally:
+            current.reset(token)
+
+
+async def _run_chain(req: Request, first: Step) -> Step:
+    """Run `first` and as many steps of its chain as have a replica with room now, as one
+    call where its replica can take one; the last step that ran holds the value. Only the
+    first stage holds a slot here: the later ones queue on their replicas' processes, which
+    hold them to their concurrency (so that consecutive stages of different requests overlap,
+    and no chain waits for a slot while holding another). Metrics record each stage's own
+    time as its process saw it."""
+    metrics = req.runtime.metrics
+    started = trio.current_time() if metrics is not None else 0.0
+    stages = (first, *first.chain)
+    args, kwargs = first.build_args(req.values, req.edges)
+    try:
+        value, ran, seconds = await retrying(first.node.options, functools.partial(
+            _attempt_chain, req, stages, args, kwargs))
+    except StageError as exc:
+        raise NodeError(stages[exc.stage].name, req.id, exc.cause) from exc.cause
+    except NodeError:
+        raise
+    except Exception as exc:
+        raise NodeError(first.name, req.id, exc) from exc
+    if metrics is not None:
+        total = trio.current_time() - started
+        later = seconds[1:ran] if seconds else []
+        metrics.node_latency(first.name, max(total - sum(later), 0.0))
+        for step, took in zip(stages[1:ran], later, strict=True):
+            metrics.node_latency(step.name, took)
+    last = stages[ran - 1]
+    await _store(req, last, value)
+    return last
+
+
+async def _attempt_chain(req: Request, stages: tuple[Step, ...], args: tuple,
+                         kwargs: dict[str, Any], attempt: int
+                         ) -> tuple[Any, int, list[float] | None]:
+    """One attempt of a chain: (the last stage's value, the stages that ran, each stage's
+    seconds where the chain ran as one call)."""
+    first = stages[0]
+    pool = req.runtime.pool_for(first.node)
+    if getattr(pool.replicas[0].instance, "omni_chain", None) is None:  # replicas here
+        return await _attempt(req, first, args, kwargs, attempt), 1, None
+    async with contextlib.AsyncExitStack() as held:
+        replica = await held.enter_async_context(
+            pool.queue_on(CallInfo(first.name, req.id, args, kwargs, attempt)))
+        later = []
+        for step in stages[1:]:
+            other = await held.enter_async_context(req.runtime.pool_for(step.node).queue_on(
+                CallInfo(step.name, req.id, (), {}, attempt), wait=False))
+            if other is None:
+                break
+            later.append(other.instance)
+        if later:
+            value, seconds = await replica.instance.omni_chain(
+                req.id, args, kwargs, later, keep=stages[len(later)].keep)
+            return value, 1 + len(later), seconds
+        token = current.set(CallContext(request_id=req.id, node=first.name,
+                                        replica=replica.index, runtime=req.runtime,
+                                        keep=first.keep))
+        try:
+            return await _apply(first.node, replica.instance, args, kwargs), 1, None
         finally:
             current.reset(token)
 

@@ -73,3 +73,65 @@ def test_anything_here_taking_the_value_keeps_it_here():
 
     for graph in (to_function, in_a_list, output, item, balanced_by_its_keys):
         assert keeps(graph)["Make"] is False, graph.name
+
+
+@omni.node
+class Pass:
+    async def __call__(self, x: object) -> object:
+        return x
+
+
+@omni.node(timeout=5.0)
+class Timed:
+    async def __call__(self, x: object) -> object:
+        return x
+
+
+def chains(graph) -> dict[str, list[str]]:
+    """Each chain's first step -> the steps after it."""
+    return {step.name: [s.name for s in step.chain] for step in graph.plan.steps
+            if step is not None and step.chain}
+
+
+def test_class_nodes_each_taking_only_the_one_before_make_a_chain():
+    @omni.graph
+    def line(n: int):
+        return Pass()(Use()(Make()(n)))
+
+    assert chains(line) == {"Make": ["Use", "Pass"]}
+    assert line.plan.steps[-1].chain == ()  # only the first step names the chain
+
+
+def test_a_chain_ends_where_a_value_is_needed_here_or_taken_with_more():
+    @omni.graph
+    def with_more(n: int):  # Use takes a second value: it waits for both, here
+        return Use()(Make()(n), y=n)
+
+    @omni.graph
+    def output_inside(n: int):  # Make's value is an output: it comes here
+        made = Make()(n)
+        return {"made": made, "used": Use()(made)}
+
+    @omni.graph
+    def into_a_function(n: int):
+        return local(Use()(Make()(n)))
+
+    @omni.graph
+    def timed(n: int):  # a timeout is per call: a chain cannot keep it
+        return Use()(Timed()(Make()(n)))
+
+    @omni.graph
+    def balanced_by_its_keys(n: int):  # its replica is chosen by the value
+        return Cached()(Make()(n))
+
+    @omni.graph
+    def twice(n: int):  # a node once per chain
+        return Use()(Make()(Use()(Make()(n))))
+
+    assert chains(with_more) == {}
+    assert chains(output_inside) == {}
+    assert chains(into_a_function) == {"Make": ["Use"]}
+    assert chains(timed) == {}
+    assert chains(balanced_by_its_keys) == {}
+    chained = chains(twice)
+    assert list(chained.values()) == [["Use"]]  # then Make again: it starts none
