@@ -188,11 +188,9 @@ def _mark_chains(steps: list[Step | None], calls: Mapping[int, Call]) -> None:
     for slot, after in follows.items():
         if slot in followers:
             continue  # not a chain's first step
-        chain, nodes = [], {id(steps[slot].node)}
-        while after is not None and id(after.node) not in nodes:
-            # a node once per chain: a chain holds a slot of each stage's pool at once
+        chain = []
+        while after is not None:
             chain.append(after)
-            nodes.add(id(after.node))
             after = follows.get(after.slot)
         steps[slot].chain = tuple(chain)
 

@@ -15,8 +15,8 @@ so that a KV-aware balancer can be added without touching the scheduler.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,16 @@ class Replica:
         if self.concurrency is None:
             return False
         return self.load >= self.concurrency + self.max_queue
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """Count the call it wraps as completed, or failed when it raises."""
+        try:
+            yield
+        except BaseException:
+            self.failed += 1
+            raise
+        self.completed += 1
 
     def __repr__(self) -> str:
         return f"<Replica {self.index} in_flight={self.in_flight} queued={self.queued}>"
@@ -207,12 +217,8 @@ class Pool:
             replica = await self._choose(call)
         replica.queued += 1
         try:
-            yield replica
-        except BaseException:
-            replica.failed += 1
-            raise
-        else:
-            replica.completed += 1
+            with replica.counted():
+                yield replica
         finally:
             replica.queued -= 1
             self._space.unpark()
@@ -249,12 +255,8 @@ class Pool:
             self._space.unpark()
         replica.in_flight += 1
         try:
-            yield replica
-        except BaseException:
-            replica.failed += 1
-            raise
-        else:
-            replica.completed += 1
+            with replica.counted():
+                yield replica
         finally:
             replica.in_flight -= 1
             if replica._slots is not None:

@@ -395,22 +395,26 @@ async def _attempt(req: Request, step: Step, args: tuple, kwargs: dict[str, Any]
             current.reset(token)
     pool = req.runtime.pool_for(node)
     async with pool.acquire(CallInfo(step.name, req.id, args, kwargs, attempt)) as replica:
-        token = current.set(CallContext(request_id=req.id, node=step.name,
-                                        replica=replica.index, runtime=req.runtime,
-                                        keep=step.keep))
-        try:
-            return await _apply(node, replica.instance, args, kwargs)
-        finally:
-            current.reset(token)
+        return await _call_replica(req, step, replica, args, kwargs)
+
+
+async def _call_replica(req: Request, step: Step, replica: Any, args: tuple,
+                        kwargs: dict[str, Any]) -> Any:
+    token = current.set(CallContext(request_id=req.id, node=step.name, replica=replica.index,
+                                    runtime=req.runtime, keep=step.keep))
+    try:
+        return await _apply(step.node, replica.instance, args, kwargs)
+    finally:
+        current.reset(token)
 
 
 async def _run_chain(req: Request, first: Step) -> Step:
     """Run `first` and as many steps of its chain as have a replica with room now, as one
-    call where its replica can take one; the last step that ran holds the value. Only the
-    first stage holds a slot here: the later ones queue on their replicas' processes, which
-    hold them to their concurrency (so that consecutive stages of different requests overlap,
-    and no chain waits for a slot while holding another). Metrics record each stage's own
-    time as its process saw it."""
+    call where its replica can take one; the last step that ran holds the value. No stage
+    holds a slot here: each queues on its replica's process, which holds calls to the node's
+    concurrency (so that consecutive stages of different requests overlap, and no chain waits
+    for a slot while holding another). Metrics record each stage's own time as its process
+    saw it."""
     metrics = req.runtime.metrics
     started = trio.current_time() if metrics is not None else 0.0
     stages = (first, *first.chain)
@@ -458,13 +462,7 @@ async def _attempt_chain(req: Request, stages: tuple[Step, ...], args: tuple,
             value, seconds = await replica.instance.omni_chain(
                 req.id, args, kwargs, later, keep=stages[len(later)].keep)
             return value, 1 + len(later), seconds
-        token = current.set(CallContext(request_id=req.id, node=first.name,
-                                        replica=replica.index, runtime=req.runtime,
-                                        keep=first.keep))
-        try:
-            return await _apply(first.node, replica.instance, args, kwargs), 1, None
-        finally:
-            current.reset(token)
+        return await _call_replica(req, first, replica, args, kwargs), 1, None
 
 
 async def _apply(node: Any, body: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
