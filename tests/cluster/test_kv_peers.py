@@ -9,6 +9,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from omni.cluster.kv.peers import (
     serve_kv,
 )
 from omni.kv import KVLayout, KVStore, TierConfig, block_keys
+from omni.kv.tiers import DiskTier
 from omni.transport.credentials import Credentials
 from omni.transport.errors import TransportError
 from omni.transport.movers import SharedMemoryHeader, host_id, unpack
@@ -35,9 +37,13 @@ from tests._wait import CAP_S, wait_until
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float16)
 
 
-def make_store(pages: int = 32, **kwargs) -> KVStore:
-    return KVStore(LAYOUT, [TierConfig("device", pages * LAYOUT.page_bytes),
-                            TierConfig("host", pages * LAYOUT.page_bytes)], **kwargs)
+def make_store(pages: int = 32, disk: Path | None = None, **kwargs) -> KVStore:
+    """Two memory tiers of `pages` pages each, and a disk tier at `disk` when given."""
+    tiers = [TierConfig("device", pages * LAYOUT.page_bytes),
+             TierConfig("host", pages * LAYOUT.page_bytes)]
+    if disk is not None:
+        tiers.append(TierConfig("disk", 64 * DiskTier.slot_bytes_for(LAYOUT), path=disk))
+    return KVStore(LAYOUT, tiers, **kwargs)
 
 
 def keys_and_pages(n: int, seed: int = 0) -> tuple[list[bytes], torch.Tensor]:
@@ -314,3 +320,34 @@ async def test_a_request_holder_this_worker_has_not_heard_of_is_connected_to(cre
         assert clients == {"a": p.client}
         with p.dst.acquire(keys) as lease:
             assert same_bytes(lease.pages(), pages)
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+async def test_a_same_machine_fetch_takes_a_worker_thread_only_to_read_pages_up(
+        creds, monkeypatch, tmp_path, on_disk):
+    """Pages in the shared top tier are leased and described on the event loop (a thread hop
+    would cost more than the rest of the fetch); a page on disk is read up in a worker
+    thread."""
+    keys, pages = keys_and_pages(9)
+    hops: list[str] = []
+    real = trio.to_thread.run_sync
+
+    async def counted(fn, *args, **kwargs):
+        hops.append(fn.__name__)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(kv_peers.trio.to_thread, "run_sync", counted)
+    async with pair(creds, creds, pages=4, disk=tmp_path / "kv") as p:
+        await p.holding(keys, pages)  # 4 pages per memory tier: keys[0] is on disk only
+        assert p.src._manager.placement(keys[0]).tier is None
+        wanted = keys[:3] if on_disk else keys[-3:]  # keys[-3:]: in the top tier
+        hops.clear()
+        reply = await p.client.call_with_payload(
+            "kv.fetch", FetchRequest(wanted, host_id(), os.getpid() + 1), timeout=CAP_S,
+            result_type=FetchReply)
+        assert isinstance(reply.body.header, SharedMemoryHeader)
+        with unpack(reply.body.header, reply.payload, LAYOUT) as received:
+            assert received.put_into(p.dst) == 3
+        assert hops == (["_pack"] if on_disk else [])
+        with p.dst.acquire(wanted) as lease:
+            assert same_bytes(lease.pages(), pages[:3] if on_disk else pages[-3:])

@@ -320,3 +320,32 @@ async def test_trio_can_wait_for_prefetch_while_other_tasks_run(tmp_path):
             nursery.start_soon(tick)
             assert await store.prefetch(keys) == 2
     assert ticks == [1]
+
+
+def test_acquire_now_leases_pages_in_the_top_tier_and_declines_the_rest(tmp_path):
+    keys, pages = keys_and_pages(6)
+    with make_store(tmp_path, device=4, host=4, disk=0) as store:
+        store.put(keys[:5], pages[:5])  # the device tier (4 pages) pushed keys[0] to host
+        assert store._manager.placement(keys[0]).tier == "host"
+        assert store.acquire_now(keys) is None  # keys[0] must move up: a worker thread's job
+        assert store.stats()["leases"]["pinned_pages"] == 0
+        misses = store.stats()["device"]["misses"]
+        with store.acquire_now(keys[1:]) as lease:  # keys[5] was never put
+            assert list(lease.keys) == keys[1:5]
+            assert torch.equal(lease.pages(), pages[1:5])
+            assert store.stats()["leases"]["pinned_pages"] == 4
+        assert store.stats()["device"]["misses"] == misses + 1  # counted as `acquire` does
+        assert store.stats()["leases"]["pinned_pages"] == 0
+
+
+def test_acquire_now_never_waits_for_another_thread_s_store_work(tmp_path):
+    keys, pages = keys_and_pages(2)
+    with make_store(tmp_path) as store:
+        store.put(keys, pages)
+        results: list = []
+        with store._lock:  # this thread is inside the store (a long put, say)
+            other = threading.Thread(target=lambda: results.append(store.acquire_now(keys)))
+            other.start()
+            other.join(30)
+        assert results == [None]
+        assert store.stats()["leases"]["pinned_pages"] == 0

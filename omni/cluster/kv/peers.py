@@ -87,10 +87,29 @@ def make_fetch_handler(store: KVStore, *, host_id: str | None = None
         keys = request.keys[:limit]
         same_process = request.host_id == local and request.pid == os.getpid()
         mover = choose_mover(local, request.host_id, same_process, layout=store.layout)
-        header, frames = await trio.to_thread.run_sync(_pack, store, mover, keys)
+        packed = _share_now(store, mover, keys) if mover.locality == "same_machine" else None
+        header, frames = packed or await trio.to_thread.run_sync(_pack, store, mover, keys)
         return Reply(FetchReply(header), frames)
 
     return fetch
+
+
+def _share_now(store: KVStore, mover: Any, keys: list[bytes]
+               ) -> tuple[MoverHeader | None, list] | None:
+    """A shared-memory descriptor of the leading pages, on the event loop, when they are in
+    the store's shared top tier already: no copy and nothing to wait for, where a worker
+    thread's hop would cost more than the rest of the fetch. None when a page must be read
+    up or moved, or the top tier cannot be shared: `_pack` in a worker thread then."""
+    lease = store.acquire_now(keys)
+    if lease is None:
+        return None
+    with lease:
+        if not len(lease):
+            return None, []
+        try:
+            return mover.pack(lease)
+        except TransportError:  # e.g. a top tier in GPU memory: frames, off the event loop
+            return None
 
 
 def _pack(store: KVStore, mover: Any, keys: list[bytes]) -> tuple[MoverHeader | None, list]:
