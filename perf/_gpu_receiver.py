@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 import torch
 
-from omni.kv.arena import Arena, register_pinned
+from omni._shm import Segment
 from omni.transport.values import unpack_value
 
 HEADER = struct.Struct("<cQ")
@@ -40,8 +40,8 @@ def read_exact(stream: BinaryIO, n: int) -> bytes:
 
 
 def serve(arena_name: str, stdin: BinaryIO, stdout: BinaryIO) -> None:
-    arena = Arena.attach(arena_name)
-    register_pinned(arena)
+    arena = Segment.attach(arena_name)
+    arena.pin()
     host = arena.tensor(0, (arena.size,), torch.uint8)
     device = torch.empty(arena.size, dtype=torch.uint8, device="cuda")
     stdout.write(b"r")

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from omni._shm import Segment
 from omni.kv import KVLayout, KVStore, TierConfig
-from omni.kv.arena import Arena, register_pinned
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.host import HostTier
 from omni.kv.tiers.memory import batched_copies
@@ -144,7 +144,7 @@ def _store_moves(layout: KVLayout, n: int, repeats: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _receiver(arena: Arena) -> Iterator[subprocess.Popen[bytes]]:
+def _receiver(arena: Segment) -> Iterator[subprocess.Popen[bytes]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.Popen([sys.executable, "-m", "perf._gpu_receiver", arena.name],
@@ -183,9 +183,9 @@ def ipc_handoff(layout: KVLayout, nbytes: int, repeats: int) -> dict[str, Any]:
     keys = [secrets.token_bytes(16) for _ in range(n)]
     with KVStore(layout, [TierConfig("device", moved)], device="cuda") as store:
         store.put(keys, torch.randn((n, *layout.page_shape), device="cuda").to(layout.dtype))
-        arena = Arena.create(f"omni-{secrets.token_hex(8)}-gpucheck", moved)
+        arena = Segment.create(f"omni-{secrets.token_hex(8)}-gpucheck", moved)
         try:
-            register_pinned(arena)
+            arena.pin()
             shared = arena.tensor(0, (moved,), torch.uint8)
             with store.acquire(keys) as lease, _receiver(arena) as proc:
                 pages = lease.pages()  # [n, *page_shape]: a view of the device tier

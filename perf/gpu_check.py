@@ -46,7 +46,7 @@ GPU_TEST_FILES = (
     "tests/compute/test_engine_cuda.py",
     "tests/compute/test_qwen3_omni_cuda.py",
     "tests/kv/test_store_cuda.py",
-    "tests/kv/tiers/test_arena.py",
+    "tests/kv/tiers/test_segment.py",
     "tests/kv/tiers/test_memory.py",
     "tests/transport/test_cuda.py",
     "tests/cluster/test_values_cluster.py",

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from omni.kv.arena import Arena, shm_directory
+from omni._shm import Segment, shm_directory
 from omni.kv.errors import KVLeaseError
 from omni.kv.layout import KVLayout, LayoutSpec
-from omni.kv.leases import LeaseTable, now_ns, table_name
+from omni.kv.leases import LeaseTable, attach_segment, now_ns, table_name
 
 if TYPE_CHECKING:
     from omni.kv.store import KVStore
@@ -175,7 +175,7 @@ class _Pool:
     """One arena seen as pages of one layout, page views made once. Why: building a tensor per
     page per handoff costs more than the handoff itself."""
 
-    def __init__(self, arena: Arena, layout: KVLayout):
+    def __init__(self, arena: Segment, layout: KVLayout):
         self.arena = arena
         self.num_pages = arena.size // layout.page_bytes
         if self.num_pages < 1:  # a forged layout: its pages would not fit (nor its strides)
@@ -218,7 +218,7 @@ def _pool_for(name: str, spec: LayoutSpec, layout: KVLayout) -> _Pool:
     inode = _inode(name)
     cached = _pools.get((name, spec))
     if cached is None or cached[0] != inode:
-        _pools[(name, spec)] = (inode, _Pool(Arena.attach(name), layout))
+        _pools[(name, spec)] = (inode, _Pool(attach_segment(name), layout))
     return _pools[(name, spec)][1]
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from omni._shm import process_start_time, reclaim_dead
-from omni.kv.arena import Arena, shm_directory
+from omni._shm import Segment, process_start_time, reclaim_dead, shm_directory
 from omni.kv.errors import KVLeaseError
 
-__all__ = ["LeaseRecord", "LeaseTable", "clock", "now_ns", "reclaim_dead_stores"]
+__all__ = ["LeaseRecord", "LeaseTable", "attach_segment", "clock", "now_ns",
+           "reclaim_dead_stores"]
 
 clock = time.monotonic_ns  # CLOCK_MONOTONIC: the same clock in every process of the machine
 
@@ -44,6 +44,21 @@ LeaseRecord = np.dtype([("lease_id", "<u8"), ("expiry_ns", "<u8"), ("released_id
 _OWNER = int.from_bytes(b"omni-own", "little")  # record 0's marker: (marker, pid, start time)
 
 
+def attach_segment(name: str) -> Segment:
+    """Map another store's segment `name` (a tier or its lease table).
+
+    Raises:
+        KVLeaseError: it is gone (its store closed) or cannot be mapped.
+    """
+    try:
+        return Segment.attach(name)
+    except FileNotFoundError:
+        raise KVLeaseError(f"shared memory {name!r} does not exist (its store closed?)"
+                           ) from None
+    except OSError as exc:
+        raise KVLeaseError(f"shared memory {name!r} cannot be mapped: {exc}") from None
+
+
 def table_name(store_id: str) -> str:
     return f"omni-{store_id}-leases"
 
@@ -51,7 +66,7 @@ def table_name(store_id: str) -> str:
 class LeaseTable:
     """The records of one store's exported leases (owner side, or attached by a consumer)."""
 
-    def __init__(self, arena: Arena, *, owner: bool):
+    def __init__(self, arena: Segment, *, owner: bool):
         self.arena = arena
         self.capacity = arena.size // LeaseRecord.itemsize
         self.records = np.frombuffer(arena.buffer, dtype=LeaseRecord, count=self.capacity)
@@ -60,7 +75,7 @@ class LeaseTable:
     @classmethod
     def create(cls, store_id: str, capacity: int) -> LeaseTable:
         """The table of a new store, for `capacity` leases, its owner record written."""
-        arena = Arena.create(table_name(store_id), (capacity + 1) * LeaseRecord.itemsize)
+        arena = Segment.create(table_name(store_id), (capacity + 1) * LeaseRecord.itemsize)
         table = cls(arena, owner=True)
         pid = os.getpid()
         table.records[0] = (_OWNER, pid, process_start_time(pid))
@@ -68,7 +83,7 @@ class LeaseTable:
 
     @classmethod
     def attach(cls, name: str) -> LeaseTable:
-        return cls(Arena.attach(name), owner=False)
+        return cls(attach_segment(name), owner=False)
 
     # -- owner -------------------------------------------------------------------------------
 

@@ -35,7 +35,6 @@ default ``1GiB``).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import mmap
@@ -45,19 +44,11 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from omni._shm import (
-    create_segment,
-    open_segment,
-    owner_stamp,
-    reclaim_dead,
-    shm_directory,
-    stamp_owner,
-)
+from omni._shm import Segment, owner_stamp, reclaim_dead, stamp_owner
 from omni._units import parse_size
 from omni.transport.errors import TransportError, WireError
 
@@ -101,15 +92,6 @@ class _Incoming:
         self.received = 0
 
 
-@dataclass
-class _Segment:
-    name: str
-    size: int
-    mapping: mmap.mmap | None  # pooled segments stay mapped; None for a one-off large one
-    lease: int = 0  # 0 while free
-    peer: str = ""  # who holds the lease
-
-
 class PayloadMover:
     """A process's payload movement, both as producer and as consumer (see the module doc).
 
@@ -129,10 +111,12 @@ class PayloadMover:
         self._names = itertools.count(1)
         self._leases = itertools.count(1)
         self._lock = threading.Lock()
-        self._segments: dict[str, _Segment] = {}  # ours, by name
-        self._leased: dict[int, _Segment] = {}  # ours, by lease id
-        # theirs, by segment name, most recent last: (the peer it came from, the mapping)
-        self._maps: OrderedDict[str, tuple[str, mmap.mmap]] = OrderedDict()
+        # Ours, by name: pooled ones mapped here, a one-off large one written unmapped.
+        self._segments: dict[str, Segment] = {}
+        self._leased: dict[int, tuple[Segment, str]] = {}  # lease -> (segment, holding peer)
+        self._busy: set[str] = set()  # names of ours under a lease
+        # theirs, by name, most recent last: (the peer it came from, the segment mapped here)
+        self._maps: OrderedDict[str, tuple[str, Segment]] = OrderedDict()
         self._mapped_bytes = 0
         self._released: dict[str, list[int]] = {}  # producer peer -> leases we ended
         self._transfers = itertools.count(1)
@@ -237,38 +221,31 @@ class PayloadMover:
             if segment is None:
                 segment = self._new_segment(nbytes)
             lease = next(self._leases)
-            segment.lease, segment.peer = lease, peer
-            self._leased[lease] = segment
+            self._leased[lease] = (segment, peer)
+            self._busy.add(segment.name)
         try:
-            if segment.mapping is not None:
-                with memoryview(segment.mapping) as view:
-                    view[:nbytes] = buffer
+            if segment.mapped:
+                segment.buffer[:nbytes] = buffer
             else:
-                _pwrite_all(segment.name, buffer)
+                segment.write(buffer)
         except BaseException:
             self.release(peer, [lease])
             raise
         self._count(shm_out=1, bytes_out=nbytes)
         return BufferRef(nbytes, segment=segment.name, lease=lease)
 
-    def _free_segment(self, nbytes: int) -> _Segment | None:
-        fits = [s for s in self._segments.values()
-                if not s.lease and s.mapping is not None and nbytes <= s.size <= 2 * nbytes + _PAGE]
+    def _free_segment(self, nbytes: int) -> Segment | None:
+        fits = [s for s in self._segments.values() if s.name not in self._busy and s.mapped
+                and nbytes <= s.size <= 2 * nbytes + _PAGE]
         return min(fits, key=lambda s: s.size) if fits else None
 
-    def _new_segment(self, nbytes: int) -> _Segment:
+    def _new_segment(self, nbytes: int) -> Segment:
         pooled = nbytes <= POOL_MAX
         size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-        name = f"{self._prefix}-{next(self._names)}"
-        fd = create_segment(name, size)  # reserved: a full /dev/shm is an error, not a SIGBUS
-        try:
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE) if pooled else None
-        except BaseException:
-            os.unlink(shm_directory() / name)
-            raise
-        finally:
-            os.close(fd)
-        segment = self._segments[name] = _Segment(name, size, mapping)
+        # Reserved whole: a full /dev/shm is an error here, not a SIGBUS when written.
+        segment = Segment.create(f"{self._prefix}-{next(self._names)}", size, mapped=pooled,
+                                 populate=pooled)
+        self._segments[segment.name] = segment
         self._counts["segments_created"] += 1
         return segment
 
@@ -276,11 +253,11 @@ class PayloadMover:
         """`peer` is done with these leases: their segments may be reused (or are unlinked)."""
         with self._lock:
             for lease in leases:
-                segment = self._leased.get(lease)
-                if segment is None or segment.peer != peer:
+                entry = self._leased.get(lease)
+                if entry is None or entry[1] != peer:
                     continue  # unknown, or not that peer's: ignore
                 del self._leased[lease]
-                segment.lease, segment.peer = 0, ""
+                self._busy.discard(entry[0].name)
             self._trim()
 
     def forget(self, peer: str) -> None:
@@ -292,8 +269,8 @@ class PayloadMover:
         a peer taken for dead may only have stalled; a segment reused under either would
         change their bytes."""
         with self._lock:
-            for lease in [k for k, s in self._leased.items() if s.peer == peer]:
-                self._unlink(self._leased.pop(lease))
+            for lease in [k for k, (_, p) in self._leased.items() if p == peer]:
+                self._unlink(self._leased.pop(lease)[0])
             self._released.pop(peer, None)
             for transfer in [t for t, (p, _) in self._sending.items() if p == peer]:
                 del self._sending[transfer]
@@ -311,13 +288,13 @@ class PayloadMover:
 
     def _unmap(self, peer: str) -> None:
         for name in [n for n, (p, _) in self._maps.items() if p == peer]:
-            self._mapped_bytes -= len(self._maps.pop(name)[1])
+            self._mapped_bytes -= self._maps.pop(name)[1].size
 
     def shrink(self) -> int:
         """Unlink every free segment of the pool (leased ones stay); how many. For a process
         whose peers are all gone: the pool only pays off while someone sends again."""
         with self._lock:
-            free = [s for s in self._segments.values() if not s.lease]
+            free = [s for s in self._segments.values() if s.name not in self._busy]
             for segment in free:
                 self._unlink(segment)
         return len(free)
@@ -326,23 +303,17 @@ class PayloadMover:
         """Unlink free segments beyond the pool budget (one-off large ones always)."""
         kept = 0
         for segment in sorted(self._segments.values(), key=lambda s: s.size):
-            if segment.lease:
+            if segment.name in self._busy:
                 continue
-            if segment.mapping is not None and kept + segment.size <= self.pool_bytes:
+            if segment.mapped and kept + segment.size <= self.pool_bytes:
                 kept += segment.size
                 continue
             self._unlink(segment)
 
-    def _unlink(self, segment: _Segment) -> None:
+    def _unlink(self, segment: Segment) -> None:
         del self._segments[segment.name]
-        if segment.mapping is not None:
-            # a copy into it still running (BufferError): unmapped when that ends
-            with contextlib.suppress(BufferError):
-                segment.mapping.close()
-        try:
-            os.unlink(shm_directory() / segment.name)
-        except FileNotFoundError:
-            pass
+        self._busy.discard(segment.name)
+        segment.close()  # a copy into it still running: unmapped when that ends
 
     # -- consuming ---------------------------------------------------------------------------
 
@@ -380,46 +351,42 @@ class PayloadMover:
     def _unpack_shm(self, ref: BufferRef, peer: str) -> Any:
         import numpy
 
-        mapping = self._map(ref, peer)
+        segment = self._map(ref, peer)
         # The holder exports the mapped bytes: every array, view or tensor made from them keeps
         # it alive (NumPy collapses a view's base to the first non-array object), so the lease
         # ends exactly when the last of them goes.
-        holder = (ctypes.c_ubyte * ref.nbytes).from_buffer(mapping)
+        holder = (ctypes.c_ubyte * ref.nbytes).from_buffer(segment.buffer)
         weakref.finalize(holder, self._ended, peer, ref.lease)
         return numpy.frombuffer(holder, numpy.uint8)
 
-    def _map(self, ref: BufferRef, peer: str) -> mmap.mmap:
-        if not ref.segment.startswith("omni-pay-") or "/" in ref.segment:
+    def _map(self, ref: BufferRef, peer: str) -> Segment:
+        if not ref.segment.startswith("omni-pay-"):
             raise WireError(f"not a payload segment: {ref.segment!r}")
         with self._lock:
             cached = self._maps.get(ref.segment)
-            if cached is not None and len(cached[1]) >= ref.nbytes:
+            if cached is not None and cached[1].size >= ref.nbytes:
                 self._maps.move_to_end(ref.segment)
                 return cached[1]
         try:
-            fd = open_segment(ref.segment)
-        except OSError as exc:
-            raise WireError(f"payload segment {ref.segment} cannot be opened: "
-                            f"{exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size < ref.nbytes:
-                raise WireError(f"payload segment {ref.segment} holds {size} bytes, not "
-                                f"{ref.nbytes}")
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-        finally:
-            os.close(fd)
-        if size <= POOL_MAX:
+            segment = Segment.attach(ref.segment, populate=True)
+        except (OSError, ValueError) as exc:
+            raise WireError(f"payload segment {ref.segment!r} cannot be mapped: {exc}") from None
+        if segment.size < ref.nbytes:
+            segment.close()
+            raise WireError(f"payload segment {ref.segment} holds {segment.size} bytes, not "
+                            f"{ref.nbytes}")
+        if segment.size <= POOL_MAX:
             with self._lock:
                 replaced = self._maps.pop(ref.segment, None)  # a smaller mapping of it
                 if replaced is not None:
-                    self._mapped_bytes -= len(replaced[1])
-                self._maps[ref.segment] = (peer, mapping)
-                self._mapped_bytes += size
+                    self._mapped_bytes -= replaced[1].size
+                self._maps[ref.segment] = (peer, segment)
+                self._mapped_bytes += segment.size
                 while self._mapped_bytes > self.pool_bytes and len(self._maps) > 1:
-                    _, (_, old) = self._maps.popitem(last=False)  # unmapped once arrays go
-                    self._mapped_bytes -= len(old)
-        return mapping
+                    # dropped, not closed: unmapped once the arrays made from it go
+                    _, (_, old) = self._maps.popitem(last=False)
+                    self._mapped_bytes -= old.size
+        return segment
 
     def _ended(self, peer: str, lease: int) -> None:
         with self._lock:
@@ -461,24 +428,11 @@ class PayloadMover:
                 f"leased={stats['leased']}>")
 
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
 def _frame(frame: Any, nbytes: int) -> memoryview:
     view = memoryview(frame).cast("B")
     if view.nbytes != nbytes:
         raise WireError(f"a payload frame of {view.nbytes} bytes arrived for {nbytes}")
     return view
-
-
-def _pwrite_all(name: str, buffer: memoryview) -> None:
-    fd = open_segment(name)
-    try:
-        offset = 0
-        while offset < buffer.nbytes:
-            offset += os.pwrite(fd, buffer[offset:offset + CHUNK], offset)
-    finally:
-        os.close(fd)
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -12,9 +12,9 @@ import os
 import pytest
 import torch
 
+from omni import _shm as shm_module
+from omni._shm import shm_directory
 from omni.kv import KVCapacityError, KVLayout, KVStore, TierConfig, block_keys
-from omni.kv import arena as arena_module
-from omni.kv.arena import shm_directory
 from omni.kv.tiers.memory import RESERVE_STEP
 
 MIB = 1 << 20
@@ -85,7 +85,7 @@ def _budget(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
         real(fd, offset, length)
         left[0] -= length
 
-    monkeypatch.setattr(arena_module.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(shm_module.os, "posix_fallocate", fallocate)
 
 
 def test_without_room_to_grow_a_tier_evicts_at_what_it_holds_and_says_so_once(

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni.kv.arena import Arena
+from omni._shm import Segment
 from tests.cluster.conftest import cluster  # noqa: F401  (the real cluster's fixture, shared)
 from tests.reliability.recorder import Recorder, default_path
 
@@ -30,17 +30,17 @@ def record(_recorder: Recorder) -> Callable[..., None]:
 
 @pytest.fixture(autouse=True)
 def _no_shared_memory_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No arena this process creates during a test may outlive it. Why watch `Arena.create`
+    """No arena this process creates during a test may outlive it. Why watch `Segment.create`
     rather than list /dev/shm: other processes on the machine create arenas too."""
     created: list[Path] = []
-    real = Arena.create.__func__
+    real = Segment.create.__func__
 
-    def create(cls: type[Arena], name: str, size: int, **options: Any) -> Arena:
+    def create(cls: type[Segment], name: str, size: int, **options: Any) -> Segment:
         arena = real(cls, name, size, **options)
         created.append(arena.path)
         return arena
 
-    monkeypatch.setattr(Arena, "create", classmethod(create))
+    monkeypatch.setattr(Segment, "create", classmethod(create))
     yield
     left = [path.name for path in created if path.exists()]
     assert not left, f"shared memory left behind: {left}"

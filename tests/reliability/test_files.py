@@ -20,8 +20,8 @@ import pytest
 import trio
 
 import omni
+from omni._shm import shm_directory
 from omni.kv import KVConfig, TierConfig
-from omni.kv.arena import shm_directory
 from omni.transport.security import create_token_file
 from tests.reliability._support import LAYOUT, Tally, make_store
 
@@ -84,7 +84,7 @@ GRAPH = textwrap.dedent('''
     import torch
     import omni
     from omni.kv import KVLayout, KVStore, TierConfig
-    from omni.kv.arena import shm_directory
+    from omni._shm import shm_directory
 
     KV_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4,
                          dtype=torch.float32)

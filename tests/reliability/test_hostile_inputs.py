@@ -24,7 +24,7 @@ from cli._inputs import (
     parse_inputs_json,
     parse_value,
 )
-from omni.kv.arena import Arena
+from omni._shm import Segment
 from omni.kv.tiers.disk import DiskTier
 from tests.reliability._support import LAYOUT, Tally, check_pages, fuzz, make_store, page_of
 
@@ -213,7 +213,7 @@ def test_page_keys_and_store_ids_cannot_leave_the_store_folder(tmp_path, record)
         with pytest.raises(ValueError):
             DiskTier.create(LAYOUT, 1, root, bad)
         with pytest.raises(ValueError):
-            Arena.create(f"omni-{bad}-host", 4096)
+            Segment.create(f"omni-{bad}-host", 4096)
         tally("id")
     assert sorted(os.listdir(tmp_path)) == ["kv"] and not any(Path(root).iterdir())
     record("input.key_traversal", tries=tally["key"] + tally["id"],

@@ -16,9 +16,9 @@ import pytest
 import torch
 import trio
 
+from omni._shm import shm_directory
 from omni.cluster.kv.peers import FetchReply, FetchRequest, PeerFetcher, serve_kv
 from omni.kv import KVLeaseError, open_descriptor
-from omni.kv.arena import shm_directory
 from omni.transport import RPCClient, RPCServer
 from omni.transport.movers import host_id, unpack
 from tests._wait import CAP_S

@@ -24,7 +24,7 @@ GRAPH = textwrap.dedent('''
     import trio
     import omni
     from omni.kv import KVLayout
-    from omni.kv.arena import shm_directory
+    from omni._shm import shm_directory
 
     KV_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4,
                          dtype=torch.float32)

@@ -59,7 +59,7 @@ STORE = textwrap.dedent('''
     import hashlib, json, logging, os, sys, tempfile
     import torch
     from omni.kv import KVLayout, KVStore, TierConfig, block_keys
-    from omni.kv.arena import shm_directory
+    from omni._shm import shm_directory
 
     # 2 layers x K,V x 16 tokens x 4 heads x 64 dims, float32: 64 KiB pages
     LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, page_size=16,

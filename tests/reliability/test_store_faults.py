@@ -11,9 +11,9 @@ import torch
 import trio
 
 import omni
+from omni._shm import shm_directory
 from omni.compute import SamplingParams, TorchEngine
 from omni.kv import KVCapacityError, KVLeaseError, KVStore, TierConfig, open_descriptor
-from omni.kv.arena import shm_directory
 from tests.reliability._support import (
     Tally,
     check_pages,

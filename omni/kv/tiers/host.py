@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from omni.kv.arena import register_pinned
 from omni.kv.layout import KVLayout
 from omni.kv.tiers.memory import MemoryTier, create_arena
 
@@ -27,7 +26,7 @@ class HostTier(MemoryTier):
             raise ValueError(f"tier 'host' holds no page: num_slots={num_slots}")
         arena = create_arena(f"omni-{store_id}-host", layout, num_slots)
         try:
-            register_pinned(arena)
+            arena.pin()
             return cls("host", layout, num_slots, arena=arena, device=torch.device("cpu"))
         except BaseException:
             arena.close()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from omni.kv.arena import Arena
+from omni._shm import Segment
 from omni.kv.layout import KVLayout
 
 __all__ = ["RESERVE_STEP", "MemoryTier", "batched_copies", "check_page", "copy_page",
@@ -26,14 +26,14 @@ log = logging.getLogger("omni.kv")
 RESERVE_STEP = 4 << 20
 
 
-def create_arena(name: str, layout: KVLayout, num_slots: int) -> Arena:
+def create_arena(name: str, layout: KVLayout, num_slots: int) -> Segment:
     """The arena of a tier of `num_slots` pages: full size, its first step reserved.
 
     Raises:
         OSError: the shared-memory filesystem has no room even for the first step.
     """
     size = num_slots * layout.page_bytes
-    return Arena.create(name, size, reserve=min(size, _step_slots(layout) * layout.page_bytes))
+    return Segment.create(name, size, reserve=min(size, _step_slots(layout) * layout.page_bytes))
 
 
 def _step_slots(layout: KVLayout) -> int:
@@ -145,7 +145,7 @@ class MemoryTier:
     so once in the log (the tier manager then evicts as it does from a full tier).
     """
 
-    def __init__(self, name: str, layout: KVLayout, num_slots: int, *, arena: Arena | None,
+    def __init__(self, name: str, layout: KVLayout, num_slots: int, *, arena: Segment | None,
                  device: torch.device | str) -> None:
         """Raises ValueError: no slot, an arena too small, or an arena for a non-CPU device."""
         device = torch.device(device)
@@ -185,7 +185,7 @@ class MemoryTier:
         return None if self._arena is None else self._arena.name
 
     @property
-    def arena(self) -> Arena | None:
+    def arena(self) -> Segment | None:
         return self._arena
 
     @property

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from omni.kv.arena import shm_directory
+from omni._shm import shm_directory
 from omni.kv.layout import KVLayout
 
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from omni.kv import arena as arena_module
-from omni.kv.arena import Arena, shm_directory
+from omni import _shm as shm_module
+from omni._shm import Segment, shm_directory
 from omni.kv.layout import KVLayout
 from omni.kv.tiers.device import DeviceTier
 from omni.kv.tiers.host import HostTier
@@ -111,7 +111,7 @@ def test_host_tier_lives_in_its_stores_arena_at_slot_offsets(host: HostTier, lay
     assert host.arena_name == f"omni-{store_id}-host"
     page = _pages(layout, 1, seed=3)[0]
     host.write(5, page, KEY)
-    with Arena.attach(host.arena_name, writable=False) as other:
+    with Segment.attach(host.arena_name, writable=False) as other:
         seen = other.tensor(host.offset(5), layout.page_shape, layout.dtype)
         assert torch.equal(seen, page)
     assert host.offset(5) == 5 * layout.page_bytes
@@ -141,7 +141,7 @@ def test_memory_tier_without_arena_and_its_errors(layout: KVLayout, store_id: st
         MemoryTier("host", layout, 0, arena=None, device="cpu")
     with pytest.raises(ValueError, match="holds no page"):
         HostTier.create(layout, 0, store_id)
-    with Arena.create(f"omni-{store_id}-host", 100) as small, \
+    with Segment.create(f"omni-{store_id}-host", 100) as small, \
             pytest.raises(ValueError, match="smaller than 2 pages"):
         MemoryTier("host", layout, 2, arena=small, device="cpu")
 
@@ -178,7 +178,7 @@ def test_a_tier_without_room_to_grow_says_so_once_with_the_fix(
     try:
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+        monkeypatch.setattr(shm_module.os, "posix_fallocate", full)
         with caplog.at_level(logging.WARNING, logger="omni.kv"):
             assert tier.reserve(step) is False
             assert tier.reserve(step) is False
@@ -196,7 +196,7 @@ def test_a_tier_that_cannot_reserve_its_first_step_is_not_made(
         layout: KVLayout, store_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(arena_module.os, "posix_fallocate", full)
+    monkeypatch.setattr(shm_module.os, "posix_fallocate", full)
     with pytest.raises(OSError, match=f"cannot reserve {RESERVE_STEP} B for shared memory "
                                       f"'omni-{store_id}-host'.*--shm-size"):
         HostTier.create(layout, 4 * RESERVE_STEP // layout.page_bytes, store_id)
