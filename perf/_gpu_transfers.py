@@ -240,7 +240,7 @@ async def stage_value(nbytes: int, repeats: int) -> dict[str, Any]:
     import tempfile
 
     import omni
-    from omni.transport.payloads import payload_mover
+    from omni.transport.movers import payload_mover
     from perf import _gpu_nodes as nodes
     from perf._procs import CliProcess, wait_members
 

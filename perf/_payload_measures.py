@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from perf import _payload_nodes as nodes
 from perf._common import Samples
 from perf._payload_support import BlockingThread, PeakRss, ShmJanitor

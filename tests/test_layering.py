@@ -122,10 +122,11 @@ def test_no_package_has_an_import_cycle() -> None:
 
 
 # What a light entry point must not load, checked in order in one fresh interpreter (each
-# check before any later import could load it): `omni run` and a cluster head start without
-# torch, the OpenAI marks are importable by a graph file without it, and xgrammar loads only
-# when a request is constrained.
+# check before any later import could load it): `omni run`, a cluster head and a worker start
+# without torch (the mover loads it for KV pages only), the OpenAI marks are importable by a
+# graph file without it, and xgrammar loads only when a request is constrained.
 LIGHT_IMPORTS = [("omni", "torch"), ("omni.transport", "torch"),
+                 ("omni.transport.movers", "torch"), ("omni.cluster.worker", "torch"),
                  ("omni.cluster.kv.directory", "torch"), ("omni.cluster.kv.events", "torch"),
                  ("omni.serve.openai", "torch"), ("omni.compute", "xgrammar")]
 

@@ -57,7 +57,7 @@ from omni.graph.errors import NodeError
 from omni.transport.credentials import Credentials
 from omni.transport.errors import RPCError, TransportError
 from omni.transport.host import host_id
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import cannot_travel, encode_value
 

@@ -7,7 +7,7 @@ memory. An argument that is a stream is fed to the worker in batches (``node.fee
 batch answered once the worker's node has room for it: backpressure both ways.
 
 Values travel as themselves (`omni.transport.values`): the body carries the structure, and
-arrays go out of band by locality (`omni.transport.payloads`): through shared memory when
+arrays go out of band by locality (`omni.transport.movers`): through shared memory when
 the worker is on this host, else as zero-copy frames. A message is ``[body, *frames]`` per
 value; its head (`CallHead`, `ValueHead`, `StreamBatch`, `Feed`) carries the buffer refs, and
 the shared-memory leases each side released since it last spoke, so segments are reused.
@@ -47,7 +47,7 @@ from omni.cluster.protocol import pick_endpoint
 from omni.graph.errors import StageError
 from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
-from omni.transport.payloads import BufferRef, PayloadMover
+from omni.transport.movers import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
@@ -205,7 +205,7 @@ class Renew(msgspec.Struct, frozen=True):
 
 
 class Chunk(msgspec.Struct, frozen=True):
-    """A chunk of a payload transfer (`omni.transport.payloads`): pushed by the driver with
+    """A chunk of a payload transfer (`omni.transport.movers`): pushed by the driver with
     the chunk as its frame (``payload.push``), or asked of the worker (``payload.pull``)."""
 
     session: str

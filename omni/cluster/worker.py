@@ -67,7 +67,7 @@ from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
 from omni.transport.errors import RPCError, TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from omni.transport.rpc import Reply, RPCServer
 from omni.transport.unix import remove_stale
 from omni.transport.values import decode_value
@@ -697,7 +697,7 @@ class Worker:
 
     async def _ensure_store(self, spec: dict[str, Any]) -> None:
         from omni.kv import KVLayout, KVStore
-        from omni.kv.layout import LayoutSpec
+        from omni.kv.descriptors import LayoutSpec
 
         layout = KVLayout.from_spec(LayoutSpec(**spec))
         async with self._kv_lock:

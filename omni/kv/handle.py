@@ -10,42 +10,20 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 
 from omni._shm import Segment, shm_directory
+from omni.kv.descriptors import DESCRIPTOR_VERSION, LayoutSpec, PageDescriptor
 from omni.kv.errors import KVLeaseError
-from omni.kv.layout import KVLayout, LayoutSpec
+from omni.kv.layout import KVLayout
 from omni.kv.leases import LeaseTable, attach_segment, now_ns, table_name
 
 if TYPE_CHECKING:
     from omni.kv.store import KVStore
 
-__all__ = ["Lease", "OpenedPages", "PageDescriptor", "forget_mappings", "open_descriptor"]
+__all__ = ["Lease", "OpenedPages", "forget_mappings", "open_descriptor"]
 
-DESCRIPTOR_VERSION = 1
 _STORE_ID = re.compile(r"[0-9a-f]{8,32}")
-
-
-class PageDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Leased pages as another process on the same machine finds them.
-
-    `arena` is the shared-memory segment holding the pages, `offsets` the byte offset of each
-    page in it, `lease_slot`/`lease_id` the lease's record in the store's lease table, and
-    `expiry_ns` the lease's end (CLOCK_MONOTONIC ns). A few hundred bytes, whatever the pages
-    weigh.
-    """
-
-    store_id: str
-    tier: str
-    arena: str
-    offsets: list[int]
-    layout: LayoutSpec
-    lease_id: int
-    lease_slot: int
-    lease_table: str
-    expiry_ns: int
-    version: int = DESCRIPTOR_VERSION
 
 
 class Lease:

@@ -5,26 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from omni._units import parse_size
+from omni.kv.descriptors import LayoutSpec
 
-__all__ = ["KVLayout", "LayoutSpec", "parse_size"]
+__all__ = ["KVLayout", "parse_size"]
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
     torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-class LayoutSpec(msgspec.Struct, frozen=True):
-    """`KVLayout` as it travels on the wire (the dtype by name)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: str
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from omni.kv.descriptors import PageDescriptor
 from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
-from omni.kv.handle import Lease, PageDescriptor
+from omni.kv.handle import Lease
 from omni.kv.layout import KVLayout, parse_size
 from omni.kv.leases import LeaseTable, now_ns, reclaim_dead_stores
 from omni.kv.manager import TierManager

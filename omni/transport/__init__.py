@@ -1,7 +1,8 @@
 """Wire: how Omni processes talk. `trio_zmq` gives trio one owner task per ZeroMQ socket,
 `wire` the versioned, size-limited msgpack codec (no pickle), `rpc` ROUTER/DEALER calls with
-timeouts, cancellation and heartbeats. Payload movers (`omni.transport.movers`, which needs
-torch) and CURVE security (`omni.transport.security`) are imported from their modules.
+timeouts, cancellation and heartbeats. The mover of buffers and KV pages
+(`omni.transport.movers`) and CURVE security (`omni.transport.security`) are imported from
+their modules.
 """
 
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError, WireError

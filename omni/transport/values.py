@@ -18,7 +18,7 @@ msgpack through msgspec, never pickle. A value arrives as the type it left as:
 
 Arrays of `oob_min` bytes or more travel *out of band*: the body holds a reference, and the
 bytes are handed to the caller as one buffer each (`Packed.buffers`), to move by whatever path
-suits the locality (`omni.transport.payloads`) without ever being copied into the body. Smaller
+suits the locality (`omni.transport.movers`) without ever being copied into the body. Smaller
 ones are inline.
 
 Anything else is refused with a `TypeError` naming its type and where it sits in the value, so

@@ -27,7 +27,7 @@ from cli.main import app
 from omni.cluster import HEARTBEAT_S, ClusterLink, Head, KVTiers, Worker
 from omni.graph import runtime as graph_runtime
 from omni.transport.credentials import Credentials
-from omni.transport.payloads import PayloadMover
+from omni.transport.movers import PayloadMover
 from omni.transport.security import ensure_token_file
 from tests._wait import CAP_S, wait_until
 from tests.cluster._status import Rows, rows

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from tests._wait import CAP_S, wait_until
 from tests.cluster import hop_nodes as h
 from tests.cluster.conftest import LocalCluster

@@ -21,7 +21,7 @@ import trio
 import omni
 from omni._shm import shm_directory
 from omni.cluster.ray import RayCluster
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from tests._wait import wait_until, wait_until_sync
 from tests.cluster import ray_graphs as g
 from tests.cluster._local import invoke

@@ -16,7 +16,7 @@ import trio
 
 import omni
 from omni._shm import shm_directory
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 from tests._wait import CAP_S, wait_until
 from tests.cluster import value_nodes as v
 from tests.cluster.conftest import Cluster, LocalCluster

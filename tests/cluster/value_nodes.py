@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import omni
-from omni.transport.payloads import payload_mover
+from omni.transport.movers import payload_mover
 
 
 @dataclasses.dataclass(frozen=True)

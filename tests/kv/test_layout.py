@@ -6,7 +6,8 @@ import msgspec
 import pytest
 import torch
 
-from omni.kv.layout import KVLayout, LayoutSpec, parse_size
+from omni.kv.descriptors import LayoutSpec
+from omni.kv.layout import KVLayout, parse_size
 
 
 @pytest.mark.parametrize(("dtype", "itemsize"), [

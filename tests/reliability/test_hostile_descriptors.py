@@ -11,8 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni.kv import KVLeaseError, OpenedPages, PageDescriptor, open_descriptor
+from omni.kv.descriptors import LayoutSpec
 from omni.kv.handle import forget_mappings
-from omni.kv.layout import KVLayout, LayoutSpec
+from omni.kv.layout import KVLayout
 from omni.transport.errors import TransportError
 from omni.transport.movers import SharedMemoryHeader, host_id, unpack
 from tests.reliability._support import (

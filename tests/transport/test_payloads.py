@@ -13,7 +13,7 @@ import torch
 
 from omni._shm import shm_directory
 from omni.transport.errors import WireError
-from omni.transport.payloads import SHM_MIN, PayloadMover, PayloadTooLarge
+from omni.transport.movers import SHM_MIN, PayloadMover, PayloadTooLarge
 from omni.transport.values import pack_value, unpack_value
 
 
@@ -124,7 +124,7 @@ def test_shrink_unlinks_the_free_segments_of_the_pool_and_keeps_leased_ones(move
 
 def test_large_buffers_get_their_own_segment_unlinked_when_released(movers, monkeypatch):
     producer, consumer = movers
-    monkeypatch.setattr("omni.transport.payloads.POOL_MAX", SHM_MIN)
+    monkeypatch.setattr("omni.transport.movers.POOL_MAX", SHM_MIN)
     _, back = send(producer, consumer, np.arange(SHM_MIN, dtype=np.uint16))
     assert (back == np.arange(SHM_MIN, dtype=np.uint16)).all()
     assert len(segments(producer)) == 1
@@ -201,7 +201,7 @@ def test_frames_that_do_not_add_up_are_a_wire_error(movers) -> None:
 
 def test_a_segment_name_from_outside_the_pool_is_refused(movers) -> None:
     _, consumer = movers
-    from omni.transport.payloads import BufferRef
+    from omni.transport.movers import BufferRef
 
     for name in ("../etc/passwd", "omni-pay-1/../../x", "omni-123-host"):
         with pytest.raises(WireError):
@@ -236,7 +236,7 @@ def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept(tmp_path, m
 
     monkeypatch.setenv("OMNI_SHM_DIR", str(tmp_path))
 
-    from omni.transport.payloads import reclaim_dead_segments
+    from omni.transport.movers import reclaim_dead_segments
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
