@@ -322,12 +322,13 @@ async def test_a_request_holder_this_worker_has_not_heard_of_is_connected_to(cre
             assert same_bytes(lease.pages(), pages)
 
 
-@pytest.mark.parametrize("on_disk", [False, True])
+@pytest.mark.parametrize(("on_disk", "inline_pages"), [(False, 256), (True, 256), (False, 2)])
 async def test_a_same_machine_fetch_takes_a_worker_thread_only_to_read_pages_up(
-        creds, monkeypatch, tmp_path, on_disk):
+        creds, monkeypatch, tmp_path, on_disk, inline_pages):
     """Pages in the shared top tier are leased and described on the event loop (a thread hop
-    would cost more than the rest of the fetch); a page on disk is read up in a worker
-    thread."""
+    would cost more than the rest of the fetch); a page on disk is read up, and a run longer
+    than `INLINE_PAGES` leased, in a worker thread (the event loop never spends long on
+    one fetch)."""
     keys, pages = keys_and_pages(9)
     hops: list[str] = []
     real = trio.to_thread.run_sync
@@ -337,6 +338,7 @@ async def test_a_same_machine_fetch_takes_a_worker_thread_only_to_read_pages_up(
         return await real(fn, *args, **kwargs)
 
     monkeypatch.setattr(kv_peers.trio.to_thread, "run_sync", counted)
+    monkeypatch.setattr(kv_peers, "INLINE_PAGES", inline_pages)
     async with pair(creds, creds, pages=4, disk=tmp_path / "kv") as p:
         await p.holding(keys, pages)  # 4 pages per memory tier: keys[0] is on disk only
         assert p.src._manager.placement(keys[0]).tier is None
@@ -348,6 +350,6 @@ async def test_a_same_machine_fetch_takes_a_worker_thread_only_to_read_pages_up(
         assert isinstance(reply.body.header, SharedMemoryHeader)
         with unpack(reply.body.header, reply.payload, LAYOUT) as received:
             assert received.put_into(p.dst) == 3
-        assert hops == (["_pack"] if on_disk else [])
+        assert hops == (["_pack"] if on_disk or inline_pages < 3 else [])
         with p.dst.acquire(wanted) as lease:
             assert same_bytes(lease.pages(), pages[:3] if on_disk else pages[-3:])

@@ -54,6 +54,9 @@ log = logging.getLogger("omni.transport.kv")
 
 MAX_FETCH_BYTES = MAX_PAYLOAD_BYTES  # page bytes per call: one frame within the wire limit
 MAX_FETCH_PAGES = 16_384  # keys per call: request and header stay well under 1 MiB
+# Pages a holder leases on its event loop (about 1 µs each) when they are all in shared memory
+# already; a longer run is leased in a worker thread, whose hop then costs little beside it.
+INLINE_PAGES = 256
 PageKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
@@ -87,7 +90,8 @@ def make_fetch_handler(store: KVStore, *, host_id: str | None = None
         keys = request.keys[:limit]
         same_process = request.host_id == local and request.pid == os.getpid()
         mover = choose_mover(local, request.host_id, same_process, layout=store.layout)
-        packed = _share_now(store, mover, keys) if mover.locality == "same_machine" else None
+        inline = mover.locality == "same_machine" and len(keys) <= INLINE_PAGES
+        packed = _share_now(store, mover, keys) if inline else None
         header, frames = packed or await trio.to_thread.run_sync(_pack, store, mover, keys)
         return Reply(FetchReply(header), frames)
 
@@ -96,10 +100,11 @@ def make_fetch_handler(store: KVStore, *, host_id: str | None = None
 
 def _share_now(store: KVStore, mover: Any, keys: list[bytes]
                ) -> tuple[MoverHeader | None, list] | None:
-    """A shared-memory descriptor of the leading pages, on the event loop, when they are in
-    the store's shared top tier already: no copy and nothing to wait for, where a worker
-    thread's hop would cost more than the rest of the fetch. None when a page must be read
-    up or moved, or the top tier cannot be shared: `_pack` in a worker thread then."""
+    """A shared-memory descriptor of the leading pages (at most `INLINE_PAGES`), on the event
+    loop, when they are in the store's shared top tier already: no copy and nothing to wait
+    for, where a worker thread's hop would cost more than the rest of the fetch. None when a
+    page must be read up or moved, or the top tier cannot be shared: `_pack` in a worker
+    thread then."""
     lease = store.acquire_now(keys)
     if lease is None:
         return None
