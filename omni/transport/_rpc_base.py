@@ -48,7 +48,8 @@ class RPCServerStats:
     """A server's counters: requests by outcome (`cancelled`: by the caller's Cancel;
     `busy`: refused over `max_in_flight`), `dropped` messages (malformed, unexpected or
     duplicate); `wire` holds the codec's counters (rejected messages by reason), `data` its
-    data channels' (None: it serves none)."""
+    data channels' (None: it serves none), `rerouted` the large replies that took the CURVE
+    connection because their client's data connection was down."""
 
     requests: int
     in_flight: int
@@ -61,6 +62,7 @@ class RPCServerStats:
     heartbeats: int
     wire: WireStats
     data: DataChannelStats | None = None
+    rerouted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,9 +32,11 @@ their CURVE connection, and any message whose payload frames total `DATA_MIN` by
 
 Control messages, heartbeats and cancels stay on the CURVE connection; a message below
 `DATA_MIN`, or sent before the channel is open, goes there too (the channel is an
-optimisation: nothing waits for it). Unix-socket connections (one host) have none. Memory:
-a head commits none; a payload frame's buffer is allocated as its first piece lands, within
-the wire limits.
+optimisation: nothing waits for it). So does a reply whose client's data connection is down
+(its TCP connection broke; ZeroMQ reconnects it): the server learns that from the reply's
+head, refused before any of it went out, and counts it (`RPCServerStats.rerouted`).
+Unix-socket connections (one host) have none. Memory: a head commits none; a payload frame's
+buffer is allocated as its first piece lands, within the wire limits.
 """
 
 from __future__ import annotations
@@ -365,9 +367,15 @@ class _Channel:
 
 
 async def _send_message(sock: Socket, prefix: list[Buffer], sender: Sender, control: bytes,
-                        payload: Sequence[Buffer]) -> None:
-    for message in sender.frames(control, payload):
+                        payload: Sequence[Buffer], *, check_route: bool = False) -> None:
+    """Send a message's head and pieces. With `check_route` (a ROUTER_MANDATORY socket) the
+    head goes tracked: `Unroutable` when the peer is not connected, before anything of the
+    message went out, so that another way may carry it."""
+    for index, message in enumerate(sender.frames(control, payload)):
         message = [*prefix, *message]
+        if index == 0 and check_route:
+            await sock.send_multipart(message, track=True)
+            continue
         try:
             sock.send_multipart_nowait(message)
         except trio.WouldBlock:
@@ -456,9 +464,16 @@ class DataServer:
             self._close(channel)
 
     async def send(self, channel: _Channel, control: bytes, payload: Sequence[Buffer]) -> None:
+        """Send a message to `channel`'s client.
+
+        Raises:
+            Unroutable: its data connection is down; nothing was sent.
+            TransportError: the socket closed (shutting down).
+        """
         assert self._sock is not None
         async with channel.lock:
-            await _send_message(self._sock, [channel.routing], channel.sender, control, payload)
+            await _send_message(self._sock, [channel.routing], channel.sender, control, payload,
+                                check_route=True)
 
     def _on_message(self, frames: list[Buffer]) -> None:
         channel = self._by_routing.get(bytes(frames[0]))

@@ -45,7 +45,7 @@ from omni.transport.data_channel import (
     is_bulk,
 )
 from omni.transport.errors import TransportError, WireError
-from omni.transport.trio_zmq import DEFAULT_HWM, Buffer
+from omni.transport.trio_zmq import DEFAULT_HWM, Buffer, Unroutable
 from omni.transport.wire import (
     Cancel,
     Error,
@@ -153,6 +153,7 @@ class RPCServer(_Service):
         self._active: dict[tuple[bytes, int], _Worker] = {}
         self._idle: list[_Worker] = []
         self._requests = self._completed = self._failed = self._cancelled = 0
+        self._rerouted = 0
         self._unknown = self._busy = self._heartbeats = 0
 
     def register(self, method: str, handler: Handler, *, body_type: Any = None,
@@ -330,9 +331,14 @@ class RPCServer(_Service):
         channel = self._bulk_channel(reply)
         if channel is not None:
             assert self._data is not None
-            with contextlib.suppress(TransportError):
+            try:
                 await self._data.send(channel, reply[1], reply[2:])
-        elif not self._send_reply_nowait(reply):
+                return
+            except Unroutable:  # its data connection is down: the reply takes CURVE
+                self._rerouted += 1
+            except TransportError:
+                return  # shutting down: the client will time out or see the peer gone
+        if not self._send_reply_nowait(reply):
             with contextlib.suppress(TransportError):
                 await self._require_socket().send_multipart(reply)
 
@@ -375,7 +381,8 @@ class RPCServer(_Service):
         return RPCServerStats(self._requests, len(self._active), self._completed, self._failed,
                               self._cancelled, self._unknown, self._busy, self._dropped,
                               self._heartbeats, self._codec.stats(),
-                              None if self._data is None else self._data.stats())
+                              None if self._data is None else self._data.stats(),
+                              self._rerouted)
 
     def __repr__(self) -> str:
         where = self._sock.endpoint if self._sock is not None and self._stack else "stopped"

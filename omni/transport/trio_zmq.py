@@ -48,7 +48,7 @@ from omni.transport.errors import TransportError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_HWM", "ZERO_COPY_THRESHOLD", "Buffer", "Socket", "SocketStats",
+__all__ = ["DEFAULT_HWM", "ZERO_COPY_THRESHOLD", "Buffer", "Socket", "SocketStats", "Unroutable",
            "background_nursery", "open_socket", "wait_sent"]
 
 ZERO_COPY_THRESHOLD: Final = 64 * 1024  # pyzmq copies smaller frames even with copy=False
@@ -98,6 +98,11 @@ class SocketStats:
     inbox: int
     wakeups: int
     send_errors: int
+
+
+class Unroutable(TransportError):
+    """ZeroMQ refused a tracked message: on a ROUTER_MANDATORY socket, its peer is not
+    connected (gone, or reconnecting). Nothing of it went out."""
 
 
 class _Outgoing:
@@ -187,8 +192,8 @@ class Socket:
             return None
         await item.done.wait()
         if item.next_part < len(frames):  # it never went out
-            raise self._closed_error() if self._closed else TransportError(
-                f"{self!r}: ZeroMQ refused the message")
+            raise self._closed_error() if self._closed else Unroutable(
+                f"{self!r}: ZeroMQ refused the message (its peer is not connected)")
         return zmq.MessageTracker(*item.trackers) if item.trackers else zmq.MessageTracker()
 
     async def _queue(self, item: _Outgoing) -> None:
@@ -411,7 +416,8 @@ class Socket:
             except zmq.Again:  # at the HWM (only ever on a first part, in practice)
                 return
             except zmq.ZMQError as exc:  # e.g. EHOSTUNREACH with ROUTER_MANDATORY: drop it
-                log.warning("%r: dropped a message: %s", self, exc)
+                if item.done is None:  # a tracked send's caller hears of it (TransportError)
+                    log.warning("%r: dropped a message: %s", self, exc)
                 self._send_errors += 1
                 self._current = None
                 if item.done is not None:

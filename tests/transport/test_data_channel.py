@@ -282,3 +282,103 @@ async def test_a_client_past_the_servers_channels_stays_on_curve(
                 reply = await client.call_with_payload("echo", 1, payload=[big])
                 assert np.array_equal(np.frombuffer(reply.payload[0], np.uint8), big)
         assert first.stats().data.messages_out == 2  # type: ignore[union-attr]
+
+
+class _Proxy:
+    """A TCP forwarder on loopback in front of a server's data port, as a middlebox would be:
+    `cut` breaks every connection through it and refuses new ones (the data connection is
+    down while CURVE lives on); `resume` accepts on the same port again."""
+
+    def __init__(self, target: int):
+        self.target = target
+        self.port = 0
+        self._scopes: list[trio.CancelScope] = []
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        with trio.CancelScope() as scope:
+            self._scopes.append(scope)
+            await trio.serve_listeners(self._forward, listeners, task_status=task_status)
+
+    async def _forward(self, inbound: trio.SocketStream) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes.append(scope)
+            async with inbound, await trio.open_tcp_stream("127.0.0.1", self.target) as out:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._copy, inbound, out)
+                    nursery.start_soon(self._copy, out, inbound)
+
+    @staticmethod
+    async def _copy(source: trio.SocketStream, sink: trio.SocketStream) -> None:
+        while data := await source.receive_some():
+            await sink.send_all(data)
+
+    def cut(self) -> None:
+        for scope in self._scopes:
+            scope.cancel()
+        self._scopes.clear()
+
+
+def _events(monitor: zmq.Socket, seen: list[int]) -> list[int]:
+    """The monitor's events so far (read without waiting)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    while True:
+        try:
+            seen.append(recv_monitor_message(monitor, zmq.NOBLOCK)["event"])
+        except zmq.Again:
+            return seen
+
+
+async def test_while_the_data_connection_is_down_large_replies_take_curve(
+        creds: Credentials, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data channel's TCP connection breaks and stays down while the CURVE connection
+    lives on: a large reply goes on CURVE (counted as rerouted), none is lost; once the data
+    connection is back, large replies take it again."""
+    from omni.transport import data_channel
+
+    big = np.arange(BIG, dtype=np.uint8)
+
+    async def make(body: int) -> Reply:
+        return Reply(body, [big])
+
+    server = RPCServer(ctx=creds.ctx, options=creds.server_options(),
+                       data_plane=creds.data_plane())
+    server.register("make", make)
+    real_port = data_channel.DataServer.port
+    async with server, trio.open_nursery() as nursery:
+        data = server._data  # the data socket, watched for the disconnect it must see
+        assert data is not None
+        proxy = _Proxy(real_port.fget(data))  # type: ignore[attr-defined]
+        await nursery.start(proxy.serve)
+        monkeypatch.setattr(data_channel.DataServer, "port", property(lambda _: proxy.port))
+        monitor = data._sock.zmq_socket.get_monitor_socket(  # type: ignore[union-attr]
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        seen: list[int] = []
+        try:
+            async with _client(creds, server.endpoint) as client:
+                await wait_until(lambda: client.data_mode == "encrypted")
+                first = await client.call_with_payload("make", 1)
+                assert server.stats().data.messages_out == 2  # type: ignore[union-attr]
+
+                proxy.cut()  # and nothing listens there until `resume`
+                await wait_until(lambda: zmq.EVENT_DISCONNECTED in _events(monitor, seen))
+                second = await client.call_with_payload("make", 2)
+                stats = server.stats()
+                assert stats.rerouted == 1 and stats.data.messages_out == 2  # type: ignore
+
+                seen.clear()
+                await nursery.start(proxy.serve)  # the same port: the client reconnects
+                await wait_until(lambda: zmq.EVENT_HANDSHAKE_SUCCEEDED in _events(monitor,
+                                                                                 seen))
+                third = await client.call_with_payload("make", 3)
+                stats = server.stats()
+                assert stats.rerouted == 1 and stats.data.messages_out == 3  # type: ignore
+        finally:
+            data._sock.zmq_socket.disable_monitor()  # type: ignore[union-attr]
+            monitor.close(linger=0)
+            proxy.cut()
+    for n, reply in enumerate((first, second, third), 1):
+        assert reply.body == n and np.array_equal(np.frombuffer(reply.payload[0], np.uint8),
+                                                  big)
