@@ -32,9 +32,11 @@ their CURVE connection, and any message whose payload frames total `DATA_MIN` by
 
 Control messages, heartbeats and cancels stay on the CURVE connection; a message below
 `DATA_MIN`, or sent before the channel is open, goes there too (the channel is an
-optimisation: nothing waits for it). So does a reply whose client's data connection is down
-(its TCP connection broke; ZeroMQ reconnects it): the server learns that from the reply's
-head, refused before any of it went out, and counts it (`RPCServerStats.rerouted`).
+optimisation: nothing waits for it). So do large messages while the data connection is down
+(its TCP connection broke; ZeroMQ reconnects it): the client follows its connection through
+ZeroMQ's monitor events, and the server learns it from a reply's head, refused before any of
+the reply went out (counted: `RPCServerStats.rerouted`). A message on the wire when the
+connection breaks is lost, as on any connection: its call times out.
 Unix-socket connections (one host) have none. Memory: a head commits none; a payload frame's
 buffer is allocated as its first piece lands, within the wire limits.
 """
@@ -47,7 +49,7 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -520,11 +522,15 @@ class DataClient:
         self._receiver: Receiver | None = None
         self._lock = trio.Lock()
         self._probed = trio.Event()
+        self._up = False  # the data connection works: from the probe's answer to a disconnect
+        self._address = ""
         self.mode = ""  # "" while opening; the channel's mode once open; "off" without one
 
     @property
     def ready(self) -> bool:
-        return self._sock is not None
+        """Whether large messages may take the channel now: open, and its connection up (while
+        ZeroMQ reconnects a broken one, they go on the CURVE connection)."""
+        return self._sock is not None and self._up
 
     async def run(self, call: Callable[..., Awaitable[Any]], endpoint: str) -> None:
         """Open the channel (``_data.open`` through `call`), make one round trip on it (a
@@ -552,10 +558,10 @@ class DataClient:
                    zmq.PLAIN_PASSWORD: password.encode(), **_KEEPALIVE}
         self._sender = Sender(None if plain else up)
         self._receiver = Receiver(None if plain else down, self._limits)
-        address = f"{host}:{opened.port}"
+        address = self._address = f"{host}:{opened.port}"
         async with open_socket(self._ctx, zmq.DEALER, connect=address, options=options,
                                max_msg_size=PIECE + _TAG + 4096, sndhwm=_HWM, rcvhwm=_HWM,
-                               on_message=self._on_message) as sock:
+                               on_message=self._on_message) as sock, self._watching(sock):
             for piece in self._sender.frames(b"", []):
                 await sock.send_multipart(piece)
             with trio.move_on_after(PROBE_S):
@@ -566,11 +572,37 @@ class DataClient:
                             PROBE_S, endpoint)
                 self.mode = "off"
                 return
-            self._sock, self.mode = sock, opened.mode
+            self._sock, self.mode, self._up = sock, opened.mode, True
             try:
                 await trio.sleep_forever()
             finally:
                 self._sock = None
+
+    @contextlib.asynccontextmanager
+    async def _watching(self, sock: Socket) -> AsyncIterator[None]:
+        """Follow the data connection through ZeroMQ's monitor events: down from a
+        disconnect until the next handshake succeeds."""
+        zsock = sock.zmq_socket
+        address = f"inproc://omni-data-monitor-{secrets.token_hex(8)}"
+        zsock.monitor(address, zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            async with open_socket(zsock.context, zmq.PAIR, connect=address,
+                                   on_message=self._on_event):
+                yield
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                zsock.disable_monitor()
+
+    def _on_event(self, frames: list[Buffer]) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message([bytes(frame) for frame in frames])["event"]
+        if event == zmq.EVENT_DISCONNECTED and self._up:
+            self._up = False
+            log.info("the data channel at %s is down: large messages take the CURVE "
+                     "connection until it is back", self._address)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._probed.is_set():
+            self._up = True
 
     async def send(self, control: bytes, payload: Sequence[Buffer]) -> None:
         sock, sender = self._sock, self._sender

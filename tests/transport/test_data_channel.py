@@ -331,11 +331,11 @@ def _events(monitor: zmq.Socket, seen: list[int]) -> list[int]:
             return seen
 
 
-async def test_while_the_data_connection_is_down_large_replies_take_curve(
+async def test_while_the_data_connection_is_down_large_messages_take_curve(
         creds: Credentials, monkeypatch: pytest.MonkeyPatch) -> None:
     """The data channel's TCP connection breaks and stays down while the CURVE connection
-    lives on: a large reply goes on CURVE (counted as rerouted), none is lost; once the data
-    connection is back, large replies take it again."""
+    lives on: large replies and requests go on CURVE (a reply so sent is counted as
+    rerouted), none is lost; once the data connection is back, they take it again."""
     from omni.transport import data_channel
 
     big = np.arange(BIG, dtype=np.uint8)
@@ -343,10 +343,21 @@ async def test_while_the_data_connection_is_down_large_replies_take_curve(
     async def make(body: int) -> Reply:
         return Reply(body, [big])
 
+    async def size(body: int, payload: list) -> int:
+        return sum(memoryview(frame).nbytes for frame in payload)
+
     server = RPCServer(ctx=creds.ctx, options=creds.server_options(),
                        data_plane=creds.data_plane())
     server.register("make", make)
+    server.register("size", size, with_payload=True)
     real_port = data_channel.DataServer.port
+
+    def data_traffic() -> tuple[int, int, int]:
+        """Messages the server's data channels carried in and out, replies rerouted."""
+        stats = server.stats()
+        assert stats.data is not None
+        return stats.data.messages_in, stats.data.messages_out, stats.rerouted
+
     async with server, trio.open_nursery() as nursery:
         data = server._data  # the data socket, watched for the disconnect it must see
         assert data is not None
@@ -356,29 +367,32 @@ async def test_while_the_data_connection_is_down_large_replies_take_curve(
         monitor = data._sock.zmq_socket.get_monitor_socket(  # type: ignore[union-attr]
             zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         seen: list[int] = []
+        replies = []
         try:
             async with _client(creds, server.endpoint) as client:
                 await wait_until(lambda: client.data_mode == "encrypted")
-                first = await client.call_with_payload("make", 1)
-                assert server.stats().data.messages_out == 2  # type: ignore[union-attr]
+                replies.append(await client.call_with_payload("make", 1))
+                assert await client.call("size", 0, payload=[big]) == BIG
+                assert data_traffic() == (2, 2, 0)  # the probe, then one each way
 
-                proxy.cut()  # and nothing listens there until `resume`
-                await wait_until(lambda: zmq.EVENT_DISCONNECTED in _events(monitor, seen))
-                second = await client.call_with_payload("make", 2)
-                stats = server.stats()
-                assert stats.rerouted == 1 and stats.data.messages_out == 2  # type: ignore
+                proxy.cut()  # and nothing listens there until it serves again
+                await wait_until(lambda: zmq.EVENT_DISCONNECTED in _events(monitor, seen)
+                                 and client.data_mode == "")
+                replies.append(await client.call_with_payload("make", 2))
+                assert await client.call("size", 0, payload=[big]) == BIG
+                assert data_traffic() == (2, 2, 1)  # both on CURVE
 
                 seen.clear()
                 await nursery.start(proxy.serve)  # the same port: the client reconnects
-                await wait_until(lambda: zmq.EVENT_HANDSHAKE_SUCCEEDED in _events(monitor,
-                                                                                 seen))
-                third = await client.call_with_payload("make", 3)
-                stats = server.stats()
-                assert stats.rerouted == 1 and stats.data.messages_out == 3  # type: ignore
+                await wait_until(lambda: zmq.EVENT_HANDSHAKE_SUCCEEDED in _events(monitor, seen)
+                                 and client.data_mode == "encrypted")
+                replies.append(await client.call_with_payload("make", 3))
+                assert await client.call("size", 0, payload=[big]) == BIG
+                assert data_traffic() == (3, 3, 1)  # the data channel again
         finally:
             data._sock.zmq_socket.disable_monitor()  # type: ignore[union-attr]
             monitor.close(linger=0)
             proxy.cut()
-    for n, reply in enumerate((first, second, third), 1):
+    for n, reply in enumerate(replies, 1):
         assert reply.body == n and np.array_equal(np.frombuffer(reply.payload[0], np.uint8),
                                                   big)
