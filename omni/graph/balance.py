@@ -90,9 +90,16 @@ class Replica:
         try:
             yield
         except BaseException:
-            self.failed += 1
+            self.count(failed=True)
             raise
-        self.completed += 1
+        self.count(failed=False)
+
+    def count(self, *, failed: bool) -> None:
+        """Count one call's outcome."""
+        if failed:
+            self.failed += 1
+        else:
+            self.completed += 1
 
     def __repr__(self) -> str:
         return f"<Replica {self.index} in_flight={self.in_flight} queued={self.queued}>"
@@ -198,13 +205,14 @@ class Pool:
             if trio.current_time() >= deadline and not self.live:
                 raise NoLiveReplica(self.name, self.replicas, self.replace_timeout)
 
-    @asynccontextmanager
-    async def queue_on(self, call: CallInfo, *, wait: bool = True
-                       ) -> AsyncIterator[Replica | None]:
-        """Choose a live replica with room for `call` and count the call as queued on it for
-        its duration, without taking a slot: the replica's process holds its calls to its
-        concurrency itself (a chain's stages). Without room, wait for it as `acquire` does,
-        or with `wait` False hold None.
+    async def queue_on(self, call: CallInfo, *, wait: bool = True) -> Replica | None:
+        """Choose a live replica with room for `call` and count the call as queued on it,
+        without taking a slot: the replica's process holds its calls to its concurrency
+        itself (a chain's stages). Without room, wait for it as `acquire` does, or with
+        `wait` False return None. Pair it with `leave_queue` once the call is done.
+
+        Why not a context manager: a chain queues on one pool per stage, on the hot path of
+        every request, where a context manager per stage costs more than the bookkeeping.
 
         Raises:
             NoLiveReplica: as for `acquire`.
@@ -212,16 +220,17 @@ class Pool:
         replica = self._place(call)
         if replica is None:
             if not wait:
-                yield None
-                return
+                return None
             replica = await self._choose(call)
         replica.queued += 1
-        try:
-            with replica.counted():
-                yield replica
-        finally:
-            replica.queued -= 1
-            self._space.unpark()
+        return replica
+
+    def leave_queue(self, replica: Replica, *, failed: bool) -> None:
+        """The call `queue_on` counted on `replica` is done: count its outcome and make
+        room."""
+        replica.queued -= 1
+        replica.count(failed=failed)
+        self._space.unpark()
 
     @asynccontextmanager
     async def acquire(self, call: CallInfo) -> AsyncIterator[Replica]:

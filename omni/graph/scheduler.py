@@ -15,7 +15,6 @@ other tasks stop and the error reaches the caller alone, not in an ExceptionGrou
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -448,21 +447,30 @@ async def _attempt_chain(req: Request, stages: tuple[Step, ...], args: tuple,
     pool = req.runtime.pool_for(first.node)
     if getattr(pool.replicas[0].instance, "omni_chain", None) is None:  # replicas here
         return await _attempt(req, first, args, kwargs, attempt), 1, None
-    async with contextlib.AsyncExitStack() as held:
-        replica = await held.enter_async_context(
-            pool.queue_on(CallInfo(first.name, req.id, args, kwargs, attempt)))
-        later = []
+    replica = await pool.queue_on(CallInfo(first.name, req.id, args, kwargs, attempt))
+    assert replica is not None
+    queued = [(pool, replica)]
+    failed = True
+    try:
         for step in stages[1:]:
-            other = await held.enter_async_context(req.runtime.pool_for(step.node).queue_on(
-                CallInfo(step.name, req.id, (), {}, attempt), wait=False))
+            step_pool = req.runtime.pool_for(step.node)
+            other = await step_pool.queue_on(CallInfo(step.name, req.id, (), {}, attempt),
+                                             wait=False)
             if other is None:
                 break
-            later.append(other.instance)
-        if later:
+            queued.append((step_pool, other))
+        if len(queued) > 1:
             value, seconds = await replica.instance.omni_chain(
-                req.id, args, kwargs, later, keep=stages[len(later)].keep)
-            return value, 1 + len(later), seconds
-        return await _call_replica(req, first, replica, args, kwargs), 1, None
+                req.id, args, kwargs, [r.instance for _, r in queued[1:]],
+                keep=stages[len(queued) - 1].keep)
+            result = value, len(queued), seconds
+        else:
+            result = await _call_replica(req, first, replica, args, kwargs), 1, None
+        failed = False
+        return result
+    finally:
+        for stage_pool, stage_replica in queued:
+            stage_pool.leave_queue(stage_replica, failed=failed)
 
 
 async def _apply(node: Any, body: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
