@@ -205,11 +205,11 @@ class Pool:
             if trio.current_time() >= deadline and not self.live:
                 raise NoLiveReplica(self.name, self.replicas, self.replace_timeout)
 
-    async def queue_on(self, call: CallInfo, *, wait: bool = True) -> Replica | None:
-        """Choose a live replica with room for `call` and count the call as queued on it,
-        without taking a slot: the replica's process holds its calls to its concurrency
-        itself (a chain's stages). Without room, wait for it as `acquire` does, or with
-        `wait` False return None. Pair it with `leave_queue` once the call is done.
+    async def queue_on(self, call: CallInfo) -> Replica:
+        """Choose a live replica with room for `call`, waiting for room as `acquire` does,
+        and count the call as queued on it, without taking a slot: the replica's process
+        holds its calls to its concurrency itself (a chain's stages). Pair it with
+        `leave_queue` once the call is done.
 
         Why not a context manager: a chain queues on one pool per stage, on the hot path of
         every request, where a context manager per stage costs more than the bookkeeping.
@@ -217,12 +217,15 @@ class Pool:
         Raises:
             NoLiveReplica: as for `acquire`.
         """
-        replica = self._place(call)
-        if replica is None:
-            if not wait:
-                return None
-            replica = await self._choose(call)
+        replica = self._place(call) or await self._choose(call)
         replica.queued += 1
+        return replica
+
+    def queue_now(self, call: CallInfo) -> Replica | None:
+        """`queue_on` without waiting: None when no live replica has room now."""
+        replica = self._place(call)
+        if replica is not None:
+            replica.queued += 1
         return replica
 
     def leave_queue(self, replica: Replica, *, failed: bool) -> None:

@@ -448,14 +448,12 @@ async def _attempt_chain(req: Request, stages: tuple[Step, ...], args: tuple,
     if getattr(pool.replicas[0].instance, "omni_chain", None) is None:  # replicas here
         return await _attempt(req, first, args, kwargs, attempt), 1, None
     replica = await pool.queue_on(CallInfo(first.name, req.id, args, kwargs, attempt))
-    assert replica is not None
     queued = [(pool, replica)]
     failed = True
     try:
         for step in stages[1:]:
             step_pool = req.runtime.pool_for(step.node)
-            other = await step_pool.queue_on(CallInfo(step.name, req.id, (), {}, attempt),
-                                             wait=False)
+            other = step_pool.queue_now(CallInfo(step.name, req.id, (), {}, attempt))
             if other is None:
                 break
             queued.append((step_pool, other))
