@@ -393,11 +393,21 @@ class RemoteReplica:
         refs, frames = await move_out(self.mover, packed, peer=self.member,
                                       same_host=self.same_host)
         await self._push(refs)
+        return self._head(request_id, refs, keep=keep, kept=kept), frames
+
+    def _head(self, request_id: str, refs: list[BufferRef], *, keep: bool,
+              kept: list[KeptArg] | None = None, stage: int = 0,
+              before: Sequence[WorkerAddress] = ()) -> CallHead:
+        """The head of a call of this replica: the leases and kept values released since it
+        last went there, and the workers whose pages the request may find there (`before`:
+        those of a chain's earlier stages, latest first, then the request's trail)."""
         trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
+        kv_from = [a for a in before if a.name != self.member]
+        kv_from += [a for a in trail if a not in kv_from]
         let_go = [] if self.releases is None else self.releases.take(self.member)
         return CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
-                        self.mover.take_releases(self.member), trail, keep, kept,
-                        let_go), frames
+                        self.mover.take_releases(self.member), kv_from, keep, kept or [],
+                        let_go, stage)
 
     def _served(self, request_id: str) -> None:
         if self.trail is not None and request_id != "-":
@@ -444,9 +454,9 @@ class RemoteReplica:
         head, frames = await self._send_call(request_id, packed, kept)
         stages, before = [], [self.address]
         for i, replica in enumerate(later, 1):
-            stage_head = replica._stage_head(request_id, i, before,
-                                             keep=keep and i == len(later))
-            stages.append(Stage(replica.address, stage_head))
+            last_keeps = keep and i == len(later) and replica.releases is not None
+            stages.append(Stage(replica.address, replica._head(
+                request_id, [], keep=last_keeps, stage=i, before=before)))
             before.insert(0, replica.address)
         reply = await self._rpc("node.call", msgspec.structs.replace(head, then=stages), frames,
                                 result_type=ValueHead, kept=kept)
@@ -463,18 +473,6 @@ class RemoteReplica:
             value = await unpack_from(self.mover, reply.body.refs, reply.payload,
                                       peer=last.member)
         return value, reply.body.seconds
-
-    def _stage_head(self, request_id: str, stage: int, before: list[WorkerAddress], *,
-                    keep: bool) -> CallHead:
-        """The head of this replica's call as stage `stage` of a chain (`before`: the
-        workers of the stages before it, latest first)."""
-        trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
-        kv_from = [a for a in before if a.name != self.member]
-        kv_from += [a for a in trail if a not in kv_from]
-        let_go = [] if self.releases is None else self.releases.take(self.member)
-        return CallHead(self.deployment, self.replica, request_id, False, [],
-                        self.mover.take_releases(self.member), kv_from,
-                        keep and self.releases is not None, [], let_go, stage)
 
     # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
     # chunk at a time, so neither side holds more than the value and one chunk --------------

@@ -423,8 +423,7 @@ class Worker:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
         nbytes = sum(buffer.nbytes for buffer in packed.buffers)
-        # a chain's last stage answers the worker before it: the driver's leases wait here
-        released = self.mover.take_releases(session) if head.stage == 0 else []
+        released = self._driver_releases(session, head)
         seconds = [trio.current_time() - started] if head.stage else []
         if head.keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
             kept = self._keep(session, result)
@@ -472,9 +471,14 @@ class Worker:
             if kept:
                 self._let_go(session, [kept])
         body = reply.body
-        released = self.mover.take_releases(session) if head.stage == 0 else []
+        released = self._driver_releases(session, head)
         return Reply(ValueHead(body.refs, released, body.kept, body.kept_bytes,
                                [seconds, *body.seconds]), reply.payload)
+
+    def _driver_releases(self, session: str, head: CallHead) -> list[int]:
+        """The leases of the driver's segments released here, for a reply to the driver; none
+        for a chain's later stage, which answers the worker before it (they wait here)."""
+        return self.mover.take_releases(session) if head.stage == 0 else []
 
     def _keep(self, session: str, value: Any) -> int:
         """Keep `value` here for the class nodes that take it; its id, a random one (never
@@ -554,8 +558,7 @@ class Worker:
     async def _invoke(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        # this task's own:
-        request_holders.set(tuple((h.name, h.endpoint()) for h in head.kv_from))
+        _set_request_holders(head)
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -581,7 +584,7 @@ class Worker:
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        request_holders.set(tuple((h.name, h.endpoint()) for h in head.kv_from))  # a task's own
+        _set_request_holders(head)
         try:
             async with send:
                 with stream.scope:
@@ -740,6 +743,12 @@ class Worker:
 
     def __repr__(self) -> str:
         return f"<Worker {self.name} at {self.endpoint} hosting {len(self._hosted)}>"
+
+
+def _set_request_holders(head: CallHead) -> None:
+    """The workers that served the request's earlier nodes, for this task's KV fetches
+    (`omni.cluster.kv.request_holders`, a context variable: the task's own)."""
+    request_holders.set(tuple((h.name, h.endpoint()) for h in head.kv_from))
 
 
 def _taker(worker: str) -> str:

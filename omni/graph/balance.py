@@ -15,8 +15,8 @@ so that a KV-aware balancer can be added without touching the scheduler.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,16 +83,6 @@ class Replica:
         if self.concurrency is None:
             return False
         return self.load >= self.concurrency + self.max_queue
-
-    @contextmanager
-    def counted(self) -> Iterator[None]:
-        """Count the call it wraps as completed, or failed when it raises."""
-        try:
-            yield
-        except BaseException:
-            self.count(failed=True)
-            raise
-        self.count(failed=False)
 
     def count(self, *, failed: bool) -> None:
         """Count one call's outcome."""
@@ -266,10 +256,12 @@ class Pool:
                 replica._slots.release()
             self._space.unpark()
         replica.in_flight += 1
+        failed = True
         try:
-            with replica.counted():
-                yield replica
+            yield replica
+            failed = False
         finally:
+            replica.count(failed=failed)
             replica.in_flight -= 1
             if replica._slots is not None:
                 replica._slots.release()

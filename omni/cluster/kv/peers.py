@@ -106,15 +106,7 @@ def _share_now(store: KVStore, mover: Any, keys: list[bytes]
     page must be read up or moved, or the top tier cannot be shared: `_pack` in a worker
     thread then."""
     lease = store.acquire_now(keys)
-    if lease is None:
-        return None
-    with lease:
-        if not len(lease):
-            return None, []
-        try:
-            return mover.pack(lease)
-        except TransportError:  # e.g. a top tier in GPU memory: frames, off the event loop
-            return None
+    return None if lease is None else _pack_lease(store, mover, lease, frames=False)
 
 
 def _pack(store: KVStore, mover: Any, keys: list[bytes]) -> tuple[MoverHeader | None, list]:
@@ -128,12 +120,22 @@ def _pack(store: KVStore, mover: Any, keys: list[bytes]) -> tuple[MoverHeader | 
     except KVCapacityError as exc:  # the holder cannot lend them now: the requester recomputes
         log.info("kv.fetch: cannot lease pages: %s", exc)
         return None, []
+    return _pack_lease(store, mover, lease, frames=True)
+
+
+def _pack_lease(store: KVStore, mover: Any, lease: Lease, *, frames: bool
+                ) -> tuple[MoverHeader | None, list] | None:
+    """Pack `lease`'s pages with `mover`, then release it. Where `mover` cannot share them
+    (a top tier in GPU memory, say), as frames when `frames` (a copy: off the event loop),
+    else None."""
     with lease:
         if not len(lease):
             return None, []
         try:
             return mover.pack(lease)
-        except TransportError as exc:  # e.g. a top tier in GPU memory: no shared memory
+        except TransportError as exc:
+            if not frames:
+                return None
             log.debug("kv.fetch: %s; sending frames", exc)
             return FrameMover(store.layout).pack(lease)
 
