@@ -49,7 +49,8 @@ class RPCServerStats:
     `busy`: refused over `max_in_flight`), `dropped` messages (malformed, unexpected or
     duplicate); `wire` holds the codec's counters (rejected messages by reason), `data` its
     data channels' (None: it serves none), `rerouted` the large replies that took the CURVE
-    connection because their client's data connection was down."""
+    connection because their client's data connection was down, `notices` the requests
+    that wanted no answer (counted in `requests` too)."""
 
     requests: int
     in_flight: int
@@ -63,6 +64,7 @@ class RPCServerStats:
     wire: WireStats
     data: DataChannelStats | None = None
     rerouted: int = 0
+    notices: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ class RPCClientStats:
     """A client's counters: `cancelled` counts the Cancel messages sent (callers cancelled
     or timed out), `late_replies` replies that came after their caller gave up, `dropped`
     messages that did not decode; `wire` holds the codec's counters, `data` its data
-    channel's (None: it has none open)."""
+    channel's (None: it has none open), `notices` the one-way messages sent."""
 
     calls: int
     in_flight: int
@@ -85,6 +87,7 @@ class RPCClientStats:
     peer_alive: bool
     wire: WireStats
     data: DataChannelStats | None = None
+    notices: int = 0
 
 
 class _Service(abc.ABC):

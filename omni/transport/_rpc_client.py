@@ -108,7 +108,7 @@ class RPCClient(_Service):
         self._unanswered = 0  # pings sent since the server was last heard from
         self._alive = True
         self._calls = self._completed = self._failed = self._timeouts = 0
-        self._cancelled = self._gone = self._late = self._pings = 0
+        self._cancelled = self._gone = self._late = self._pings = self._notices = 0
 
     async def __aenter__(self) -> RPCClient:
         await self._start(zmq.DEALER, connect=self.endpoint, **self._socket_args)
@@ -156,6 +156,32 @@ class RPCClient(_Service):
         call = await self._call(method, body, payload, timeout)
         body = self._codec.decode_body(call.response.body, result_type)  # type: ignore[union-attr]
         return Reply(body, call.payload)
+
+    async def notify(self, method: str, body: Any = None, *,
+                     payload: Sequence[Buffer] = ()) -> None:
+        """Send `method` with `body` and payload frames as a notice: the server runs the
+        handler and answers nothing, so nothing here learns whether or how it ran. Returns
+        once the message is queued (on the data channel when it is large).
+
+        Raises `PeerGone` if the server has stopped answering heartbeats, `WireError` if the
+        message is too large, `TransportError` if the client is not running.
+        """
+        sock = self._require_socket()
+        if not self._alive:
+            raise PeerGone(self.endpoint, trio.current_time() - self._last_seen)
+        codec = self._codec
+        if payload:
+            codec.check_payload(payload)
+        head = codec.encode(Request(0, method, codec.encode_body(body)))
+        self._notices += 1
+        if self._data is not None and self._data.ready and payload and is_bulk(payload):
+            await self._data.send(head, payload)
+            return
+        frames = [head, *payload]
+        try:
+            sock.send_multipart_nowait(frames)
+        except trio.WouldBlock:
+            await sock.send_multipart(frames)
 
     async def _call(self, method: str, body: Any, payload: Sequence[Buffer],
                     timeout: float | None) -> _Call:
@@ -314,7 +340,8 @@ class RPCClient(_Service):
         return RPCClientStats(self._calls, len(self._pending), self._completed, self._failed,
                               self._timeouts, self._cancelled, self._gone, self._late,
                               self._dropped, self._pings, self._alive, self._codec.stats(),
-                              None if self._data is None else self._data.stats())
+                              None if self._data is None else self._data.stats(),
+                              self._notices)
 
     def __repr__(self) -> str:
         state = ("alive" if self._alive else "gone") if self._stack else "stopped"

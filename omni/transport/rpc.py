@@ -9,6 +9,9 @@ Bulk: with a `DataPlane` (`Credentials.data_plane()`: cluster sockets over TCP),
 whose payload is large goes on a data channel beside the CURVE connection, sealed with
 AES-256-GCM (`omni.transport.data_channel`); the handlers and callers see no difference.
 
+A notice (`RPCClient.notify`: a `wire.Request` with id 0) runs its handler the same way and is
+never answered: what the handler returns, or raises, stays on the server (counted).
+
 Failure model: a handler that raises fails only its call (`RPCError` with the remote type name
 and message); a malformed message is counted and dropped; a caller that gives up (cancelled
 or timed out) sends `wire.Cancel` and the server cancels that handler; a server that stops
@@ -69,6 +72,7 @@ class _Job:
     msg: Request
     payload: list[Buffer]
     route: _Route
+    key: tuple[bytes, int]  # in the server's table of active requests
 
 
 class _Worker:
@@ -151,6 +155,7 @@ class RPCServer(_Service):
         self._max_in_flight = max_in_flight
         self._routes: dict[str, _Route] = {}
         self._active: dict[tuple[bytes, int], _Worker] = {}
+        self._notices = 0  # received: the active key of each is -(its number)
         self._idle: list[_Worker] = []
         self._requests = self._completed = self._failed = self._cancelled = 0
         self._rerouted = 0
@@ -227,6 +232,9 @@ class RPCServer(_Service):
         self._requests += 1
         route = self._routes.get(msg.method)
         key = (identity, msg.id)
+        if msg.id == 0:  # a notice: never answered, so never refused by a reply either
+            self._notices += 1
+            key = (identity, -self._notices)
         if route is None:
             self._unknown += 1
             self._reply_error(identity, msg.id, "UnknownMethod", f"no method '{msg.method}'")
@@ -237,7 +245,7 @@ class RPCServer(_Service):
         elif key in self._active or self._nursery is None:
             self._dropped += 1  # a duplicate id, or a request during shutdown
         else:
-            job = _Job(identity, msg, payload, route)
+            job = _Job(identity, msg, payload, route, key)
             if self._idle:
                 worker = self._active[key] = self._idle.pop()
                 worker.hand(job)
@@ -264,6 +272,8 @@ class RPCServer(_Service):
         self._send_nowait([identity, codec.encode(Response(msg.id, codec.encode_body(result)))])
 
     def _reply_error(self, identity: bytes, request_id: int, kind: str, message: str) -> None:
+        if request_id == 0:  # a notice's sender wants no answer
+            return
         self._send_nowait([identity, self._codec.encode(Error(request_id, kind, message))])
 
     # -- the worker tasks --------------------------------------------------------------------
@@ -295,14 +305,17 @@ class RPCServer(_Service):
             if not await self._next_job(worker):
                 return
 
-    async def _run(self, worker: _Worker) -> list[Buffer]:
-        """The reply to the worker's request, identity first; it is in flight until then."""
+    async def _run(self, worker: _Worker) -> list[Buffer] | None:
+        """The reply to the worker's request, identity first (None for a notice); it is in
+        flight until then."""
         job = worker.job
         assert job is not None
         try:
             reply = await self._invoke(job.msg, job.payload, job.route)
         finally:
-            del self._active[(job.identity, job.msg.id)]
+            del self._active[job.key]
+        if job.msg.id == 0:
+            return None
         reply.insert(0, job.identity)
         return reply
 
@@ -313,10 +326,11 @@ class RPCServer(_Service):
         channel = self._data.channel_of(reply[0])
         return channel if channel is not None and is_bulk(reply[2:]) else None
 
-    def _reply_nowait(self, reply: list[Buffer]) -> bool:
+    def _reply_nowait(self, reply: list[Buffer] | None) -> bool:
         """Send `reply` unless that would wait (False: the outbox is full, or the reply
-        goes on the caller's data channel)."""
-        return self._bulk_channel(reply) is None and self._send_reply_nowait(reply)
+        goes on the caller's data channel); a notice's (None) is sent at once."""
+        return reply is None or (self._bulk_channel(reply) is None
+                                 and self._send_reply_nowait(reply))
 
     def _send_reply_nowait(self, reply: list[Buffer]) -> bool:
         try:
@@ -382,7 +396,7 @@ class RPCServer(_Service):
                               self._cancelled, self._unknown, self._busy, self._dropped,
                               self._heartbeats, self._codec.stats(),
                               None if self._data is None else self._data.stats(),
-                              self._rerouted)
+                              self._rerouted, self._notices)
 
     def __repr__(self) -> str:
         where = self._sock.endpoint if self._sock is not None and self._stack else "stopped"

@@ -41,7 +41,8 @@ class Message(msgspec.Struct, tag_field="kind", array_like=True, frozen=True,
 
 
 class Request(Message, tag="req"):
-    """A call of `method`; `id` is unique among the caller's calls in flight."""
+    """A call of `method`; `id` is unique among the caller's calls in flight, or 0 for a
+    notice: a one-way message that is never answered (`RPCClient.notify`)."""
 
     id: int
     method: str

@@ -603,3 +603,46 @@ async def test_workers_survive_a_storm_of_timeouts_and_cancellations():
             s = server.stats()
             assert s.completed + s.cancelled == 100 and client.stats().in_flight == 0
             assert await client.call("nap", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+async def test_a_notice_runs_its_handler_and_is_never_answered(kind, tmp_path):
+    """One-way messages: the handler runs with the body and payload; nothing comes back, not
+    even for a handler that raises or a method that does not exist, and calls on the same
+    client are not confused by them."""
+    got: list[tuple[int, bytes]] = []
+
+    async def note(body: int, payload):  # (handlers run concurrently, as calls' do)
+        got.append((body, bytes(payload[0])))
+        return "an answer nobody reads"
+
+    bind = "tcp://127.0.0.1:*" if kind == "tcp" else f"unix://{tmp_path}/s.sock"
+    server = make_server(bind=bind)
+    server.register("note", note, with_payload=True)
+    with trio.fail_after(CAP_S):
+        async with server, RPCClient(server.endpoint) as client:
+            for i in (1, 2):
+                await client.notify("note", i, payload=[b"x" * i])
+            await client.notify("fail", 0)
+            await client.notify("nope", 0)
+            await client.notify("note", 3, payload=[b"end"])
+            await wait_until(lambda: len(got) == 3, "three notes")
+            assert await client.call("echo", 7) == 7  # the only answer
+            assert sorted(got) == [(1, b"x"), (2, b"xx"), (3, b"end")]
+            stats, sent = server.stats(), client.stats()
+            assert (stats.notices, stats.failed, stats.unknown_method) == (5, 1, 1)
+            assert (sent.notices, sent.late_replies, sent.dropped, sent.calls) == (5, 0, 0, 1)
+            assert stats.in_flight == 0
+
+
+async def test_a_notice_to_a_gone_server_is_refused_with_peer_gone():
+    stop = trio.CancelScope()
+    with trio.fail_after(CAP_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(serve_until_cancelled, make_server(), stop)
+            async with RPCClient(endpoint, heartbeat_interval=0.05) as client:
+                await client.call("echo", 1)
+                stop.cancel()
+                await wait_until(lambda: not client.peer_alive, "the server declared gone")
+                with pytest.raises(PeerGone):
+                    await client.notify("echo", 2)
