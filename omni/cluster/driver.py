@@ -36,6 +36,7 @@ import msgspec
 import trio
 
 from omni.cluster._code import code_ref
+from omni.cluster.chains import ChainEnds, address_towards
 from omni.cluster.errors import ClusterError
 from omni.cluster.membership import ClientSet, HeadCluster, Membership, Roster
 from omni.cluster.protocol import (
@@ -191,6 +192,7 @@ class ClusterLink:
         self._clients: ClientSet | None = None
         self._roster: Roster | None = None
         self._creds: Credentials | None = None
+        self.chains: ChainEnds | None = None  # where chains end, while running
         self._stopping = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.mover = payload_mover()
@@ -217,7 +219,11 @@ class ClusterLink:
                 self._clients = ClientSet(creds, nursery,
                                           heartbeat_interval=self.heartbeat_interval)
                 self._roster = Roster(head, interval=self.heartbeat_interval)
+                self.chains = ChainEnds(self.session, creds, host=address_towards(address),
+                                         interval=self.heartbeat_interval, mover=self.mover,
+                                         releases=self.releases)
                 try:
+                    await nursery.start(self.chains.run)
                     self._roster.members = await self._roster.refresh()
                     await nursery.start(self._follow_kv)
                     nursery.start_soon(self._repair)
@@ -255,6 +261,7 @@ class ClusterLink:
                          avoid: Collection[str] = ()) -> _Tracked:
         """Have the head place replica `replica` (on none of `avoid`) and build it there."""
         assert self._head is not None and self._clients is not None
+        assert self.chains is not None
         avoid = set(avoid) | self._retiring_on(deployment, replica)
         request = PlaceRequest(deployment, node.name, 1, dict(node.options.resources or {}),
                                node.options.where, first_replica=replica,
@@ -264,7 +271,7 @@ class ClusterLink:
         body = Deploy(deployment, replica, node.name, code_ref(node.target),
                       encode_value([list(node.init_args), node.init_kwargs]),
                       dict(node.options.resources or {}), self.session, self._layout_spec(),
-                      host_id(), node.options.concurrency)
+                      host_id(), node.options.concurrency, self.chains.address)
         try:
             await client.call("node.deploy", body, timeout=120.0)
         except RPCError as exc:
@@ -277,7 +284,7 @@ class ClusterLink:
                         session=self.session, nursery=self._nursery, trail=self.trail,
                         address=WorkerAddress(member.name, member.rpc, member.ipc,
                                               member.host_id),
-                        releases=self.releases)
+                        releases=self.releases, chains=self.chains)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
         """The worker the head picks, waiting up to `wait_for_workers` for one to join (and,

@@ -36,7 +36,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -51,8 +51,11 @@ from omni.transport.movers import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
 from omni.transport.values import Packed, pack_value, unpack_value
 
-__all__ = ["KEEP_MIN", "CallHead", "ChainBroken", "Chunk", "Deploy", "Feed", "KeptArg",
-           "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "Stage",
+if TYPE_CHECKING:
+    from omni.cluster.chains import ChainEnds
+
+__all__ = ["KEEP_MIN", "Broken", "CallHead", "Chain", "ChainEnd", "Chunk", "Deploy", "Feed",
+           "KeptArg", "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "Stage",
            "StreamBatch", "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers",
            "split_items", "unpack_from"]
 
@@ -75,6 +78,7 @@ class Deploy(msgspec.Struct, frozen=True):
     kv_layout: dict[str, Any] | None = None  # a LayoutSpec's fields, when the node uses KV
     host_id: str = ""  # the driver's host: on the same one, values move through shared memory
     concurrency: int | None = None  # the node's calls in flight at once (None: unbounded)
+    driver: WorkerAddress | None = None  # where the driver's chains end (`ChainEnds`)
 
 
 class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
@@ -100,6 +104,7 @@ class KeptArg(msgspec.Struct, array_like=True, frozen=True):
     key: str
     holder: WorkerAddress
     kept: int
+    once: bool = False  # the holder lets go of it once taken (a chain's stage's value)
 
 
 class Take(msgspec.Struct, frozen=True):
@@ -125,6 +130,7 @@ class CallHead(msgspec.Struct, frozen=True):
     kept_released: list[int] = []  # kept values of this worker the driver let go of
     stage: int = 0  # its place in a chain: > 0 when the stage before's worker sent it
     then: list[Stage] = []  # the chain's later stages: the result is the next one's argument
+    chain: Chain | None = None  # set on a chain's stages (``node.chain``)
 
 
 class Stage(msgspec.Struct, array_like=True, frozen=True):
@@ -143,42 +149,55 @@ class ValueHead(msgspec.Struct, frozen=True):
     released: list[int] = []
     kept: int = 0
     kept_bytes: int = 0
-    seconds: list[float] = []  # a chain's: each stage's own time, from receipt to result
 
 
-class ChainBroken(Exception):
-    """A chain's stage `stage` failed: `remote_type` and `message` are its error's, `member`
-    its worker, `lost` whether that worker stopped answering. Raised by the worker of the stage
-    before (and passed on by those before it); the driver reads it from the error's message."""
+class Chain(msgspec.Struct, array_like=True, frozen=True):
+    """A chain's token at its driver, and what its stages so far pass on to the driver: each
+    one's own seconds, and the driver's leases released on their workers."""
 
-    def __init__(self, stage: int, member: str, remote_type: str, message: str, lost: bool):
-        # (cut short, so that the whole survives the RPC layer's cut of error messages)
-        self.fields = [stage, member, remote_type, message[:_CHAIN_ERROR_CHARS], lost]
-        super().__init__(msgspec.json.encode(self.fields).decode())
+    session: str  # the driver's
+    token: int
+    seconds: list[float] = []
+    released: list[tuple[str, list[int]]] = []  # (worker, lease ids)
+
+
+class Broken(msgspec.Struct, array_like=True, frozen=True):
+    """How a chain broke: its stage `stage` failed on worker `member` with an error of type
+    `remote_type`, or (`lost`) that worker stopped answering."""
+
+    stage: int
+    member: str
+    remote_type: str
+    message: str
+    lost: bool = False
 
     @classmethod
-    def parse(cls, message: str) -> ChainBroken:
-        """The `ChainBroken` whose message is `message`.
-
-        Raises:
-            WireError: `message` is not one.
-        """
-        try:
-            stage, member, remote_type, text, lost = msgspec.json.decode(message)
-            return cls(int(stage), str(member), str(remote_type), str(text), bool(lost))
-        except (msgspec.DecodeError, TypeError, ValueError) as exc:
-            raise WireError(f"a chain's failure came back unreadable: {exc}") from None
+    def of(cls, stage: int, member: str, error: BaseException, *, lost: bool = False
+           ) -> Broken:
+        return cls(stage, member, type(error).__name__, str(error)[:_CHAIN_ERROR_CHARS], lost)
 
     def cause(self) -> Exception:
         """The stage's error as the driver raises it: `WorkerLost` for a lost worker (as a
         stream that had passed items on: an earlier stage's value went on, so the request
         runs again from the start, `omni.Runtime.run`), else `RemoteNodeError`."""
-        _, member, remote_type, message, lost = self.fields
-        if lost:
-            error = WorkerLost(member, message)
+        if self.lost:
+            error = WorkerLost(self.member, self.message)
             error.items_passed = 1
             return error
-        return RemoteNodeError(member, remote_type, message)
+        return RemoteNodeError(self.member, self.remote_type, self.message)
+
+
+class ChainEnd(msgspec.Struct, frozen=True):
+    """``chain.end``, a notice to the driver: chain `token`'s last value (`value`, its frames
+    the payload), from the last stage's worker, or how it broke (`broken`), from the worker
+    of the stage that failed; with what its stages pass on (`Chain`)."""
+
+    token: int
+    sender: str  # the worker
+    value: ValueHead | None = None
+    broken: Broken | None = None
+    seconds: list[float] = []
+    released: list[tuple[str, list[int]]] = []
 
 
 class StreamBatch(msgspec.Struct, frozen=True):
@@ -337,6 +356,7 @@ class RemoteReplica:
         trail: the driver's record of which workers served each request (None: none kept).
         address: the worker's address, for that record, kept values and chains.
         releases: the driver's kept values let go of (None: results are never kept).
+        chains: the driver's end of its chains (None: this replica starts none).
     """
 
     omni_remote = True
@@ -345,7 +365,8 @@ class RemoteReplica:
     def __init__(self, member: str, client: RPCClient, deployment: str, replica: int,
                  streaming: bool, *, mover: PayloadMover, same_host: bool, session: str,
                  nursery: trio.Nursery, trail: RequestTrail | None = None,
-                 address: WorkerAddress | None = None, releases: KeptReleases | None = None):
+                 address: WorkerAddress | None = None, releases: KeptReleases | None = None,
+                 chains: ChainEnds | None = None):
         self.member = member
         self.client = client
         self.deployment = deployment
@@ -358,6 +379,7 @@ class RemoteReplica:
         self.trail = trail
         self.address = address or WorkerAddress(member, "")
         self.releases = releases
+        self.chains = chains
         self.lost = False
 
     @property
@@ -436,15 +458,19 @@ class RemoteReplica:
                          later: Sequence[RemoteReplica], *, keep: bool
                          ) -> tuple[Any, list[float]]:
         """Run this replica's node on `args`, then each of `later`'s on the value of the one
-        before, as one call: each worker sends its result straight to the next stage's worker
-        and the last stage's value comes back through them (`Stage`). `keep`: only class
-        nodes take the last value. Returns the last value and each stage's seconds.
+        before, as one chain of notices: each worker sends its result straight to the next
+        stage's worker, and the last one the chain's value to this driver (`ChainEnds`), as
+        does any stage that fails. `keep`: only class nodes take the last value. Returns the
+        last value and each stage's seconds.
 
         Raises:
             WorkerLost: this replica's worker stopped answering.
             StageError: a later stage failed (its cause a `RemoteNodeError`, or a `WorkerLost`
                 as of a stream that had passed items on).
+            RemoteNodeError: this replica's stage failed.
         """
+        ends = self.chains
+        assert ends is not None, "chains need the driver's ChainEnds"
         args, kwargs, kept = _take_out_kept(args, kwargs)
         try:
             packed = encode_for([list(args), kwargs], same_host=self.same_host)
@@ -458,21 +484,35 @@ class RemoteReplica:
             stages.append(Stage(replica.address, replica._head(
                 request_id, [], keep=last_keeps, stage=i, before=before)))
             before.insert(0, replica.address)
-        reply = await self._rpc("node.call", msgspec.structs.replace(head, then=stages), frames,
-                                result_type=ValueHead, kept=kept)
-        self.mover.release(self.member, reply.body.released)
-        for replica in (self, *later):
+        replicas = (self, *later)
+        with ends.waiting(replicas) as waiting:
+            try:
+                await self.client.notify("node.chain", msgspec.structs.replace(
+                    head, then=stages, chain=Chain(self.session, waiting.token)), payload=frames)
+            except PeerGone as exc:
+                raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
+            end, payload = await waiting.result()
+        for member, released in end.released:
+            self.mover.release(member, released)
+        broken = end.broken
+        if broken is not None:
+            if broken.stage > 0:
+                raise StageError(broken.stage, broken.cause())
+            if broken.lost:  # this replica's own worker: as a plain call's
+                raise self._lost(broken.message)
+            raise _call_failure(self.member, broken.remote_type, broken.message, kept)
+        for replica in replicas:
             replica._served(request_id)
         last = later[-1]
-        if reply.body.kept:
+        assert end.value is not None
+        if end.value.kept:
             assert last.releases is not None
-            value = KeptValue(last.address, reply.body.kept, reply.body.kept_bytes,
+            value = KeptValue(last.address, end.value.kept, end.value.kept_bytes,
                               last.releases)
         else:
-            await last._pull(reply.body.refs)
-            value = await unpack_from(self.mover, reply.body.refs, reply.payload,
-                                      peer=last.member)
-        return value, reply.body.seconds
+            await last._pull(end.value.refs)
+            value = await unpack_from(self.mover, end.value.refs, payload, peer=last.member)
+        return value, end.seconds
 
     # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
     # chunk at a time, so neither side holds more than the value and one chunk --------------
@@ -585,24 +625,32 @@ class RemoteReplica:
             return await self.client.call_with_payload(method, body, payload=payload,
                                                        result_type=result_type)
         except PeerGone as exc:
-            self.lost = True
-            self.mover.forget(self.member)
-            raise WorkerLost(self.member, f"no heartbeat for {exc.silent_for:.1f} s") from None
+            raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
-            if exc.remote_type == ChainBroken.__name__:
-                broken = ChainBroken.parse(exc.remote_message)
-                raise StageError(broken.fields[0], broken.cause()) from None
-            if exc.remote_type == KeptValueLost.__name__ and kept:
-                # an argument went with the worker that kept it: as a stream that had passed
-                # items on, not retried here; the request runs again from the start
-                lost = WorkerLost(kept[0].holder.name, exc.remote_message)
-                lost.items_passed = 1
-                raise lost from None
-            raise RemoteNodeError(self.member, exc.remote_type, exc.remote_message) from None
+            raise _call_failure(self.member, exc.remote_type, exc.remote_message,
+                                kept) from None
+
+    def _lost(self, why: str) -> WorkerLost:
+        """This replica's worker stopped answering: mark it lost; the error to raise."""
+        self.lost = True
+        self.mover.forget(self.member)
+        return WorkerLost(self.member, why)
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else "lost"
         return f"<RemoteReplica {self.deployment}#{self.replica} on {self.member} {state}>"
+
+
+def _call_failure(member: str, remote_type: str, message: str, kept: Sequence[KeptArg]
+                  ) -> Exception:
+    """What a call that failed on worker `member` raises here."""
+    if remote_type == KeptValueLost.__name__ and kept:
+        # an argument went with the worker that kept it: as a stream that had passed items
+        # on, not retried here; the request runs again from the start
+        lost = WorkerLost(kept[0].holder.name, message)
+        lost.items_passed = 1
+        return lost
+    return RemoteNodeError(member, remote_type, message)
 
 
 def _take_out_kept(args: tuple, kwargs: dict[str, Any]

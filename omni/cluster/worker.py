@@ -37,15 +37,17 @@ import msgspec
 import trio
 
 from omni.cluster._code import resolve
-from omni.cluster.errors import KeptValueLost
+from omni.cluster.errors import ClusterError, KeptValueLost
 from omni.cluster.kv import request_holders
 from omni.cluster.membership import ClientSet, HeadLink, Roster
 from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     KEEP_MIN,
     STREAM_BATCH,
+    Broken,
     CallHead,
-    ChainBroken,
+    Chain,
+    ChainEnd,
     Chunk,
     Deploy,
     Feed,
@@ -65,7 +67,7 @@ from omni.cluster.remote import (
 from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
-from omni.transport.errors import RPCError, TransportError
+from omni.transport.errors import TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.movers import payload_mover
 from omni.transport.rpc import Reply, RPCServer
@@ -77,6 +79,7 @@ __all__ = ["KVTiers", "Worker"]
 log = logging.getLogger("omni.cluster.worker")
 
 STREAM_IDLE_S = 120.0  # a stream nobody pulls for this long is dropped
+DRIVER_REACH_S = 10.0  # seconds a deployment waits for its driver to answer this worker
 SESSION_LEASE_S = 30.0  # replicas of a driver that stopped renewing for this long are dropped
 
 
@@ -221,6 +224,8 @@ class Worker:
         # the chunked sends of kept values to the workers taking them: id -> [(peer, ids)]
         self._kept_sends: dict[int, list[tuple[str, list[int]]]] = {}
         self._peer_set: ClientSet | None = None  # clients to other workers (KV, kept values)
+        self._drivers: dict[str, WorkerAddress] = {}  # session -> where its chains end
+        self._chains: dict[tuple[str, int], trio.CancelScope] = {}  # stages running here
 
     def stop(self) -> None:
         """End `run` cleanly: tell the head this worker leaves, drop its replicas, return."""
@@ -282,6 +287,9 @@ class Worker:
         server.register("payload.push", self._push, body_type=Chunk, with_payload=True)
         server.register("payload.pull", self._pull, body_type=Chunk)
         server.register("node.take", self._take, body_type=Take)
+        server.register("node.let_go", self._let_go_taken, body_type=tuple[str, int])
+        server.register("node.chain", self._chain, body_type=CallHead, with_payload=True)
+        server.register("chain.cancel", self._cancel_chain, body_type=tuple[str, int])
         server.register("worker.load", self._load_rpc, body_type=Any)
 
     def info(self) -> MemberInfo:
@@ -302,6 +310,8 @@ class Worker:
 
     async def _deploy(self, body: Deploy) -> bool:
         key = (body.deployment, body.replica)
+        if body.driver is not None:
+            await self._reach_driver(body.session, body.driver)
         self._sessions[body.session] = trio.current_time()
         if key in self._hosted:
             return True
@@ -369,6 +379,9 @@ class Worker:
         """Forget a driver: its replicas, the payload segments it held, our mappings of its
         segments; and the payload pool once no driver is left to reuse it."""
         self._sessions.pop(session, None)
+        driver = self._drivers.pop(session, None)
+        if driver is not None:
+            self._peers().drop(driver.name)
         for hosted in self._hosted.values():
             if hosted.session == session:
                 log.info("dropping %s: %s", hosted.node, why)
@@ -385,14 +398,30 @@ class Worker:
 
     # -- calls -------------------------------------------------------------------------------
 
-    async def _call(self, head: CallHead, payload: list[Any]) -> Any:
-        started = trio.current_time()
+    def _hosted_for(self, head: CallHead) -> _Hosted:
+        """The replica `head` calls, of a driver whose session is live."""
         hosted = self._hosted.get((head.deployment, head.replica))
         if hosted is None:
             raise LookupError(f"worker '{self.name}' hosts no replica {head.replica} of "
                               f"{head.deployment}")
+        self._check_session(hosted.session)
+        return hosted
+
+    async def _call(self, head: CallHead, payload: list[Any]) -> Any:
+        """``node.call``: run the node; its value (or kept id), or a stream's id."""
+        hosted = self._hosted_for(head)
+        result = await self._run_call(hosted, head, payload)
+        if head.stream:
+            return result
+        self._check_session(hosted.session)  # it may have left while the call ran
+        value, frames = await self._value_for_driver(
+            hosted, result, keep=head.keep, released=self.mover.take_releases(hosted.session))
+        return Reply(value, frames)
+
+    async def _run_call(self, hosted: _Hosted, head: CallHead, payload: list[Any]) -> Any:
+        """Take the call's arguments (and those kept on other workers) and run the node: its
+        result, or a stream's id."""
         session = hosted.session
-        self._check_session(session)
         self.mover.release(session, head.released)
         self._let_go(session, head.kept_released)
         feeds: list[int] = []
@@ -409,76 +438,141 @@ class Worker:
             self._requests += 1
             if head.stream:
                 return self._open_stream(hosted, head, args, kwargs, feeds)
-            result = await self._run(hosted, head, args, kwargs)
-            del args, kwargs
+            return await self._run(hosted, head, args, kwargs)
         finally:
             if not head.stream:
                 self._drop_inboxes(session, feeds)
-        self._check_session(session)  # it may have left while the call ran
-        if head.then:
-            return await self._pass_on(hosted, head, result, started)
+
+    async def _value_for_driver(self, hosted: _Hosted, result: Any, *, keep: bool,
+                                released: list[int] | None = None
+                                ) -> tuple[ValueHead, list[Any]]:
+        """`result` as it goes to the driver: its head and frames, or kept here when only
+        class nodes take it (`keep`) and it is large; `released`: the driver's leases
+        released here, for a reply to the driver."""
+        released = released or []
         try:
             packed = encode_for(result, same_host=hosted.same_host)
         except TypeError as exc:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel back: {exc}") \
                 from None
         nbytes = sum(buffer.nbytes for buffer in packed.buffers)
-        released = self._driver_releases(session, head)
-        seconds = [trio.current_time() - started] if head.stage else []
-        if head.keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
-            kept = self._keep(session, result)
-            return Reply(ValueHead([], released, kept, nbytes, seconds), [])
-        refs, frames = await move_out(self.mover, packed, peer=session,
+        if keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
+            kept = self._keep(hosted.session, result)
+            return ValueHead([], released, kept, nbytes), []
+        refs, frames = await move_out(self.mover, packed, peer=hosted.session,
                                       same_host=hosted.same_host)
-        return Reply(ValueHead(refs, released, seconds=seconds), frames)
+        return ValueHead(refs, released), frames
 
-    async def _pass_on(self, hosted: _Hosted, head: CallHead, result: Any, started: float
-                       ) -> Reply:
-        """Send `result` to the chain's next stage as its argument; answer with what comes
-        back (the last stage's value, passed on as it came) or its failure (`ChainBroken`)."""
+    # -- chains (see omni.cluster.chains) ------------------------------------------------------
+
+    async def _chain(self, head: CallHead, payload: list[Any]) -> None:
+        """``node.chain``, a notice: run this stage of a chain, then send its value on to the
+        next stage's worker, or to the driver as the chain's end; or, should anything fail,
+        the failure to the driver. The driver's ``chain.cancel`` stops it."""
+        started = trio.current_time()
+        chain = head.chain
+        if chain is None:
+            raise ValueError("a chain's stage came without its chain")
+        key = (chain.session, chain.token)
+        end: ChainEnd | None = None
+        frames: list[Any] = []
+        with trio.CancelScope() as scope:
+            self._chains[key] = scope
+            try:
+                end, frames = await self._stage(head, chain, payload, started)
+            except Exception as exc:
+                broken = Broken.of(head.stage, self.name, exc)
+                if isinstance(exc, KeptValueLost) and head.stage > 0:
+                    # the worker before, which kept this stage's argument, is gone
+                    broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc,
+                                       lost=True)
+                end = ChainEnd(chain.token, self.name, broken=broken,
+                               seconds=chain.seconds, released=self._passed(chain))
+            finally:
+                del self._chains[key]
+        if end is not None and not scope.cancelled_caught:
+            await self._end_chain(chain.session, end, frames)
+
+    async def _stage(self, head: CallHead, chain: Chain, payload: list[Any], started: float
+                     ) -> tuple[ChainEnd | None, list[Any]]:
+        """Run the stage and pass its value on: the chain's end when this is its last stage
+        (or the next stage's worker cannot be reached), else None."""
+        hosted = self._hosted_for(head)
         session = hosted.session
+        result = await self._run_call(hosted, head, payload)
+        del payload
+        self._check_session(session)  # it may have left while the call ran
+        passed = msgspec.structs.replace(
+            chain, seconds=[*chain.seconds, trio.current_time() - started],
+            released=self._passed(chain))
+        if not head.then:
+            value, frames = await self._value_for_driver(hosted, result, keep=head.keep)
+            return ChainEnd(chain.token, self.name, value, seconds=passed.seconds,
+                            released=passed.released), frames
         stage, later = head.then[0], head.then[1:]
         try:
             packed = encode_for([[result], {}], same_host=False)
         except TypeError as exc:
             raise TypeError(f"the result of node '{hosted.node}' cannot travel on: {exc}") \
                 from None
-        kept = 0
         kept_args: list[KeptArg] = []
         if sum(buffer.nbytes for buffer in packed.buffers) >= KEEP_MIN:
-            # too large to ride with the call: the next worker takes it from here
-            kept = self._keep(session, result)
-            kept_args = [KeptArg(0, "", self.address(), kept)]
+            # too large to ride with the notice: the next worker takes it from here, and
+            # then lets go of it (or the driver's session ends)
+            kept_args = [KeptArg(0, "", self.address(), self._keep(session, result),
+                                 once=True)]
             packed = encode_for([[None], {}], same_host=False)
         del result
         refs, frames = await move_out(self.mover, packed, peer=stage.worker.name,
                                       same_host=False)
-        seconds = trio.current_time() - started
-        call = msgspec.structs.replace(stage.head, refs=refs, kept_args=kept_args, then=later)
+        call = msgspec.structs.replace(stage.head, refs=refs, kept_args=kept_args, then=later,
+                                       chain=passed)
         try:
             client = await self._peers().connect(stage.worker.name, stage.worker.endpoint())
-            reply = await client.call_with_payload("node.call", call, payload=frames,
-                                                   result_type=ValueHead)
-        except RPCError as exc:
-            if exc.remote_type == ChainBroken.__name__:
-                raise ChainBroken.parse(exc.remote_message) from None
-            raise ChainBroken(call.stage, stage.worker.name, exc.remote_type,
-                              exc.remote_message, lost=False) from None
+            await client.notify("node.chain", call, payload=frames)
         except TransportError as exc:  # stopped answering, or cannot be reached
-            raise ChainBroken(call.stage, stage.worker.name, type(exc).__name__, str(exc),
-                              lost=True) from None
-        finally:
-            if kept:
-                self._let_go(session, [kept])
-        body = reply.body
-        released = self._driver_releases(session, head)
-        return Reply(ValueHead(body.refs, released, body.kept, body.kept_bytes,
-                               [seconds, *body.seconds]), reply.payload)
+            self._let_go(session, [k.kept for k in kept_args])
+            return ChainEnd(chain.token, self.name, broken=Broken.of(
+                call.stage, stage.worker.name, exc, lost=True), seconds=passed.seconds,
+                released=passed.released), []
+        return None, []
 
-    def _driver_releases(self, session: str, head: CallHead) -> list[int]:
-        """The leases of the driver's segments released here, for a reply to the driver; none
-        for a chain's later stage, which answers the worker before it (they wait here)."""
-        return self.mover.take_releases(session) if head.stage == 0 else []
+    def _passed(self, chain: Chain) -> list[tuple[str, list[int]]]:
+        """The driver's leases released on the chain's workers so far, this one's added."""
+        mine = self.mover.take_releases(chain.session)
+        return [*chain.released, (self.name, mine)] if mine else chain.released
+
+    async def _end_chain(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
+        """Send the chain's end to its driver (lost with the driver, should it be gone)."""
+        driver = self._drivers.get(session)
+        if driver is None:
+            log.info("chain %d ended after its driver left", end.token)
+            return
+        try:
+            client = await self._peers().connect(driver.name, driver.endpoint())
+            await client.notify("chain.end", end, payload=frames)
+        except TransportError as exc:
+            log.warning("the end of chain %d could not go to its driver at %s: %s",
+                        end.token, driver.endpoint(), exc)
+
+    async def _cancel_chain(self, body: tuple[str, int]) -> None:
+        """``chain.cancel``, a notice: the driver gave up on a chain; stop its stage here."""
+        scope = self._chains.get(tuple(body))
+        if scope is not None:
+            scope.cancel()
+
+    async def _reach_driver(self, session: str, driver: WorkerAddress) -> None:
+        """Check once per driver that its chains' ends can go to it, when it deploys here."""
+        if self._drivers.get(session) == driver:
+            return
+        try:
+            client = await self._peers().connect(driver.name, driver.endpoint())
+            await client.call("chain.hello", self.name, timeout=DRIVER_REACH_S)
+        except TransportError as exc:
+            self._peers().drop(driver.name)
+            raise ClusterError(f"worker '{self.name}' cannot reach its driver at "
+                               f"{driver.endpoint()}: {exc}") from None
+        self._drivers[session] = driver
 
     def _keep(self, session: str, value: Any) -> int:
         """Keep `value` here for the class nodes that take it; its id, a random one (never
@@ -516,12 +610,16 @@ class Worker:
 
     async def _kept_value(self, session: str, kept: KeptArg) -> Any:
         """The value `kept` names: from this worker's own table, or taken from its holder
-        (its bytes come straight from there). `KeptValueLost` when it cannot be had."""
+        (its bytes come straight from there). `KeptValueLost` when it cannot be had. One
+        kept for this call alone (`KeptArg.once`) is let go of there once taken."""
         if kept.holder.name == self.name and kept.holder.rpc == self.endpoint:
             entry = self._kept.get(kept.kept)
             if entry is None:
                 raise KeptValueLost(f"value {kept.kept} kept here was let go of")
+            if kept.once:
+                self._let_go(session, [kept.kept])
             return entry[1]
+        client = None
         try:
             # (a new client when the holder restarted at another endpoint)
             client = await self._peers().connect(kept.holder.name, kept.holder.endpoint())
@@ -534,6 +632,14 @@ class Worker:
         except (TransportError, LookupError) as exc:
             raise KeptValueLost(f"the value kept on worker '{kept.holder.name}' cannot be "
                                 f"had: {exc}") from None
+        finally:
+            if kept.once and client is not None and client.peer_alive:
+                with contextlib.suppress(TransportError):
+                    await client.notify("node.let_go", (session, kept.kept))
+
+    async def _let_go_taken(self, body: tuple[str, int]) -> None:
+        """``node.let_go``, a notice: the worker a value was kept for has taken it."""
+        self._let_go(body[0], [body[1]])
 
     def _peers(self) -> ClientSet:
         """This worker's clients to other workers: for their KV pages and kept values."""

@@ -1,9 +1,12 @@
-"""Class nodes that each take only the one before run as one chain: the driver calls the
-first stage's worker, each worker sends its result straight to the next stage's, and the last
-value comes back through them. The workers run in this process (see `LocalCluster`); each
-call a worker serves is recorded with its place in its chain (`CallHead.stage`)."""
+"""Class nodes that each take only the one before run as one chain: the driver sends the
+first stage's worker a notice, each worker sends its result straight to the next stage's, and
+the last one sends the chain's value to the driver (`omni.cluster.chains`). The workers run in
+this process (see `LocalCluster`); each call a worker serves is recorded with its place in its
+chain (`CallHead.stage`)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import trio
@@ -11,22 +14,24 @@ import trio
 from omni.cluster import worker as worker_module
 from omni.cluster.errors import RemoteNodeError, WorkerLost
 from omni.graph.errors import NodeError
-from tests._wait import wait_until
+from tests._wait import CAP_S, wait_until
 from tests.cluster import chain_nodes as c
+from tests.cluster import hop_nodes as h
 from tests.cluster.conftest import LocalCluster
+from tests.cluster.test_direct_hops import expected
 
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
     """Each node call the workers serve: (worker, stage, stages after it)."""
     calls: list[tuple[str, int, int]] = []
-    original = worker_module.Worker._call
+    original = worker_module.Worker._run_call
 
-    async def record(self, head, payload):
+    async def record(self, hosted, head, payload):
         calls.append((self.name, head.stage, len(head.then)))
-        return await original(self, head, payload)
+        return await original(self, hosted, head, payload)
 
-    monkeypatch.setattr(worker_module.Worker, "_call", record)
+    monkeypatch.setattr(worker_module.Worker, "_run_call", record)
     c.HOLD.clear()
     c.RUNNING[:] = [0, 0]
     return calls
@@ -46,7 +51,13 @@ async def test_each_stage_goes_from_worker_to_worker(
     async with local_cluster.driver() as rt:
         for x in range(5):
             assert await rt.run(c.line, x=x) == -2 * (x + 1)
-    # the driver called w1 alone; w1 called w2, and w2 called w3
+        # the driver sent w1 alone a notice; w1 sent w2 one, w2 sent w3 one, and w3 the
+        # chain's end to the driver: nothing answered, nothing came back through w1 or w2
+        chains = rt.cluster.chains
+        assert (chains.ended, chains.late) == (5, 0)
+        for name in ("w1", "w2", "w3"):
+            servers = local_cluster.worker_named(name)._servers
+            assert sum(server.stats().notices for server in servers) == 5
     assert served == [("w1", 0, 2), ("w2", 1, 1), ("w3", 2, 0)] * 5
 
 
@@ -89,8 +100,9 @@ async def test_a_stage_runs_no_more_calls_at_once_than_its_concurrency(
 
 async def test_a_request_whose_later_stage_lost_its_worker_runs_again(
         local_cluster: LocalCluster, served: list[tuple[str, int, int]]) -> None:
-    """w2 stops answering while its stage runs: w1's call to it fails as lost, and the
-    request runs again from the start once w2's replica is placed anew (by the same name)."""
+    """w2 stops answering while its stage runs: the driver ends the chain as broken by it,
+    and the request runs again from the start once w2's replica is placed anew (by the same
+    name)."""
     await three_workers(local_cluster, heartbeat=0.2)
     c.HOLD[8] = trio.Event()  # x = 7: Double gets 8 and waits, on the first w2
     result: list[int] = []
@@ -111,13 +123,62 @@ async def test_a_request_whose_later_stage_lost_its_worker_runs_again(
     assert [call[0] for call in served].count("w1") == 2
 
 
-async def test_a_lost_later_stage_is_a_worker_lost_of_that_node() -> None:
-    """What the driver makes of a chain broken by a lost worker (parsed from the error's
-    message): the lost stage's `WorkerLost`, as a stream that had passed items on."""
-    from omni.cluster.remote import ChainBroken
+def test_a_lost_later_stage_is_a_worker_lost_of_that_node() -> None:
+    """What the driver makes of a chain broken by a lost worker: the lost stage's
+    `WorkerLost`, as a stream that had passed items on."""
+    from omni.cluster.remote import Broken
 
-    broken = ChainBroken.parse(str(ChainBroken(2, "w3", "PeerGone", "silent 0.6 s", True)))
-    cause = broken.cause()
-    assert broken.fields[0] == 2
+    cause = Broken(2, "w3", "PeerGone", "silent 0.6 s", lost=True).cause()
     assert isinstance(cause, WorkerLost) and cause.member == "w3"
     assert cause.items_passed == 1
+
+
+async def test_a_request_given_up_on_stops_its_chains_running_stage(
+        local_cluster: LocalCluster, served: list[tuple[str, int, int]]) -> None:
+    """The driver tells the chain's workers when nobody waits for its end any more: Double's
+    call, held on w2, is cancelled there rather than left waiting."""
+    await three_workers(local_cluster)
+    c.HOLD[8] = trio.Event()  # never set
+    async with local_cluster.driver() as rt:
+        with trio.move_on_after(CAP_S) as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(rt.run, c.line, x=7))
+                await wait_until(lambda: c.RUNNING[0] == 1, "Double holding the call")
+                nursery.cancel_scope.cancel()
+        assert not scope.cancelled_caught
+        await wait_until(lambda: c.RUNNING[0] == 0, "Double's call cancelled on w2")
+        assert not local_cluster.worker_named("w2")._chains
+        assert await rt.run(c.line, x=1) == -4
+    assert [call[0] for call in served] == ["w1", "w2", "w1", "w2", "w3"]
+
+
+async def test_a_large_value_between_stages_is_let_go_of_once_the_next_stage_took_it(
+        local_cluster: LocalCluster) -> None:
+    """Make's array (too large to ride with the notice) waits on w1 until w2 took it, and
+    not a moment longer: w2 tells w1 so; nothing else ever comes to w1 here."""
+    await local_cluster.start()
+    w1 = await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    async with local_cluster.driver() as rt:
+        for _ in range(3):
+            assert await rt.run(h.direct, n=1 << 20) == expected(1 << 20)
+            await wait_until(lambda: not w1._kept, "w1 letting go of the array w2 took")
+
+
+async def test_a_worker_that_cannot_reach_the_driver_refuses_its_deployment(
+        local_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain's end goes from a worker to the driver: a worker that cannot reach the driver
+    says so when the driver deploys a replica there, rather than leave chains hanging."""
+    from omni.cluster import chains as chains_module
+
+    monkeypatch.setattr(worker_module, "DRIVER_REACH_S", 0.5)
+    closed = trio.socket.socket()
+    await closed.bind(("127.0.0.1", 0))  # a port nothing listens on
+    nowhere = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    real = chains_module.WorkerAddress
+    monkeypatch.setattr(chains_module, "WorkerAddress",
+                        lambda name, rpc, ipc, host: real(name, nowhere, "", host))
+    await three_workers(local_cluster)
+    with closed, pytest.raises(NodeError, match=f"cannot reach its driver at {nowhere}"):
+        async with local_cluster.driver() as rt:
+            await rt.run(c.line, x=1)
