@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     from omni.cluster.chains import ChainEnds
 
 __all__ = ["KEEP_MIN", "Broken", "CallHead", "Chain", "ChainEnd", "Chunk", "Deploy", "Feed",
-           "KeptArg", "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail", "Stage",
-           "StreamBatch", "Take", "ValueHead", "WorkerAddress", "pack_for", "pull_transfers",
-           "split_items", "unpack_from"]
+           "KeptArg", "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail",
+           "Stage", "StreamBatch", "Take", "ValueHead", "WorkerAddress", "pack_for",
+           "pull_transfers", "split_items", "unpack_from"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
