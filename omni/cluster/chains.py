@@ -124,10 +124,13 @@ class ChainEnds:
             self.address = WorkerAddress(f"driver-{self.session}", servers[0].endpoint,
                                          servers[1].endpoint if len(servers) > 1 else "",
                                          host_id())
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await self._watch()
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    task_status.started()
+                    await self._watch()
+            finally:
+                self._nursery = None
 
     @contextlib.contextmanager
     def waiting(self, replicas: Sequence[RemoteReplica]) -> Iterator[Waiting]:

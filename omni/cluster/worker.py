@@ -225,7 +225,8 @@ class Worker:
         self._kept_sends: dict[int, list[tuple[str, list[int]]]] = {}
         self._peer_set: ClientSet | None = None  # clients to other workers (KV, kept values)
         self._drivers: dict[str, WorkerAddress] = {}  # session -> where its chains end
-        self._chains: dict[tuple[str, int], trio.CancelScope] = {}  # stages running here
+        # the chains' stages running here: (session, token, stage) -> its scope
+        self._chains: dict[tuple[str, int, int], trio.CancelScope] = {}
 
     def stop(self) -> None:
         """End `run` cleanly: tell the head this worker leaves, drop its replicas, return."""
@@ -473,7 +474,7 @@ class Worker:
         chain = head.chain
         if chain is None:
             raise ValueError("a chain's stage came without its chain")
-        key = (chain.session, chain.token)
+        key = (chain.session, chain.token, head.stage)  # (a worker may run two of its stages)
         end: ChainEnd | None = None
         frames: list[Any] = []
         with trio.CancelScope() as scope:
@@ -557,9 +558,10 @@ class Worker:
 
     async def _cancel_chain(self, body: tuple[str, int]) -> None:
         """``chain.cancel``, a notice: the driver gave up on a chain; stop its stage here."""
-        scope = self._chains.get(tuple(body))
-        if scope is not None:
-            scope.cancel()
+        session, token = body
+        for (s, t, _), scope in self._chains.items():
+            if (s, t) == (session, token):
+                scope.cancel()
 
     async def _reach_driver(self, session: str, driver: WorkerAddress) -> None:
         """Check once per driver that its chains' ends can go to it, when it deploys here."""

@@ -42,7 +42,19 @@ class Negate:
         return -x
 
 
+@omni.node(where="w1")
+class Half:
+    async def __call__(self, x: int) -> int:
+        return x // 2
+
+
 @omni.graph
 def line(x: int):
     """w1 -> w2 -> w3: -(2 * (x + 1))."""
     return Negate()(Double()(AddOne()(x)))
+
+
+@omni.graph
+def back(x: int):
+    """w1 -> w2 -> w1: x + 1."""
+    return Half()(Double()(AddOne()(x)))

@@ -61,6 +61,24 @@ async def test_each_stage_goes_from_worker_to_worker(
     assert served == [("w1", 0, 2), ("w2", 1, 1), ("w3", 2, 0)] * 5
 
 
+async def test_a_chain_may_come_back_to_a_worker_it_went_through(
+        local_cluster: LocalCluster, served: list[tuple[str, int, int]]) -> None:
+    await three_workers(local_cluster)
+    async with local_cluster.driver() as rt:
+        results = {}
+
+        async def request(x: int) -> None:
+            results[x] = await rt.run(c.back, x=x)
+
+        async with trio.open_nursery() as nursery:
+            for x in range(20, 36):
+                nursery.start_soon(request, x)
+        assert results == {x: x + 1 for x in range(20, 36)}
+        assert rt.cluster.chains.ended == 16
+    assert sorted(served) == sorted([("w1", 0, 2), ("w2", 1, 1), ("w1", 2, 0)] * 16)
+    assert not local_cluster.worker_named("w1")._chains
+
+
 async def test_a_later_stage_that_fails_fails_its_own_node(
         local_cluster: LocalCluster, served: list[tuple[str, int, int]]) -> None:
     await three_workers(local_cluster)
