@@ -28,6 +28,7 @@ import trio
 
 from omni.cluster.remote import (
     Broken,
+    Chain,
     ChainEnd,
     KeptReleases,
     RemoteReplica,
@@ -147,7 +148,7 @@ class ChainEnds:
                 self._nursery.start_soon(_cancel, waiting)
 
     async def _end(self, end: ChainEnd, payload: list[Any]) -> None:
-        waiting = self._waiting.get(end.token)
+        waiting = self._waiting.get(end.chain.token)
         if waiting is None or waiting.end is not None:
             self.late += 1
             self._let_go(end, payload)
@@ -178,8 +179,10 @@ class ChainEnds:
                     if not replica.alive:
                         client = replica.client
                         why = f"{client.endpoint} stopped answering heartbeats"
-                        waiting.finish(ChainEnd(waiting.token, replica.member, broken=Broken(
-                            stage, replica.member, "PeerGone", why, lost=True)), [])
+                        waiting.finish(ChainEnd(
+                            Chain(self.session, waiting.token), replica.member,
+                            broken=Broken(stage, replica.member, "PeerGone", why, lost=True)),
+                            [])
                         break
 
 

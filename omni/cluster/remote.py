@@ -188,16 +188,14 @@ class Broken(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ChainEnd(msgspec.Struct, frozen=True):
-    """``chain.end``, a notice to the driver: chain `token`'s last value (`value`, its frames
-    the payload), from the last stage's worker, or how it broke (`broken`), from the worker
-    of the stage that failed; with what its stages pass on (`Chain`)."""
+    """``chain.end``, a notice to the driver: the chain's last value (`value`, its frames the
+    payload), from the last stage's worker `sender`, or how it broke (`broken`), from the
+    worker of the stage that failed; with what its stages passed on (`chain`)."""
 
-    token: int
-    sender: str  # the worker
+    chain: Chain
+    sender: str
     value: ValueHead | None = None
     broken: Broken | None = None
-    seconds: list[float] = []
-    released: list[tuple[str, list[int]]] = []
 
 
 class StreamBatch(msgspec.Struct, frozen=True):
@@ -492,7 +490,7 @@ class RemoteReplica:
             except PeerGone as exc:
                 raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
             end, payload = await waiting.result()
-        for member, released in end.released:
+        for member, released in end.chain.released:
             self.mover.release(member, released)
         broken = end.broken
         if broken is not None:
@@ -512,7 +510,7 @@ class RemoteReplica:
         else:
             await last._pull(end.value.refs)
             value = await unpack_from(self.mover, end.value.refs, payload, peer=last.member)
-        return value, end.seconds
+        return value, end.chain.seconds
 
     # -- payload transfers: the driver pushes what it sends and pulls what it receives, a
     # chunk at a time, so neither side holds more than the value and one chunk --------------

@@ -487,8 +487,7 @@ class Worker:
                     # the worker before, which kept this stage's argument, is gone
                     broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc,
                                        lost=True)
-                end = ChainEnd(chain.token, self.name, broken=broken,
-                               seconds=chain.seconds, released=self._passed(chain))
+                end = ChainEnd(self._passing(chain), self.name, broken=broken)
             finally:
                 del self._chains[key]
         if end is not None and not scope.cancelled_caught:
@@ -502,14 +501,11 @@ class Worker:
         session = hosted.session
         result = await self._run_call(hosted, head, payload)
         del payload
+        took = trio.current_time() - started
         self._check_session(session)  # it may have left while the call ran
-        passed = msgspec.structs.replace(
-            chain, seconds=[*chain.seconds, trio.current_time() - started],
-            released=self._passed(chain))
         if not head.then:
             value, frames = await self._value_for_driver(hosted, result, keep=head.keep)
-            return ChainEnd(chain.token, self.name, value, seconds=passed.seconds,
-                            released=passed.released), frames
+            return ChainEnd(self._passing(chain, took), self.name, value), frames
         stage, later = head.then[0], head.then[1:]
         try:
             packed = encode_for([[result], {}], same_host=False)
@@ -526,6 +522,7 @@ class Worker:
         del result
         refs, frames = await move_out(self.mover, packed, peer=stage.worker.name,
                                       same_host=False)
+        passed = self._passing(chain, took)
         call = msgspec.structs.replace(stage.head, refs=refs, kept_args=kept_args, then=later,
                                        chain=passed)
         try:
@@ -533,28 +530,30 @@ class Worker:
             await client.notify("node.chain", call, payload=frames)
         except TransportError as exc:  # stopped answering, or cannot be reached
             self._let_go(session, [k.kept for k in kept_args])
-            return ChainEnd(chain.token, self.name, broken=Broken.of(
-                call.stage, stage.worker.name, exc, lost=True), seconds=passed.seconds,
-                released=passed.released), []
+            return ChainEnd(passed, self.name, broken=Broken.of(
+                call.stage, stage.worker.name, exc, lost=True)), []
         return None, []
 
-    def _passed(self, chain: Chain) -> list[tuple[str, list[int]]]:
-        """The driver's leases released on the chain's workers so far, this one's added."""
+    def _passing(self, chain: Chain, took: float | None = None) -> Chain:
+        """What the chain passes on from here: this stage's seconds (`took`) added, and the
+        driver's leases released here (taken now: nothing may fail after this but sending)."""
+        seconds = chain.seconds if took is None else [*chain.seconds, took]
         mine = self.mover.take_releases(chain.session)
-        return [*chain.released, (self.name, mine)] if mine else chain.released
+        released = [*chain.released, (self.name, mine)] if mine else chain.released
+        return msgspec.structs.replace(chain, seconds=seconds, released=released)
 
     async def _end_chain(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
         """Send the chain's end to its driver (lost with the driver, should it be gone)."""
         driver = self._drivers.get(session)
         if driver is None:
-            log.info("chain %d ended after its driver left", end.token)
+            log.info("chain %d ended after its driver left", end.chain.token)
             return
         try:
             client = await self._peers().connect(driver.name, driver.endpoint())
             await client.notify("chain.end", end, payload=frames)
         except TransportError as exc:
             log.warning("the end of chain %d could not go to its driver at %s: %s",
-                        end.token, driver.endpoint(), exc)
+                        end.chain.token, driver.endpoint(), exc)
 
     async def _cancel_chain(self, body: tuple[str, int]) -> None:
         """``chain.cancel``, a notice: the driver gave up on a chain; stop its stage here."""

@@ -24,6 +24,12 @@ class Total:
         return float(x.sum(dtype=np.float64)) + then
 
 
+@omni.node(where="w1")
+class Scale:
+    async def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x * 2
+
+
 @omni.node
 async def gate(n: int) -> int:
     if GATE:
@@ -41,6 +47,12 @@ def direct(n: int):
 def gated(n: int):
     """As `direct`, but w2's call waits for `gate` too."""
     return Total()(Make()(n), then=gate(n))
+
+
+@omni.graph
+def scaled(x: np.ndarray):
+    """The driver's array to w1, twice it to w2; the driver gets the sum."""
+    return Total()(Scale()(x))
 
 
 @omni.graph

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import trio
 
@@ -181,6 +182,23 @@ async def test_a_large_value_between_stages_is_let_go_of_once_the_next_stage_too
         for _ in range(3):
             assert await rt.run(h.direct, n=1 << 20) == expected(1 << 20)
             await wait_until(lambda: not w1._kept, "w1 letting go of the array w2 took")
+
+
+async def test_the_drivers_shared_memory_comes_back_with_the_chains_end(
+        local_cluster: LocalCluster) -> None:
+    """The first stage's argument travels in the driver's shared memory; the first stage's
+    worker releases it, and that goes to the driver with the chain's end (w1 never answers
+    anything), so no lease is held once each request is done."""
+    await local_cluster.start()
+    await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    async with local_cluster.driver() as rt:
+        x = np.arange(1 << 17, dtype=np.float32)  # 512 KiB: shared memory, and not kept
+        for _ in range(5):
+            assert await rt.run(h.scaled, x=x) == 2 * expected(1 << 17)
+            assert rt.cluster.mover.stats()["leased"] == 0
+        assert rt.cluster.mover.stats()["shm_out"] == 5
+        assert rt.cluster.chains.ended == 5
 
 
 async def test_a_worker_that_cannot_reach_the_driver_refuses_its_deployment(
