@@ -117,8 +117,9 @@ class ChainEnds:
             path = folder / f"d-{os.getpid()}-{secrets.token_hex(4)}.sock"
             servers.append(RPCServer(f"unix://{path}"))
         for server in servers:
-            server.register("chain.end", self._end, body_type=ChainEnd, with_payload=True)
-            server.register("chain.hello", _hello, body_type=str)
+            server.register("chain.end", self._end, body_type=ChainEnd, with_payload=True,
+                            inline=True)
+            server.register("chain.hello", _hello, body_type=str, inline=True)
         async with contextlib.AsyncExitStack() as stack:
             for server in servers:
                 await stack.enter_async_context(server)
@@ -147,7 +148,7 @@ class ChainEnds:
             if waiting.end is None and self._nursery is not None:
                 self._nursery.start_soon(_cancel, waiting)
 
-    async def _end(self, end: ChainEnd, payload: list[Any]) -> None:
+    def _end(self, end: ChainEnd, payload: list[Any]) -> None:
         waiting = self._waiting.get(end.chain.token)
         if waiting is None or waiting.end is not None:
             self.late += 1
@@ -186,7 +187,7 @@ class ChainEnds:
                         break
 
 
-async def _hello(_: str) -> bool:
+def _hello(_: str) -> bool:
     """A worker checks, when a replica is deployed, that it reaches this driver."""
     return True
 

@@ -646,3 +646,33 @@ async def test_a_notice_to_a_gone_server_is_refused_with_peer_gone():
                 await wait_until(lambda: not client.peer_alive, "the server declared gone")
                 with pytest.raises(PeerGone):
                     await client.notify("echo", 2)
+
+
+async def test_an_inline_handler_answers_calls_and_notices_like_any_other():
+    """A plain function registered inline: run where the message is read; its result, its
+    failure and its notices look to the caller as any handler's do."""
+    seen: list[int] = []
+
+    def square(x: int) -> int:
+        seen.append(x)
+        if x < 0:
+            raise ValueError(f"{x} is negative")
+        return x * x
+
+    def frames(body: int, payload) -> Reply:
+        return Reply(body, [bytes(f) * 2 for f in payload])
+
+    server = make_server()
+    server.register("square", square, inline=True)
+    server.register("frames", frames, body_type=int, with_payload=True, inline=True)
+    with trio.fail_after(CAP_S):
+        async with server, RPCClient(server.endpoint) as client:
+            assert await client.call("square", 7) == 49
+            with pytest.raises(RPCError, match="ValueError: -1 is negative"):
+                await client.call("square", -1)
+            reply = await client.call_with_payload("frames", 3, payload=[b"ab"])
+            assert (reply.body, [bytes(f) for f in reply.payload]) == (3, [b"abab"])
+            await client.notify("square", 5)
+            await wait_until(lambda: seen[-1:] == [5], "the notice handled")
+            stats = server.stats()
+            assert (stats.completed, stats.failed, stats.notices, stats.in_flight) == (3, 1, 1, 0)
