@@ -70,7 +70,7 @@ from omni.transport.credentials import Credentials
 from omni.transport.errors import TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.movers import payload_mover
-from omni.transport.rpc import Reply, RPCServer
+from omni.transport.rpc import Reply, RPCServer, handler_scope
 from omni.transport.unix import remove_stale
 from omni.transport.values import decode_value
 
@@ -475,22 +475,19 @@ class Worker:
         if chain is None:
             raise ValueError("a chain's stage came without its chain")
         key = (chain.session, chain.token, head.stage)  # (a worker may run two of its stages)
-        end: ChainEnd | None = None
-        frames: list[Any] = []
-        with trio.CancelScope() as scope:
-            self._chains[key] = scope
-            try:
-                end, frames = await self._stage(head, chain, payload, started)
-            except Exception as exc:
-                broken = Broken.of(head.stage, self.name, exc)
-                if isinstance(exc, KeptValueLost) and head.stage > 0:
-                    # the worker before, which kept this stage's argument, is gone
-                    broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc,
-                                       lost=True)
-                end = ChainEnd(self._passing(chain), self.name, broken=broken)
-            finally:
-                del self._chains[key]
-        if end is not None and not scope.cancelled_caught:
+        self._chains[key] = handler_scope()  # (cancelled: nothing is sent on)
+        try:
+            end, frames = await self._stage(head, chain, payload, started)
+        except Exception as exc:
+            broken = Broken.of(head.stage, self.name, exc)
+            if isinstance(exc, KeptValueLost) and head.stage > 0:
+                # the worker before, which kept this stage's argument, is gone
+                broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc,
+                                   lost=True)
+            end, frames = ChainEnd(self._passing(chain), self.name, broken=broken), []
+        finally:
+            del self._chains[key]
+        if end is not None:
             await self._end_chain(chain.session, end, frames)
 
     async def _stage(self, head: CallHead, chain: Chain, payload: list[Any], started: float

@@ -676,3 +676,36 @@ async def test_an_inline_handler_answers_calls_and_notices_like_any_other():
             await wait_until(lambda: seen[-1:] == [5], "the notice handled")
             stats = server.stats()
             assert (stats.completed, stats.failed, stats.notices, stats.in_flight) == (3, 1, 1, 0)
+
+
+async def test_a_notice_is_stopped_through_its_handlers_scope():
+    """Nobody can send a notice's handler `Cancel`: another handler stops it by cancelling
+    the scope it runs in (`handler_scope`), as a caller's Cancel would."""
+    from omni.transport.rpc import handler_scope
+
+    scopes: dict[str, trio.CancelScope] = {}
+    ended: list[str] = []
+
+    async def wait(name: str) -> None:
+        scopes[name] = handler_scope()
+        try:
+            await trio.sleep_forever()
+        finally:
+            ended.append(name)
+
+    async def stop(name: str) -> bool:
+        scopes.pop(name).cancel()
+        return True
+
+    server = make_server()
+    server.register("wait", wait)
+    server.register("stop", stop)
+    with trio.fail_after(CAP_S):
+        async with server, RPCClient(server.endpoint) as client:
+            await client.notify("wait", "a")
+            await client.notify("wait", "b")
+            await wait_until(lambda: len(scopes) == 2, "both notices running")
+            assert await client.call("stop", "a") is True
+            await wait_until(lambda: ended == ["a"], "a stopped")
+            assert server.stats().cancelled == 1 and server.stats().in_flight == 1  # b runs
+            assert await client.call("echo", 1) == 1
