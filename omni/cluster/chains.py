@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -134,19 +134,18 @@ class ChainEnds:
             finally:
                 self._nursery = None
 
-    @contextlib.contextmanager
-    def waiting(self, replicas: Sequence[RemoteReplica]) -> Iterator[Waiting]:
-        """A new chain over `replicas`' workers, waiting for its end while in the block.
-        Leaving the block before the end came (cancelled, or the first notice refused) tells
-        the chain's workers to stop its stages (``chain.cancel``)."""
+    def open(self, replicas: Sequence[RemoteReplica]) -> Waiting:
+        """A new chain over `replicas`' workers, waiting for its end until `close`."""
         waiting = Waiting(next(self._tokens), replicas)
         self._waiting[waiting.token] = waiting
-        try:
-            yield waiting
-        finally:
-            del self._waiting[waiting.token]
-            if waiting.end is None and self._nursery is not None:
-                self._nursery.start_soon(_cancel, waiting)
+        return waiting
+
+    def close(self, waiting: Waiting) -> None:
+        """Stop waiting for the chain's end; before it came (cancelled, or the first notice
+        refused), tell the chain's workers to stop its stages (``chain.cancel``)."""
+        del self._waiting[waiting.token]
+        if waiting.end is None and self._nursery is not None:
+            self._nursery.start_soon(_cancel, waiting)
 
     def _end(self, end: ChainEnd, payload: list[Any]) -> None:
         waiting = self._waiting.get(end.chain.token)

@@ -483,13 +483,15 @@ class RemoteReplica:
                 request_id, [], keep=last_keeps, stage=i, before=before)))
             before.insert(0, replica.address)
         replicas = (self, *later)
-        with ends.waiting(replicas) as waiting:
-            try:
-                await self.client.notify("node.chain", msgspec.structs.replace(
-                    head, then=stages, chain=Chain(self.session, waiting.token)), payload=frames)
-            except PeerGone as exc:
-                raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
+        waiting = ends.open(replicas)
+        try:
+            await self.client.notify("node.chain", msgspec.structs.replace(
+                head, then=stages, chain=Chain(self.session, waiting.token)), payload=frames)
             end, payload = await waiting.result()
+        except PeerGone as exc:
+            raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
+        finally:
+            ends.close(waiting)
         for member, released in end.chain.released:
             self.mover.release(member, released)
         broken = end.broken

@@ -13,8 +13,7 @@ has seen nothing twice (see `ReplicaLost` for what that promises and what not).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
@@ -24,7 +23,7 @@ from omni.graph.errors import ReplicaLost
 if TYPE_CHECKING:
     from omni.graph._node import NodeOptions
 
-__all__ = ["LOST_RETRIES", "retrying", "with_timeout"]
+__all__ = ["LOST_RETRIES", "retrying"]
 
 T = TypeVar("T")
 
@@ -46,12 +45,14 @@ async def retrying(options: NodeOptions | None, attempt: Callable[[int], Awaitab
         Exception: the last attempt's error (`TimeoutError` when it ran out of time).
     """
     retries = options.retries if options is not None else 0
+    timeout = options.timeout if options is not None else None
     failures = lost = 0
     number = 0
     while True:
         try:
-            async with with_timeout(options):
+            if timeout is None:
                 return await attempt(number)
+            return await _timed(attempt(number), timeout)
         except Exception as exc:
             if may_retry is not None and not may_retry():
                 raise
@@ -64,14 +65,10 @@ async def retrying(options: NodeOptions | None, attempt: Callable[[int], Awaitab
         number += 1
 
 
-@asynccontextmanager
-async def with_timeout(options: NodeOptions | None) -> AsyncIterator[None]:
-    """The node's timeout around one attempt, raised as `TimeoutError` naming it."""
-    if options is None or options.timeout is None:
-        yield
-        return
+async def _timed(attempt: Awaitable[T], timeout: float) -> T:
+    """One attempt under the node's timeout, raised as `TimeoutError` naming it."""
     try:
-        with trio.fail_after(options.timeout):
-            yield
+        with trio.fail_after(timeout):
+            return await attempt
     except trio.TooSlowError:
-        raise TimeoutError(f"timed out after {options.timeout:g}s") from None
+        raise TimeoutError(f"timed out after {timeout:g}s") from None
