@@ -332,9 +332,12 @@ class RequestTrail:
     def __init__(self) -> None:
         self._trails: OrderedDict[str, list[WorkerAddress]] = OrderedDict()
 
-    def note(self, request_id: str, holder: WorkerAddress) -> None:
-        trail = self._trails.pop(request_id, [])
-        self._trails[request_id] = [holder, *(h for h in trail if h.name != holder.name)][
+    def note(self, request_id: str, *holders: WorkerAddress) -> None:
+        """`holders` served the request, in that order (the last one latest)."""
+        latest = holders[::-1]
+        names = {h.name for h in holders}
+        trail = self._trails.pop(request_id, ())
+        self._trails[request_id] = [*latest, *(h for h in trail if h.name not in names)][
             :self.MAX_MEMBERS]
         while len(self._trails) > self.MAX_REQUESTS:
             self._trails.popitem(last=False)
@@ -429,9 +432,10 @@ class RemoteReplica:
                         self.mover.take_releases(self.member), kv_from, keep, kept or [],
                         let_go, stage)
 
-    def _served(self, request_id: str) -> None:
+    def _served(self, request_id: str, *later: RemoteReplica) -> None:
+        """Note that this replica's worker served the request (then `later`'s, in order)."""
         if self.trail is not None and request_id != "-":
-            self.trail.note(request_id, self.address)
+            self.trail.note(request_id, self.address, *(replica.address for replica in later))
 
     async def _call(self, request_id: str, packed: Packed, inputs: list, kept: list[KeptArg],
                     keep: bool) -> Any:
@@ -501,8 +505,7 @@ class RemoteReplica:
             if broken.lost:  # this replica's own worker: as a plain call's
                 raise self._lost(broken.message)
             raise _call_failure(self.member, broken.remote_type, broken.message, kept)
-        for replica in replicas:
-            replica._served(request_id)
+        self._served(request_id, *later)
         last = later[-1]
         assert end.value is not None
         if end.value.kept:
