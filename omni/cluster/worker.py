@@ -672,7 +672,8 @@ class Worker:
     async def _invoke(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        _set_request_holders(head)
+        if self.kv is not None:  # (a store is made at deployment, before any call)
+            _set_request_holders(head)
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -698,7 +699,8 @@ class Worker:
                        kwargs: dict, send: trio.MemorySendChannel, feeds: list[int]) -> None:
         token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
                                         replica=head.replica, runtime=self))
-        _set_request_holders(head)
+        if self.kv is not None:
+            _set_request_holders(head)
         try:
             async with send:
                 with stream.scope:
