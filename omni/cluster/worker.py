@@ -289,7 +289,8 @@ class Worker:
         server.register("payload.pull", self._pull, body_type=Chunk)
         server.register("node.take", self._take, body_type=Take)
         server.register("node.let_go", self._let_go_taken, body_type=tuple[str, int])
-        server.register("node.chain", self._chain, body_type=CallHead, with_payload=True)
+        server.register("node.chain", self._chain, body_type=CallHead, with_payload=True,
+                        refused=self._chain_refused)
         server.register("chain.cancel", self._cancel_chain, body_type=tuple[str, int])
         server.register("worker.load", self._load_rpc, body_type=Any)
 
@@ -551,6 +552,15 @@ class Worker:
         except TransportError as exc:
             log.warning("the end of chain %d could not go to its driver at %s: %s",
                         end.chain.token, driver.endpoint(), exc)
+
+    def _chain_refused(self, head: CallHead) -> None:
+        """A chain's stage this worker had no room for (its RPC server runs as many calls as
+        it may): the chain ends as broken here, so that its request fails, not waits."""
+        if head.chain is None or self._nursery is None:
+            return
+        end = ChainEnd(head.chain, self.name, broken=Broken(
+            head.stage, self.name, "ServerBusy", f"worker '{self.name}' runs too many calls"))
+        self._nursery.start_soon(self._end_chain, head.chain.session, end, [])
 
     async def _cancel_chain(self, body: tuple[str, int]) -> None:
         """``chain.cancel``, a notice: the driver gave up on a chain; stop its stage here."""

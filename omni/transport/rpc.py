@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import logging
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ from omni.transport.wire import (
 __all__ = ["Handler", "RPCClient", "RPCClientStats", "RPCServer", "RPCServerStats", "Reply",
            "handler_scope"]
 
+
+log = logging.getLogger(__name__)
 
 _MAX_IDLE_WORKERS = 32  # idle handler tasks kept for the next requests; more end
 _handler_scope: contextvars.ContextVar[trio.CancelScope] = contextvars.ContextVar(
@@ -120,6 +123,7 @@ class _Route:
     body_type: Any
     with_payload: bool
     inline: bool = False
+    refused: Callable[[Any], None] | None = None  # a notice's, when the server is full
 
 
 def _infer_body_type(method: str, handler: Handler) -> Any:
@@ -175,8 +179,8 @@ class RPCServer(_Service):
         self._unknown = self._busy = self._heartbeats = 0
 
     def register(self, method: str, handler: Handler | Callable[..., Any], *,
-                 body_type: Any = None, with_payload: bool = False,
-                 inline: bool = False) -> None:
+                 body_type: Any = None, with_payload: bool = False, inline: bool = False,
+                 refused: Callable[[Any], None] | None = None) -> None:
         """Serve `method` with ``await handler(body)`` (``handler(body, payload)`` when
         `with_payload`: the request's payload frames as a list).
 
@@ -185,8 +189,11 @@ class RPCServer(_Service):
         value, or a `Reply` to send payload frames back. `inline`: the handler is a plain
         function that never blocks, run where the message is read, without a task of its
         own (one trip less through trio's scheduler); its reply goes out without waiting,
-        dropped as a heartbeat's would be if the outbox is full. Raises ValueError if `method`
-        is already registered, or the body type cannot be resolved or decoded into.
+        dropped as a heartbeat's would be if the outbox is full. `refused`: called with the
+        decoded body of a notice refused because `max_in_flight` handlers run (a call is
+        answered ``ServerBusy``; a notice cannot be, so the server says so this way). Raises
+        ValueError if `method` is already registered, or the body type cannot be resolved or
+        decoded into.
         """
         if method in self._routes:
             raise ValueError(f"method '{method}' is already registered")
@@ -196,7 +203,7 @@ class RPCServer(_Service):
         except TypeError as exc:
             raise ValueError(f"method '{method}': cannot decode bodies as {body_type!r}: "
                              f"{exc}") from None
-        self._routes[method] = _Route(handler, body_type, with_payload, inline)
+        self._routes[method] = _Route(handler, body_type, with_payload, inline, refused)
 
     async def __aenter__(self) -> RPCServer:
         await self._start(zmq.ROUTER, bind=self._bind, sndhwm=self._hwm[0],
@@ -263,6 +270,11 @@ class RPCServer(_Service):
             self._busy += 1
             self._reply_error(identity, msg.id, "ServerBusy",
                               f"{len(self._active)} requests in flight")
+            if msg.id == 0 and route.refused is not None:
+                try:
+                    route.refused(self._codec.decode_body(msg.body, route.body_type))
+                except Exception:  # (a body that does not decode is counted by the codec)
+                    log.debug("the refusal of a '%s' notice failed", msg.method, exc_info=True)
         elif key in self._active or self._nursery is None:
             self._dropped += 1  # a duplicate id, or a request during shutdown
         else:

@@ -218,3 +218,37 @@ async def test_a_worker_that_cannot_reach_the_driver_refuses_its_deployment(
     with closed, pytest.raises(NodeError, match=f"cannot reach its driver at {nowhere}"):
         async with local_cluster.driver() as rt:
             await rt.run(c.line, x=1)
+
+
+async def test_a_stage_its_worker_has_no_room_for_fails_its_request(
+        local_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker runs at most `max_in_flight` handlers; a chain's stage past that is refused
+    there (nobody could be answered: it is a notice), and the chain ends as broken by it.
+    Double holds its calls: three chains fit on w2 (one running, two waiting for it), the
+    other three are refused there, or on w1 if they came too close together."""
+    from omni.transport.rpc import RPCServer
+
+    monkeypatch.setattr(worker_module, "RPCServer", functools.partial(RPCServer,
+                                                                      max_in_flight=3))
+    await three_workers(local_cluster)
+    xs = range(20, 26)
+    held = [c.HOLD.setdefault(x + 1, trio.Event()) for x in xs]
+    results: dict[int, int | NodeError] = {}
+    async with local_cluster.driver() as rt:
+        async def request(x: int) -> None:
+            try:
+                results[x] = await rt.run(c.line, x=x)
+            except NodeError as exc:
+                results[x] = exc
+
+        async with trio.open_nursery() as nursery:
+            for x in xs:
+                nursery.start_soon(request, x)
+            await wait_until(lambda: len(results) == 3, "three requests refused")
+            for event in held:
+                event.set()
+    refused = {x: r for x, r in results.items() if isinstance(r, NodeError)}
+    assert len(refused) == 3
+    assert all("ServerBusy" in str(r) for r in refused.values())
+    assert {x: r for x, r in results.items() if x not in refused} == {
+        x: -2 * (x + 1) for x in xs if x not in refused}

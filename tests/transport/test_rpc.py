@@ -709,3 +709,31 @@ async def test_a_notice_is_stopped_through_its_handlers_scope():
             await wait_until(lambda: ended == ["a"], "a stopped")
             assert server.stats().cancelled == 1 and server.stats().in_flight == 1  # b runs
             assert await client.call("echo", 1) == 1
+
+
+async def test_a_notice_refused_for_lack_of_room_is_handed_to_its_refusal():
+    """A server at `max_in_flight` answers a call ServerBusy; a notice has no answer, so the
+    method's `refused` gets its body instead (and the handler never runs)."""
+    release = trio.Event()
+    ran: list[int] = []
+    refused: list[int] = []
+
+    async def hold(x: int) -> None:
+        ran.append(x)
+        await release.wait()
+
+    server = RPCServer(max_in_flight=1)
+    server.register("hold", hold, refused=refused.append)
+    server.register("echo", echo)
+    with trio.fail_after(CAP_S):
+        async with server, RPCClient(server.endpoint) as client:
+            await client.notify("hold", 1)
+            await wait_until(lambda: ran == [1], "the first notice running")
+            await client.notify("hold", 2)
+            await wait_until(lambda: refused == [2], "the second one refused")
+            with pytest.raises(RPCError, match="ServerBusy"):
+                await client.call("echo", 3)
+            release.set()
+            await wait_until(lambda: server.stats().in_flight == 0, "the first one done")
+            assert await client.call("echo", 4) == 4
+            assert ran == [1] and server.stats().busy == 2
