@@ -67,7 +67,7 @@ from omni.cluster.remote import (
 from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
-from omni.transport.errors import TransportError
+from omni.transport.errors import PeerGone, TransportError
 from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.movers import payload_mover
 from omni.transport.rpc import Reply, RPCServer, handler_scope
@@ -541,17 +541,21 @@ class Worker:
         return msgspec.structs.replace(chain, seconds=seconds, released=released)
 
     async def _end_chain(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
-        """Send the chain's end to its driver (lost with the driver, should it be gone)."""
-        driver = self._drivers.get(session)
-        if driver is None:
-            log.info("chain %d ended after its driver left", end.chain.token)
-            return
-        try:
-            client = await self._peers().connect(driver.name, driver.endpoint())
-            await client.notify("chain.end", end, payload=frames)
-        except TransportError as exc:
-            log.warning("the end of chain %d could not go to its driver at %s: %s",
-                        end.chain.token, driver.endpoint(), exc)
+        """Send the chain's end to its driver. While the driver does not answer this worker's
+        heartbeats (its event loop may be stalled), try again every heartbeat interval, until
+        it does or its session ends here: nothing else would tell it how the chain ended."""
+        while (driver := self._drivers.get(session)) is not None:
+            try:
+                client = await self._peers().connect(driver.name, driver.endpoint())
+                await client.notify("chain.end", end, payload=frames)
+                return
+            except PeerGone:
+                await trio.sleep(self.heartbeat_interval)
+            except TransportError as exc:
+                log.warning("the end of chain %d could not go to its driver at %s: %s",
+                            end.chain.token, driver.endpoint(), exc)
+                return
+        log.info("chain %d ended after its driver left", end.chain.token)
 
     def _chain_refused(self, head: CallHead) -> None:
         """A chain's stage this worker had no room for (its RPC server runs as many calls as

@@ -252,3 +252,27 @@ async def test_a_stage_its_worker_has_no_room_for_fails_its_request(
     assert all("ServerBusy" in str(r) for r in refused.values())
     assert {x: r for x, r in results.items() if x not in refused} == {
         x: -2 * (x + 1) for x in xs if x not in refused}
+
+
+async def test_a_chains_end_waits_out_a_driver_that_seems_gone(
+        local_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last stage's worker takes the driver for gone (as when the driver's event loop
+    stalls past its heartbeats): it sends the chain's end once the driver answers again,
+    rather than drop it and leave the request waiting for good."""
+    from omni.transport import PeerGone, RPCClient
+
+    refusals = [2]  # the first two tries find the driver gone
+    original = RPCClient.notify
+
+    async def notify(self, method, body=None, *, payload=()):
+        if method == "chain.end" and refusals[0]:
+            refusals[0] -= 1
+            raise PeerGone(self.endpoint, 2.0)
+        return await original(self, method, body, payload=payload)
+
+    monkeypatch.setattr(RPCClient, "notify", notify)
+    await three_workers(local_cluster, heartbeat=0.05)
+    async with local_cluster.driver(heartbeat=0.05) as rt:
+        with trio.fail_after(CAP_S):
+            assert await rt.run(c.line, x=1) == -4
+        assert refusals == [0] and rt.cluster.chains.ended == 1
