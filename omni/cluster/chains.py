@@ -8,9 +8,18 @@ stage that fails sends its failure instead (``chain.end``, `ChainEnd`). A three-
 is four messages, and no worker waits on another.
 
 `ChainEnds` is the driver's side: an RPC endpoint (TCP with CURVE, and a Unix socket for the
-workers on this host) that the workers learn when a replica is deployed, and the chains that
-wait on it. Nothing answers a notice, so a chain whose worker stops answering heartbeats here
-ends as broken by it (`Broken.lost`), as a call to that worker would fail.
+workers on this host) that the workers learn, and check they reach, when a replica is
+deployed; and the chains that wait on it. Nothing answers a notice, so each way a chain can
+end without its last stage is covered where it happens:
+
+- a stage's worker stops answering the driver's heartbeats: the chain ends here as broken by
+  it (`Broken.lost`), as a call to that worker would fail;
+- a stage fails, or its worker cannot reach the next one: that worker sends the failure;
+- a worker has no room for the stage (`RPCServer`'s ``max_in_flight``): it sends that;
+- the driver seems gone to the last worker (its event loop stalled past the heartbeats): the
+  end waits there until the driver answers again, or its session ends;
+- the request is given up on: the workers are told to stop its stages (``chain.cancel``), and
+  an end that comes anyway is let go of (`ChainEnds.late`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 The worker serves RPC on its own port: ``node.deploy`` builds a replica (the class's code comes
 with the request, see `omni.cluster._code`), ``node.call`` runs one call, ``node.next`` pulls a
-streaming call's items, ``node.undeploy`` drops a replica, ``node.leave`` ends a driver's
-session. It registers with the head and beats
+streaming call's items, ``node.chain`` (a notice) runs a stage of a chain and sends its value
+on (`omni.cluster.chains`), ``node.undeploy`` drops a replica, ``node.leave`` ends a driver's
+session. When a driver deploys here, the worker checks that it reaches the driver, where its
+chains end. It registers with the head and beats
 with what it hosts (`omni.cluster.membership.HeadLink`), so the head can place replicas and show
 status, and it re-registers by itself when the head restarts.
 
