@@ -27,14 +27,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
-import secrets
 import socket
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
+from omni.cluster.membership import member_servers
 from omni.cluster.remote import (
     Broken,
     Chain,
@@ -45,10 +44,8 @@ from omni.cluster.remote import (
 )
 from omni.transport.credentials import Credentials
 from omni.transport.errors import TransportError, WireError
-from omni.transport.host import host_id, ipc_directory, ipc_enabled
+from omni.transport.host import host_id
 from omni.transport.movers import PayloadMover
-from omni.transport.rpc import RPCServer
-from omni.transport.unix import remove_stale
 
 __all__ = ["ChainEnds", "Waiting", "address_towards"]
 
@@ -117,14 +114,7 @@ class ChainEnds:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the endpoint until cancelled; `task_status.started()` once it is bound."""
-        servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
-                             options=self.creds.server_options(),
-                             data_plane=self.creds.data_plane())]
-        if ipc_enabled():
-            folder = ipc_directory()
-            remove_stale(folder, "d-*.sock")  # drivers that were killed leave theirs
-            path = folder / f"d-{os.getpid()}-{secrets.token_hex(4)}.sock"
-            servers.append(RPCServer(f"unix://{path}"))
+        servers = member_servers(self.creds, self.host, "d")
         for server in servers:
             server.register("chain.end", self._end, body_type=ChainEnd, with_payload=True,
                             inline=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -35,9 +36,12 @@ from omni.cluster.protocol import (
 )
 from omni.transport.credentials import Credentials
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError
-from omni.transport.rpc import RPCClient
+from omni.transport.host import ipc_directory, ipc_enabled
+from omni.transport.rpc import RPCClient, RPCServer
+from omni.transport.unix import remove_stale
 
-__all__ = ["ClientSet", "HeadCluster", "HeadLink", "Membership", "Roster", "probe"]
+__all__ = ["ClientSet", "HeadCluster", "HeadLink", "Membership", "Roster", "member_servers",
+           "probe"]
 
 log = logging.getLogger("omni.cluster")
 
@@ -159,6 +163,22 @@ class HeadLink:
                 await client.call("cluster.leave", self._info().name, timeout=1.0)
             except TransportError:
                 pass
+
+
+def member_servers(creds: Credentials, host: str, prefix: str) -> list[RPCServer]:
+    """The RPC servers a member (a worker, or a driver for its chains' ends) serves on, not
+    yet started: TCP with CURVE on `host` for everyone, then a Unix socket in a 0700 folder
+    for the processes of this host (no ZeroMQ I/O thread, no encryption: see
+    `omni.transport.unix`), unless ``OMNI_IPC=0``. `prefix` names the socket files of its
+    kind, those of killed processes removed first."""
+    servers = [RPCServer(f"tcp://{host}:*", ctx=creds.ctx, options=creds.server_options(),
+                         data_plane=creds.data_plane())]
+    if ipc_enabled():
+        folder = ipc_directory()
+        remove_stale(folder, f"{prefix}-*.sock")
+        servers.append(RPCServer(f"unix://{folder}/{prefix}-{os.getpid()}-"
+                                 f"{secrets.token_hex(4)}.sock"))
+    return servers
 
 
 class ClientSet:

@@ -41,7 +41,7 @@ import trio
 from omni.cluster._code import resolve
 from omni.cluster.errors import ClusterError, KeptValueLost
 from omni.cluster.kv import request_holders
-from omni.cluster.membership import ClientSet, HeadLink, Roster
+from omni.cluster.membership import ClientSet, HeadLink, Roster, member_servers
 from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     KEEP_MIN,
@@ -70,10 +70,9 @@ from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
 from omni.transport.errors import PeerGone, TransportError
-from omni.transport.host import host_id, ipc_directory, ipc_enabled
+from omni.transport.host import host_id
 from omni.transport.movers import payload_mover
 from omni.transport.rpc import Reply, RPCServer, handler_scope
-from omni.transport.unix import remove_stale
 from omni.transport.values import decode_value
 
 __all__ = ["KVTiers", "Worker"]
@@ -242,16 +241,7 @@ class Worker:
         Raises:
             ClusterError: the head refused the registration.
         """
-        # TCP with CURVE for everyone; a Unix socket in a 0700 folder for processes of this
-        # host (no ZeroMQ I/O thread, no encryption: see omni.transport.unix).
-        self._servers = [RPCServer(f"tcp://{self.host}:*", ctx=self.creds.ctx,
-                                   options=self.creds.server_options(),
-                                   data_plane=self.creds.data_plane())]
-        if ipc_enabled():
-            folder = ipc_directory()
-            remove_stale(folder, "w-*.sock")  # workers that were killed leave theirs
-            path = folder / f"w-{os.getpid()}-{secrets.token_hex(4)}.sock"
-            self._servers.append(RPCServer(f"unix://{path}"))
+        self._servers = member_servers(self.creds, self.host, "w")
         for server in self._servers:
             self._register(server)
         try:

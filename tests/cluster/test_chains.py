@@ -226,10 +226,10 @@ async def test_a_stage_its_worker_has_no_room_for_fails_its_request(
     there (nobody could be answered: it is a notice), and the chain ends as broken by it.
     Double holds its calls: three chains fit on w2 (one running, two waiting for it), the
     other three are refused there, or on w1 if they came too close together."""
+    from omni.cluster import membership
     from omni.transport.rpc import RPCServer
 
-    monkeypatch.setattr(worker_module, "RPCServer", functools.partial(RPCServer,
-                                                                      max_in_flight=3))
+    monkeypatch.setattr(membership, "RPCServer", functools.partial(RPCServer, max_in_flight=3))
     await three_workers(local_cluster)
     xs = range(20, 26)
     held = [c.HOLD.setdefault(x + 1, trio.Event()) for x in xs]
