@@ -276,3 +276,22 @@ async def test_a_chains_end_waits_out_a_driver_that_seems_gone(
         with trio.fail_after(CAP_S):
             assert await rt.run(c.line, x=1) == -4
         assert refusals == [0] and rt.cluster.chains.ended == 1
+
+
+async def test_chains_between_hosts_go_over_tcp_both_ways(
+        local_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Unix sockets (as between hosts) the stages' notices and the chain's end go
+    over TCP with CURVE, the driver's end listening on the address it reaches the head from;
+    a value too large to ride with a notice is still taken from the worker that made it."""
+    monkeypatch.setenv("OMNI_IPC", "0")
+    await local_cluster.start()
+    for name in ("w1", "w2", "w3"):
+        await local_cluster.worker(name)
+    async with local_cluster.driver() as rt:
+        address = rt.cluster.chains.address
+        assert address.ipc == "" and address.rpc.startswith("tcp://127.0.0.1:")
+        for x in range(3):
+            assert await rt.run(c.line, x=x) == -2 * (x + 1)
+        assert await rt.run(h.direct, n=1 << 20) == expected(1 << 20)
+        await wait_until(lambda: not local_cluster.worker_named("w1")._kept, "w1 let go")
+        assert rt.cluster.chains.ended == 4
