@@ -61,7 +61,7 @@ __all__ = ["KEEP_MIN", "Broken", "CallHead", "Chain", "ChainEnd", "Chunk", "Depl
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
-_CHAIN_ERROR_CHARS = 8192  # of a chain stage's error message
+_CHAIN_ERROR_CHARS = 8192  # a failed chain stage's error message is cut to this
 KEEP_MIN = 1 << 20  # a result only class nodes take stays on its worker from this size
 
 
@@ -174,6 +174,7 @@ class Broken(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def of(cls, stage: int, member: str, error: BaseException, *, lost: bool = False
            ) -> Broken:
+        """`error`'s, raised by stage `stage` on worker `member` (its message cut short)."""
         return cls(stage, member, type(error).__name__, str(error)[:_CHAIN_ERROR_CHARS], lost)
 
     def cause(self) -> Exception:

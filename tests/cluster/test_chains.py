@@ -93,7 +93,7 @@ async def test_a_later_stage_that_fails_fails_its_own_node(
         assert "13 is not doubled here" in str(caught.value)
         assert await rt.run(c.line, x=1) == -4  # the next request is not affected
         # each stage's pool counted both calls (the failed chain as failed at every stage it
-        # was queued on: the first one ran, the error came back through it) and holds none
+        # was queued on, the one after the failure included) and holds none
         pools = {p.name: p.replicas for p in rt.stats().pools}
         assert pools == {name: ((0, 0, 1, 1),) for name in ("AddOne", "Double", "Negate")}
     assert [call[0] for call in served] == ["w1", "w2", "w1", "w2", "w3"]
