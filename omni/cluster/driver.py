@@ -137,7 +137,7 @@ class _Tracked(RemoteReplica):
 
     def _left(self) -> None:
         self.num_calls -= 1
-        if self.num_calls == 0:
+        if self.num_calls == 0 and self._idle:  # (someone waits for it to be idle)
             self._idle.unpark_all()
 
     async def wait_idle(self) -> None:
