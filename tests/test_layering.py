@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # From the bottom up; a module may import its own layer's package and any layer below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("omni.errors", "omni._shm", "omni._units", "omni._openmp"),
+    ("omni.errors", "omni._shm", "omni._units", "omni._openmp", "omni._parking"),
     ("omni.kv",),
     ("omni.transport",),
     ("omni.compute",),

@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from omni._parking import Parked
 from omni.cluster.membership import member_servers
 from omni.cluster.remote import (
     Broken,
@@ -52,36 +53,25 @@ __all__ = ["ChainEnds", "Waiting", "address_towards"]
 log = logging.getLogger(__name__)
 
 
-class Waiting:
+class Waiting(Parked):
     """A chain in flight: its token, its stages' replicas, and its end once it came."""
 
-    __slots__ = ("end", "payload", "replicas", "task", "token")
+    __slots__ = ("end", "payload", "replicas", "token")
 
     def __init__(self, token: int, replicas: Sequence[RemoteReplica]):
+        super().__init__()
         self.token = token
         self.replicas = replicas
         self.end: ChainEnd | None = None
         self.payload: list[Any] = []
-        self.task: trio.lowlevel.Task | None = None
 
     def finish(self, end: ChainEnd, payload: list[Any]) -> None:
         self.end, self.payload = end, payload
-        if self.task is not None:
-            task, self.task = self.task, None
-            trio.lowlevel.reschedule(task)
+        self.resolve()
 
     async def result(self) -> tuple[ChainEnd, list[Any]]:
         """The chain's end and its frames, once it came."""
-        if self.end is None:
-            self.task = trio.lowlevel.current_task()
-
-            def abort(_: Any) -> trio.lowlevel.Abort:
-                self.task = None
-                return trio.lowlevel.Abort.SUCCEEDED
-
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        else:
-            await trio.lowlevel.checkpoint()
+        await self.wait()
         assert self.end is not None
         return self.end, self.payload
 
@@ -143,12 +133,12 @@ class ChainEnds:
         """Stop waiting for the chain's end; before it came (cancelled, or the first notice
         refused), tell the chain's workers to stop its stages (``chain.cancel``)."""
         del self._waiting[waiting.token]
-        if waiting.end is None and self._nursery is not None:
+        if not waiting.done and self._nursery is not None:
             self._nursery.start_soon(_cancel, waiting)
 
     def _end(self, end: ChainEnd, payload: list[Any]) -> None:
         waiting = self._waiting.get(end.chain.token)
-        if waiting is None or waiting.end is not None:
+        if waiting is None or waiting.done:
             self.late += 1
             self._let_go(end, payload)
             return
@@ -172,7 +162,7 @@ class ChainEnds:
         while True:
             await trio.sleep(self.interval)
             for waiting in list(self._waiting.values()):
-                if waiting.end is not None:
+                if waiting.done:
                     continue
                 for stage, replica in enumerate(waiting.replicas):
                     if not replica.alive:

@@ -178,13 +178,10 @@ class Broken(msgspec.Struct, array_like=True, frozen=True):
         return cls(stage, member, type(error).__name__, str(error)[:_CHAIN_ERROR_CHARS], lost)
 
     def cause(self) -> Exception:
-        """The stage's error as the driver raises it: `WorkerLost` for a lost worker (as a
-        stream that had passed items on: an earlier stage's value went on, so the request
-        runs again from the start, `omni.Runtime.run`), else `RemoteNodeError`."""
+        """The stage's error as the driver raises it: `WorkerLost` for a lost worker (an
+        earlier stage's value went on: `_lost_midway`), else `RemoteNodeError`."""
         if self.lost:
-            error = WorkerLost(self.member, self.message)
-            error.items_passed = 1
-            return error
+            return _lost_midway(self.member, self.message)
         return RemoteNodeError(self.member, self.remote_type, self.message)
 
 
@@ -648,13 +645,18 @@ class RemoteReplica:
 def _call_failure(member: str, remote_type: str, message: str, kept: Sequence[KeptArg]
                   ) -> Exception:
     """What a call that failed on worker `member` raises here."""
-    if remote_type == KeptValueLost.__name__ and kept:
-        # an argument went with the worker that kept it: as a stream that had passed items
-        # on, not retried here; the request runs again from the start
-        lost = WorkerLost(kept[0].holder.name, message)
-        lost.items_passed = 1
-        return lost
+    if remote_type == KeptValueLost.__name__ and kept:  # went with the worker that kept it
+        return _lost_midway(kept[0].holder.name, message)
     return RemoteNodeError(member, remote_type, message)
+
+
+def _lost_midway(member: str, detail: str) -> WorkerLost:
+    """`WorkerLost` for a worker lost after part of the request had gone on from it (a kept
+    argument, a chain's earlier stage): as a stream that had passed items on, not retried by
+    itself; the request runs again from the start (`omni.Runtime.run`)."""
+    lost = WorkerLost(member, detail)
+    lost.items_passed = 1
+    return lost
 
 
 def _take_out_kept(args: tuple, kwargs: dict[str, Any]

@@ -438,12 +438,10 @@ class Worker:
                 self._drop_inboxes(session, feeds)
 
     async def _value_for_driver(self, hosted: _Hosted, result: Any, *, keep: bool,
-                                released: list[int] | None = None
-                                ) -> tuple[ValueHead, list[Any]]:
+                                released: list[int]) -> tuple[ValueHead, list[Any]]:
         """`result` as it goes to the driver: its head and frames, or kept here when only
-        class nodes take it (`keep`) and it is large; `released`: the driver's leases
-        released here, for a reply to the driver."""
-        released = released or []
+        class nodes take it (`keep`) and it is large; with `released`, the driver's leases
+        released here (none for a chain's end: the chain carries them, `Chain.released`)."""
         try:
             packed = encode_for(result, same_host=hosted.same_host)
         except TypeError as exc:
@@ -490,11 +488,11 @@ class Worker:
         hosted = self._hosted_for(head)
         session = hosted.session
         result = await self._run_call(hosted, head, payload)
-        del payload
         took = trio.current_time() - started
         self._check_session(session)  # it may have left while the call ran
         if not head.then:
-            value, frames = await self._value_for_driver(hosted, result, keep=head.keep)
+            value, frames = await self._value_for_driver(hosted, result, keep=head.keep,
+                                                         released=[])
             return ChainEnd(self._passing(chain, took), self.name, value), frames
         stage, later = head.then[0], head.then[1:]
         try:

@@ -10,6 +10,7 @@ from typing import Any
 import trio
 import zmq
 
+from omni._parking import Parked
 from omni.transport._rpc_base import (
     _GRACE,
     Reply,
@@ -31,40 +32,20 @@ from omni.transport.wire import (
 __all__ = ["RPCClient"]
 
 
-class _Call:
+class _Call(Parked):
     """A call in flight. Why a record: the owner's callback (a reply), the heartbeat task
     (peer gone) or the timer task (its deadline passed: `timed_out`) resolves it while the
-    caller waits; the first resolution wins. It parks the caller with trio's low-level
-    primitives: a `trio.Event` per call costs measurably more."""
+    caller waits; the first resolution wins."""
 
-    __slots__ = ("deadline", "done", "error", "payload", "response", "task", "timed_out")
+    __slots__ = ("deadline", "error", "payload", "response", "timed_out")
 
     def __init__(self, deadline: float) -> None:
+        super().__init__()
         self.deadline = deadline
-        self.done = self.timed_out = False
+        self.timed_out = False
         self.response: Response | Error | None = None
         self.payload: list[Buffer] = []
         self.error: BaseException | None = None
-        self.task: trio.lowlevel.Task | None = None  # the caller, while it is parked
-
-    def resolve(self) -> None:
-        self.done = True
-        if self.task is not None:
-            task, self.task = self.task, None
-            trio.lowlevel.reschedule(task)
-
-    async def wait(self) -> None:
-        """Until resolved, or cancelled (then `done` stays False)."""
-        if self.done:
-            await trio.lowlevel.checkpoint()
-            return
-        self.task = trio.lowlevel.current_task()
-
-        def abort(_: Any) -> trio.lowlevel.Abort:
-            self.task = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class RPCClient(_Service):
