@@ -177,23 +177,23 @@ _pools: dict[tuple[str, LayoutSpec], tuple[int, _Pool]] = {}
 _mappings_lock = threading.Lock()
 
 
-def _inode(name: str) -> int:
+def _inode(directory: str, name: str) -> int:
     try:
-        return os.stat(shm_directory() / name).st_ino
+        return os.stat(os.path.join(directory, name)).st_ino
     except FileNotFoundError:
         raise KVLeaseError(f"shared memory {name!r} does not exist (its store closed?)") from None
 
 
-def _table_for(name: str) -> LeaseTable:
-    inode = _inode(name)
+def _table_for(directory: str, name: str) -> LeaseTable:
+    inode = _inode(directory, name)
     cached = _tables.get(name)
     if cached is None or cached[0] != inode:
         _tables[name] = (inode, LeaseTable.attach(name))
     return _tables[name][1]
 
 
-def _pool_for(name: str, spec: LayoutSpec, layout: KVLayout) -> _Pool:
-    inode = _inode(name)
+def _pool_for(directory: str, name: str, spec: LayoutSpec, layout: KVLayout) -> _Pool:
+    inode = _inode(directory, name)
     cached = _pools.get((name, spec))
     if cached is None or cached[0] != inode:
         _pools[(name, spec)] = (inode, _Pool(attach_segment(name), layout))
@@ -232,16 +232,23 @@ def open_descriptor(descriptor: PageDescriptor) -> OpenedPages:
         layout = KVLayout.from_spec(d.layout)
     except ValueError as exc:
         raise KVLeaseError(f"descriptor layout: {exc}") from None
+    directory = str(shm_directory())
     with _mappings_lock:
-        table = _table_for(d.lease_table)
+        table = _table_for(directory, d.lease_table)
         table.check(d.lease_slot, d.lease_id)
-        pool = _pool_for(d.arena, d.layout, layout)
-    size = layout.page_bytes
-    slots = []
-    for offset in d.offsets:
-        if not isinstance(offset, int) or offset < 0 or offset % size or offset + size > (
-                pool.arena.size):
-            raise KVLeaseError(f"page offset {offset!r} is outside arena {d.arena} "
-                               f"({pool.arena.size} bytes, pages of {size})")
-        slots.append(offset // size)
+        pool = _pool_for(directory, d.arena, d.layout, layout)
+    size, arena_size = layout.page_bytes, pool.arena.size
+    offsets = list(d.offsets)
+    # Whole pages in the arena: checked at C speed first (this runs per page of every
+    # handoff), one by one only to name what is wrong.
+    slots = [offset // size for offset in offsets] if set(map(type, offsets)) <= {int} else None
+    if slots is None or (offsets and (min(offsets) < 0 or max(offsets) + size > arena_size
+                                      or list(map(size.__mul__, slots)) != offsets)):
+        slots = []
+        for offset in offsets:
+            if not isinstance(offset, int) or offset < 0 or offset % size or (
+                    offset + size > arena_size):
+                raise KVLeaseError(f"page offset {offset!r} is outside arena {d.arena} "
+                                   f"({arena_size} bytes, pages of {size})")
+            slots.append(offset // size)
     return OpenedPages(d, table, pool, slots)

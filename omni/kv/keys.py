@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
-__all__ = ["ROOT_KEY", "MediaSpan", "PageKey", "block_keys", "media_digest"]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "MediaSpan", "PageKey", "block_keys", "invalid_key",
+           "media_digest"]
 
 PageKey = bytes
 """A page's key: 16 bytes (a blake2b digest)."""
@@ -42,6 +43,19 @@ PageKey = bytes
 KEY_BYTES = 16
 ROOT_KEY: PageKey = hashlib.blake2b(b"omni.kv.page-key.v1", digest_size=KEY_BYTES).digest()
 """The fixed "previous key" of a sequence's first page."""
+
+
+def invalid_key(keys: Iterable[object]) -> str | None:
+    """What is wrong with the first of `keys` that is not a page key, or None when every one
+    is. Why sets of types and lengths: this runs on every page of every fetch, and whole
+    keys checked one by one in Python would cost more than the rest of a warm fetch."""
+    keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+        return None
+    for key in keys:  # the slow path names the first culprit (bytes' subclasses pass)
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            return f"a page key is {KEY_BYTES} bytes (from block_keys), got {key!r:.40}"
+    return None
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _EXTRA_SCALARS = (str, int, float, bytes, bool, type(None))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -275,20 +275,50 @@ class TierManager:
 
     # -- pins --------------------------------------------------------------------------------
 
-    def pin(self, key: bytes) -> None:
-        self._entries[key].pins += 1
+    def pin(self, keys: Iterable[bytes]) -> None:
+        entries = self._entries
+        for key in keys:
+            entries[key].pins += 1
 
-    def unpin(self, key: bytes) -> None:
-        entry = self._entries[key]
-        if entry.pins <= 0:
-            raise AssertionError(f"page {key.hex()} is not pinned")
-        entry.pins -= 1
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        entries = self._entries
+        for key in keys:
+            entry = entries[key]
+            if entry.pins <= 0:
+                raise AssertionError(f"page {key.hex()} is not pinned")
+            entry.pins -= 1
 
     def is_pinned(self, key: bytes) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.pins > 0
 
     # -- movement ----------------------------------------------------------------------------
+
+    def pin_resident(self, keys: Sequence[bytes]) -> list[int] | None:
+        """`promote(key, 0, pin=True)` of the leading keys present, in one step, when every
+        one of their pages is in the top tier with no transfer in flight: each touched (the
+        policy) and pinned, a hit counted for each, and a miss for the first absent key.
+        Returns their top-tier slots, or None, changing nothing, when a page would have to
+        move or be read from disk. Why one step: a lease of pages already in memory (the
+        common case of a warm fetch) would otherwise cost several calls per page."""
+        found = []
+        get = self._entries.get
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                self.match([key])  # counts the miss
+                break
+            mem = entry.mem
+            if mem is None or mem[0] != 0 or entry.transfer is not None:
+                return None
+            found.append(entry)
+        top = self._tiers[0]
+        touch = top.policy.touch
+        for key, entry in zip(keys, found, strict=False):  # found: the leading run
+            touch(key)
+            entry.pins += 1
+        top.counters.hits += len(found)
+        return [entry.mem[1] for entry in found]  # type: ignore[index]
 
     def promote(self, key: bytes, target: int = 0, *, pin: bool = False
                 ) -> tuple[int, int] | None:

@@ -27,6 +27,7 @@ from omni.kv.descriptors import PageDescriptor
 from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease
+from omni.kv.keys import invalid_key
 from omni.kv.layout import KVLayout, parse_size
 from omni.kv.leases import LeaseTable, now_ns, reclaim_dead_stores
 from omni.kv.manager import TierManager
@@ -43,7 +44,6 @@ __all__ = ["KVConfig", "KVStore", "TierConfig"]
 
 TierName = Literal["device", "host", "disk"]
 _ORDER = {"device": 0, "host": 1, "disk": 2}
-KEY_BYTES = 16
 
 
 log = logging.getLogger("omni.kv")
@@ -255,8 +255,7 @@ class KVStore:
                     self._num_leases += 1
             except BaseException:
                 with self._lock:
-                    for key in held:
-                        manager.unpin(key)
+                    manager.unpin(held)
                 raise
             return Lease(self, held, slots)
 
@@ -323,17 +322,13 @@ class KVStore:
         try:
             self._check_open()
             self._sweep()
-            run = self._ready_run(keys, 0)
-            if run is None:
+            slots = self._manager.pin_resident(keys)  # counts hits and the miss, as `acquire`
+            if slots is None:
                 return None
-            manager = self._manager
-            if len(run) < len(keys):
-                manager.match([keys[len(run)]])  # counts the miss, as `acquire` does
-            slots = [manager.promote(key, 0, pin=True)[1] for key in run]
             self._num_leases += 1
         finally:
             self._lock.release()
-        return Lease(self, run, slots)
+        return Lease(self, list(keys[:len(slots)]), slots)
 
     def _ready_run(self, keys: Sequence[bytes], target: int) -> list[bytes] | None:
         """The leading keys present, when all their pages are in memory at tier `target` or
@@ -521,8 +516,7 @@ class KVStore:
         with self._lock:
             if self._closed:
                 return
-            for key in keys:
-                self._manager.unpin(key)
+            self._manager.unpin(keys)
             self._num_leases -= 1
 
     def _export(self, keys: list[bytes], slots: list[int], ttl: float | None) -> PageDescriptor:
@@ -539,12 +533,11 @@ class KVStore:
             lease_id = next(self._lease_ids)
             expiry = now_ns() + int(seconds * 1e9)
             record = self._table.export(lease_id, expiry)
-            for key in keys:
-                self._manager.pin(key)
+            self._manager.pin(keys)
             self._exported[record] = (lease_id, list(keys))
         return PageDescriptor(
             store_id=self.store_id, tier=top.name, arena=top.arena_name,
-            offsets=[top.offset(s) for s in slots], layout=self.layout.to_spec(),
+            offsets=top.offsets(slots), layout=self.layout.to_spec(),
             lease_id=lease_id, lease_slot=record, lease_table=self._table.arena.name,
             expiry_ns=expiry)
 
@@ -554,15 +547,13 @@ class KVStore:
             return
         for record in self._table.finished(list(self._exported)):
             _, keys = self._exported.pop(record)
-            for key in keys:
-                self._manager.unpin(key)
+            self._manager.unpin(keys)
             self._table.free(record)
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-                raise ValueError(f"a page key is {KEY_BYTES} bytes (from block_keys), "
-                                 f"got {key!r:.40}")
+        problem = invalid_key(keys)
+        if problem is not None:
+            raise ValueError(problem)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -75,6 +75,7 @@ from omni._shm import Segment, owner_stamp, reclaim_dead, stamp_owner
 from omni._units import parse_size
 from omni.kv.descriptors import LayoutSpec, PageDescriptor
 from omni.kv.errors import KVError
+from omni.kv.keys import invalid_key
 from omni.transport.errors import TransportError, WireError
 from omni.transport.host import host_id
 
@@ -744,9 +745,9 @@ class _BaseMover:
         if not keys or tuple(pages.shape) != expected or pages.dtype != self.layout.dtype:
             raise ValueError(f"pages must be a non-empty {list(expected)} {self.layout.dtype} "
                              f"tensor, got {list(pages.shape)} {pages.dtype}")
-        for key in keys:
-            if not isinstance(key, bytes) or len(key) != 16:
-                raise ValueError(f"a page key is 16 bytes, got {key!r:.40}")
+        problem = invalid_key(keys)
+        if problem is not None:
+            raise ValueError(problem)
         return keys, pages
 
     def _check_header(self, header: Any, kind: type) -> None:
@@ -756,8 +757,8 @@ class _BaseMover:
             problem = f"pages of layout {header.layout} arrived where {self._spec} was expected"
         elif not 0 < len(header.keys) <= MAX_PAGES:
             problem = f"a header of {len(header.keys)} pages (1 to {MAX_PAGES})"
-        elif any(not isinstance(key, bytes) or len(key) != 16 for key in header.keys):
-            problem = "a header carries a page key that is not 16 bytes"
+        elif (bad := invalid_key(header.keys)) is not None:
+            problem = f"a header carries a bad page key: {bad}"
         else:
             return
         raise self._refused(WireError(problem))

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni.kv import keys as keys_module
-from omni.kv.keys import ROOT_KEY, MediaSpan, block_keys, media_digest
+from omni.kv.keys import ROOT_KEY, MediaSpan, block_keys, invalid_key, media_digest
 
 TOKENS = list(range(100, 164))  # 64 tokens: 4 pages of 16
 
@@ -355,3 +355,16 @@ def test_keys_within_a_sequence_are_unique(pages: list[list[int]]) -> None:
     tokens = [token for page in pages for token in page]
     keys = block_keys(tokens, 4)
     assert len(set(keys)) == len(keys) == len(pages)
+
+
+def test_invalid_key_names_the_first_thing_that_is_not_a_page_key():
+    keys = block_keys(range(32), 16)
+
+    class Key(bytes):
+        pass
+
+    assert invalid_key(keys) is None and invalid_key([]) is None
+    assert invalid_key([Key(keys[0]), *keys]) is None  # bytes' subclasses are keys too
+    assert "got b'short'" in invalid_key([*keys, b"short"])
+    assert "got 'text" in invalid_key([keys[0], "text" * 8])
+    assert "got None" in invalid_key(iter([None]))

@@ -338,6 +338,28 @@ def test_acquire_now_leases_pages_in_the_top_tier_and_declines_the_rest(tmp_path
         assert store.stats()["leases"]["pinned_pages"] == 0
 
 
+def test_acquire_now_leaves_the_store_as_acquire_does(tmp_path):
+    """The fast path (one step for the whole run) against the general one, on twin stores:
+    the same pages leased, the same hits and misses, the same eviction order after."""
+    keys, pages = keys_and_pages(6)
+    stores = [make_store(tmp_path / name, device=4, host=4, disk=0) for name in "ab"]
+    try:
+        for store in stores:
+            store.put(keys[:4], pages[:4])
+        asked = [keys[2], keys[0], keys[3], keys[5], keys[1]]  # keys[5] absent: a miss
+        fast, general = stores[0].acquire_now(asked), stores[1].acquire(asked)
+        with fast, general:
+            assert list(fast.keys) == list(general.keys) == asked[:3]
+            assert torch.equal(fast.pages(), general.pages())
+            assert stores[0].stats() == stores[1].stats()
+        assert stores[0].stats() == stores[1].stats()
+        assert stores[0]._manager.resident(0) == stores[1]._manager.resident(0)
+        assert stores[0]._manager.resident(0)[-3:] == asked[:3]  # used last, in that order
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_acquire_now_never_waits_for_another_thread_s_store_work(tmp_path):
     keys, pages = keys_and_pages(2)
     with make_store(tmp_path) as store:

@@ -23,6 +23,7 @@ import msgspec
 import trio
 import zmq
 
+from omni.kv.keys import KEY_BYTES
 from omni.transport.errors import TransportError, WireError
 from omni.transport.rpc import Reply
 from omni.transport.trio_zmq import Socket, background_nursery, open_socket
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["KVEvent", "KVPublisher", "KVSnapshot", "SnapshotHeader", "request_snapshot"]
 
 TOPIC = b"omni.kv/1"  # the first frame of every event: SUB filters on it, a new format gets v2
-KEY_BYTES = 16
 MAX_EVENT_KEYS = 16_384  # keys per event: ~300 KB of msgpack, well under the control limit
 PageKey = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
+from omni.kv.keys import invalid_key
 from omni.kv.layout import KVLayout
 from omni.kv.tiers.memory import check_page
 
@@ -35,7 +36,6 @@ log = logging.getLogger("omni.kv")
 
 MAGIC = b"OMNIKV\x00\x01"
 HEADER = struct.Struct("<8s16sQ16s")  # magic, key, payload length, xxh3_128 digest of payload
-KEY_BYTES = 16
 BLOCK = 4096
 DATA_FILE = "pages.bin"
 
@@ -273,8 +273,9 @@ class DiskTier:
 
     @staticmethod
     def _check_key(key: bytes) -> None:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise ValueError(f"a page key is {KEY_BYTES} bytes, got {key!r}")
+        problem = invalid_key((key,))
+        if problem is not None:
+            raise ValueError(problem)
 
     def __repr__(self) -> str:
         state = " closed" if self._fd is None else ""

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -225,10 +225,13 @@ class MemoryTier:
                     self._reserved_slots, _mib(self._reserved_slots * pb), self.num_slots,
                     _mib(self.num_slots * pb), arena.path.parent, self.name)
 
-    def offset(self, slot: int) -> int:
-        """Byte offset of `slot` from the start of the pool (and of the arena, which it fills)."""
-        self._check_slot(slot)
-        return slot * self._page_bytes
+    def offsets(self, slots: Sequence[int]) -> list[int]:
+        """Byte offsets of `slots` from the start of the pool (and of the arena, which it
+        fills)."""
+        for slot in (min(slots), max(slots)) if slots else ():
+            self._check_slot(slot)
+        pb = self._page_bytes
+        return [slot * pb for slot in slots]
 
     def write(self, slot: int, page: torch.Tensor, key: bytes) -> None:
         """Copy `page` (any device) into `slot`. `key` is not stored: memory cannot go stale.

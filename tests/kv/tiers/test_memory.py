@@ -112,9 +112,9 @@ def test_host_tier_lives_in_its_stores_arena_at_slot_offsets(host: HostTier, lay
     page = _pages(layout, 1, seed=3)[0]
     host.write(5, page, KEY)
     with Segment.attach(host.arena_name, writable=False) as other:
-        seen = other.tensor(host.offset(5), layout.page_shape, layout.dtype)
+        seen = other.tensor(host.offsets([5])[0], layout.page_shape, layout.dtype)
         assert torch.equal(seen, page)
-    assert host.offset(5) == 5 * layout.page_bytes
+    assert host.offsets([5])[0] == 5 * layout.page_bytes
 
 
 def test_cpu_device_tier_is_backed_by_a_device_arena(layout: KVLayout, store_id: str) -> None:
