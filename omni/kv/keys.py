@@ -34,8 +34,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "MediaSpan", "PageKey", "block_keys", "invalid_key",
-           "media_digest"]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "MediaSpan", "PageKey", "block_keys", "check_keys",
+           "invalid_key", "media_digest"]
 
 PageKey = bytes
 """A page's key: 16 bytes (a blake2b digest)."""
@@ -56,6 +56,13 @@ def invalid_key(keys: Iterable[object]) -> str | None:
         if not isinstance(key, bytes) or len(key) != KEY_BYTES:
             return f"a page key is {KEY_BYTES} bytes (from block_keys), got {key!r:.40}"
     return None
+
+
+def check_keys(keys: Iterable[object]) -> None:
+    """Raise ValueError naming the first of `keys` that is not a page key (`invalid_key`)."""
+    problem = invalid_key(keys)
+    if problem is not None:
+        raise ValueError(problem)
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _EXTRA_SCALARS = (str, int, float, bytes, bool, type(None))

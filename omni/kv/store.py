@@ -27,7 +27,7 @@ from omni.kv.descriptors import PageDescriptor
 from omni.kv.errors import KVError
 from omni.kv.events import Listener, StoreEvents
 from omni.kv.handle import Lease
-from omni.kv.keys import invalid_key
+from omni.kv.keys import check_keys
 from omni.kv.layout import KVLayout, parse_size
 from omni.kv.leases import LeaseTable, now_ns, reclaim_dead_stores
 from omni.kv.manager import TierManager
@@ -204,7 +204,7 @@ class KVStore:
             ValueError: wrong keys, or pages of the wrong shape or dtype.
             KVCapacityError: the top tier is full of pinned pages.
         """
-        self._check_keys(keys)
+        check_keys(keys)
         expected = (len(keys), *self.layout.page_shape)
         if not isinstance(pages, torch.Tensor) or tuple(pages.shape) != expected:
             got = tuple(pages.shape) if isinstance(pages, torch.Tensor) else type(pages).__name__
@@ -233,7 +233,7 @@ class KVStore:
             KVCapacityError: the top tier cannot hold them all unpinned pages aside; nothing
                 stays pinned then.
         """
-        self._check_keys(keys)
+        check_keys(keys)
         manager = self._manager
         with self._emitting(), batched_copies():
             with self._lock:
@@ -274,7 +274,7 @@ class KVStore:
         """
         from omni._openmp import run_in_worker  # imports trio: only where it is needed
 
-        self._check_keys(keys)
+        check_keys(keys)
         keys = list(keys)
         n = self._prefetch_in_memory(keys)
         if n is None:  # a page to read from disk or to move between tiers
@@ -316,7 +316,7 @@ class KVStore:
         in the top tier already (nothing to read from disk or to move, so nothing to wait
         for), else None, as when another thread holds the store: `acquire` in a worker
         thread then. Why: a thread hop costs more than leasing pages already in memory."""
-        self._check_keys(keys)
+        check_keys(keys)
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -354,7 +354,7 @@ class KVStore:
     def discard(self, keys: Sequence[bytes]) -> int:
         """Forget the pages of `keys` in every tier; returns how many went. Pages pinned by
         a lease stay (they are in use); absent keys are ignored."""
-        self._check_keys(keys)
+        check_keys(keys)
         with self._mutating():
             self._check_open()
             manager = self._manager
@@ -549,11 +549,6 @@ class KVStore:
             _, keys = self._exported.pop(record)
             self._manager.unpin(keys)
             self._table.free(record)
-
-    def _check_keys(self, keys: Sequence[bytes]) -> None:
-        problem = invalid_key(keys)
-        if problem is not None:
-            raise ValueError(problem)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -75,7 +75,7 @@ from omni._shm import Segment, owner_stamp, reclaim_dead, stamp_owner
 from omni._units import parse_size
 from omni.kv.descriptors import LayoutSpec, PageDescriptor
 from omni.kv.errors import KVError
-from omni.kv.keys import invalid_key
+from omni.kv.keys import check_keys, invalid_key
 from omni.transport.errors import TransportError, WireError
 from omni.transport.host import host_id
 
@@ -745,9 +745,7 @@ class _BaseMover:
         if not keys or tuple(pages.shape) != expected or pages.dtype != self.layout.dtype:
             raise ValueError(f"pages must be a non-empty {list(expected)} {self.layout.dtype} "
                              f"tensor, got {list(pages.shape)} {pages.dtype}")
-        problem = invalid_key(keys)
-        if problem is not None:
-            raise ValueError(problem)
+        check_keys(keys)
         return keys, pages
 
     def _check_header(self, header: Any, kind: type) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from omni.kv.keys import invalid_key
+from omni.kv.keys import check_keys
 from omni.kv.layout import KVLayout
 from omni.kv.tiers.memory import check_page
 
@@ -192,7 +192,7 @@ class DiskTier:
         """
         fd = self._open_fd()
         offset = self._offset(slot)
-        self._check_key(key)
+        check_keys((key,))
         check_page(self.name, self.layout, page)
         if page.device.type != "cpu":
             page = page.to("cpu")
@@ -214,7 +214,7 @@ class DiskTier:
         """
         fd = self._open_fd()
         offset = self._offset(slot)
-        self._check_key(key)
+        check_keys((key,))
         check_page(self.name, self.layout, out, "destination")
         if out.device.type != "cpu" or not out.is_contiguous():
             staged = torch.empty(self.layout.page_shape, dtype=self.layout.dtype)
@@ -270,12 +270,6 @@ class DiskTier:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"tier 'disk' has no slot {slot} (0..{self.num_slots - 1})")
         return slot * self.slot_bytes
-
-    @staticmethod
-    def _check_key(key: bytes) -> None:
-        problem = invalid_key((key,))
-        if problem is not None:
-            raise ValueError(problem)
 
     def __repr__(self) -> str:
         state = " closed" if self._fd is None else ""

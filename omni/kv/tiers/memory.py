@@ -228,8 +228,9 @@ class MemoryTier:
     def offsets(self, slots: Sequence[int]) -> list[int]:
         """Byte offsets of `slots` from the start of the pool (and of the arena, which it
         fills)."""
-        for slot in (min(slots), max(slots)) if slots else ():
-            self._check_slot(slot)
+        if slots:  # every one lies between these two
+            self._check_slot(min(slots))
+            self._check_slot(max(slots))
         pb = self._page_bytes
         return [slot * pb for slot in slots]
 
