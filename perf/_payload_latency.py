@@ -11,7 +11,9 @@ wall time per request; then under cProfile in the driver (its trio thread), for 
 with the most own time (share of the profiled wall time) and the remote calls per request.
 Both while Ray's pipeline stands, as in the rounds; then the plain requests once more after
 it is torn down (``after_ray_teardown``): the same figures without Ray's compiled graph
-standing by.
+standing by. And, also while Ray's pipeline stands, the hop claim's ``floor``: four bare
+processes passing 8 bytes around a ring of Unix sockets (`perf/_ring.py`), with trio event
+loops as Omni's processes run and with blocking sockets.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from perf import _payload_nodes as nodes
+from perf import _ring
 from perf._common import Samples
 from perf._payload_measures import (
     CALL_LATENCY_TARGET,
@@ -100,6 +103,7 @@ async def pipeline_section(rt: Any, p: Params, ray: RayState, thread: BlockingTh
     try:
         hop = await _hop_latency(rt, p, pipeline, thread)
         throughput = await _throughput(rt, p, pipeline, thread)
+        floor = await _floor(p)
         if "omni" not in hop[1] and "omni" not in throughput[1]:
             try:  # while Ray's pipeline still stands, as in the rounds
                 explain = await explain_pipeline(rt, p, pids or {})
@@ -128,7 +132,7 @@ async def pipeline_section(rt: Any, p: Params, ray: RayState, thread: BlockingTh
     hop_claim = claim(
         unit="µs per hop", target=RAY_TARGET, better="lower", measured=samples.get("omni"),
         baseline=samples.get("ray"), digits=1,
-        error=errors.get("omni") or errors.get("ray") or no_ray, **baseline,
+        error=errors.get("omni") or errors.get("ray") or no_ray, **baseline, floor=floor,
         **_why(explain.get("hop"), "hop"),
         note=(f"a graph of three class nodes, one per worker (w1, w2, w3), each returning its "
               f"argument (an int): one request's end-to-end µs / 3, the median of "
@@ -176,6 +180,23 @@ async def _concurrent(rt: Any, requests: int, in_flight: int) -> float:
             for _ in range(in_flight):
                 nursery.start_soon(client)
     return requests / (time.perf_counter() - start)
+
+
+async def _floor(p: Params) -> dict[str, Any]:
+    """The rings of `perf/_ring.py` (µs per hop; an error string where one failed)."""
+    requests = p.hop_requests * 20
+    out: dict[str, Any] = {"requests": requests}
+    for kind in ("trio", "blocking"):
+        try:
+            out[f"{kind}_us_per_hop"] = round(
+                await trio.to_thread.run_sync(_ring.measure, kind, requests), 1)
+        except Exception as exc:  # recorded; the claim stands without it
+            out[f"{kind}_us_per_hop"] = f"not measured: {error_text(exc)}"
+    out["note"] = ("four processes that only pass 8 bytes around a ring of Unix sockets, as "
+                   "the pipeline's request goes around its processes: one request's µs / 3, "
+                   "the median; trio: each process a trio event loop, as Omni's are; "
+                   "blocking: plain blocking sockets, no event loop")
+    return out
 
 
 async def _hop_latency(rt: Any, p: Params, pipeline: Any, thread: BlockingThread

@@ -41,6 +41,8 @@ def test_payloads_results_report_every_claim_by_its_rule():
         assert all(s["omni_ms"]["median"] > 0 for s in sizes.values()), name
         assert report[name]["copy"]["median"] > 0, name
     assert report["tcp_64mib"]["baseline"]["median"] > 0  # raw pyzmq
+    floor = report["hop_latency"]["floor"]  # the bare rings under the hop, in the same run
+    assert floor["trio_us_per_hop"] > 0 and floor["blocking_us_per_hop"] > 0
     assert report["tcp_64mib"]["setting"] == {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0",
                                               "OMNI_DATA_PLANE": "plaintext"}
     assert report["tcp_64mib"]["plaintext_gib_s"]["median"] > 0  # the plaintext data plane
