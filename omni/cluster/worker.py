@@ -280,10 +280,12 @@ class Worker:
         server.register("payload.push", self._push, body_type=Chunk, with_payload=True)
         server.register("payload.pull", self._pull, body_type=Chunk)
         server.register("node.take", self._take, body_type=Take)
-        server.register("node.let_go", self._let_go_taken, body_type=tuple[str, int])
+        server.register("node.let_go", self._let_go_taken, body_type=tuple[str, int],
+                        inline=True)
         server.register("node.chain", self._chain, body_type=CallHead, with_payload=True,
                         refused=self._chain_refused)
-        server.register("chain.cancel", self._cancel_chain, body_type=tuple[str, int])
+        server.register("chain.cancel", self._cancel_chain, body_type=tuple[str, int],
+                        inline=True)
         server.register("worker.load", self._load_rpc, body_type=Any)
 
     def info(self) -> MemberInfo:
@@ -556,7 +558,7 @@ class Worker:
             head.stage, self.name, "ServerBusy", f"worker '{self.name}' runs too many calls"))
         self._nursery.start_soon(self._end_chain, head.chain.session, end, [])
 
-    async def _cancel_chain(self, body: tuple[str, int]) -> None:
+    def _cancel_chain(self, body: tuple[str, int]) -> None:
         """``chain.cancel``, a notice: the driver gave up on a chain; stop its stage here."""
         session, token = body
         for (s, t, _), scope in self._chains.items():
@@ -639,7 +641,7 @@ class Worker:
                 with contextlib.suppress(TransportError):
                     await client.notify("node.let_go", (session, kept.kept))
 
-    async def _let_go_taken(self, body: tuple[str, int]) -> None:
+    def _let_go_taken(self, body: tuple[str, int]) -> None:
         """``node.let_go``, a notice: the worker a value was kept for has taken it."""
         self._let_go(body[0], [body[1]])
 

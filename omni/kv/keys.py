@@ -29,13 +29,13 @@ import hashlib
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-__all__ = ["KEY_BYTES", "ROOT_KEY", "MediaSpan", "PageKey", "block_keys", "check_keys",
-           "invalid_key", "media_digest"]
+__all__ = ["KEY_BYTES", "ROOT_KEY", "KeyField", "MediaSpan", "PageKey", "block_keys",
+           "check_keys", "invalid_key", "media_digest"]
 
 PageKey = bytes
 """A page's key: 16 bytes (a blake2b digest)."""
@@ -43,6 +43,8 @@ PageKey = bytes
 KEY_BYTES = 16
 ROOT_KEY: PageKey = hashlib.blake2b(b"omni.kv.page-key.v1", digest_size=KEY_BYTES).digest()
 """The fixed "previous key" of a sequence's first page."""
+KeyField = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+"""A page key as a field of a message (msgspec): decoding refuses any other length."""
 
 
 def invalid_key(keys: Iterable[object]) -> str | None:

@@ -75,7 +75,7 @@ from omni._shm import Segment, owner_stamp, reclaim_dead, stamp_owner
 from omni._units import parse_size
 from omni.kv.descriptors import LayoutSpec, PageDescriptor
 from omni.kv.errors import KVError
-from omni.kv.keys import check_keys, invalid_key
+from omni.kv.keys import KeyField, check_keys, invalid_key
 from omni.transport.errors import TransportError, WireError
 from omni.transport.host import host_id
 
@@ -101,7 +101,6 @@ _PAGE = mmap.PAGESIZE
 
 Locality = Literal["same_process", "same_machine", "remote"]
 Frame: TypeAlias = Any  # bytes, memoryview or zmq.Frame: anything with the buffer protocol
-PageKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 MAX_PAGES = 1 << 16  # per message: a header that claims more is refused before any allocation
 COPY_MARGIN_S = 30.0  # a shared-memory lease is renewed to last at least this long per copy
 
@@ -569,7 +568,7 @@ class _Header(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field
     """Fields every mover header has: the pages' layout and their 16-byte keys."""
 
     layout: LayoutSpec
-    keys: list[PageKey]
+    keys: list[KeyField]
 
 
 class SameProcessHeader(_Header, frozen=True, tag="same_process"):

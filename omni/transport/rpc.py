@@ -427,7 +427,11 @@ class RPCServer(_Service):
         return route.handler(body, payload) if route.with_payload else route.handler(body)
 
     def _success(self, request_id: int, result: Any) -> list[Buffer]:
-        """The reply frames of a handler's `result` (a `Reply`: with its payload frames)."""
+        """The reply frames of a handler's `result` (a `Reply`: with its payload frames);
+        none for a notice, whose result nobody reads."""
+        if request_id == 0:
+            self._completed += 1
+            return []
         codec = self._codec
         try:
             if isinstance(result, Reply):
@@ -443,8 +447,10 @@ class RPCServer(_Service):
 
     def _failure(self, request_id: int, exc: Exception) -> list[Buffer]:
         """The `Error` frame of a failed request: the caller gets the type name and the
-        message, never the object."""
+        message, never the object (none for a notice)."""
         self._failed += 1
+        if request_id == 0:
+            return []
         text = str(exc)[:_MAX_ERROR_CHARS]
         return [self._codec.encode(Error(request_id, type(exc).__name__, text))]
 

@@ -361,7 +361,7 @@ def test_invalid_key_names_the_first_thing_that_is_not_a_page_key():
     keys = block_keys(range(32), 16)
 
     class Key(bytes):
-        pass
+        """A caller's own key type."""
 
     assert invalid_key(keys) is None and invalid_key([]) is None
     assert invalid_key([Key(keys[0]), *keys]) is None  # bytes' subclasses are keys too

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 import zmq
 
-from omni.kv.keys import KEY_BYTES
+from omni.kv.keys import KEY_BYTES, KeyField
 from omni.transport.errors import TransportError, WireError
 from omni.transport.rpc import Reply
 from omni.transport.trio_zmq import Socket, background_nursery, open_socket
@@ -38,7 +38,6 @@ __all__ = ["KVEvent", "KVPublisher", "KVSnapshot", "SnapshotHeader", "request_sn
 
 TOPIC = b"omni.kv/1"  # the first frame of every event: SUB filters on it, a new format gets v2
 MAX_EVENT_KEYS = 16_384  # keys per event: ~300 KB of msgpack, well under the control limit
-PageKey = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 
 
 class KVEvent(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -49,8 +48,8 @@ class KVEvent(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_field
     member: str
     epoch: int
     seq: int
-    stored: list[PageKey] = []
-    removed: list[PageKey] = []
+    stored: list[KeyField] = []
+    removed: list[KeyField] = []
 
 
 class KVSnapshot(msgspec.Struct, frozen=True):

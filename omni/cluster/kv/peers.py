@@ -27,13 +27,14 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
 
 from omni.cluster.kv import request_holders
 from omni.kv.errors import KVCapacityError
+from omni.kv.keys import KeyField
 from omni.transport import movers
 from omni.transport.errors import TransportError, WireError
 from omni.transport.movers import FrameMover, Locality, MoverHeader, choose_mover, unpack
@@ -57,13 +58,12 @@ MAX_FETCH_PAGES = 16_384  # keys per call: request and header stay well under 1 
 # Pages a holder leases on its event loop (about 1 µs each) when they are all in shared memory
 # already; a longer run is leased in a worker thread, whose hop then costs little beside it.
 INLINE_PAGES = 256
-PageKey = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
 class FetchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Pages wanted (leading keys first) by process `pid` of host `host_id`."""
 
-    keys: list[PageKey]
+    keys: list[KeyField]
     host_id: str
     pid: int
 
