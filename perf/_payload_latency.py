@@ -246,6 +246,15 @@ def _task_cpu_ns(pid: int) -> int | None:
         return None
 
 
+def _main_thread_cpu_ns(pid: int) -> int | None:
+    """On-CPU nanoseconds of `pid`'s main thread (its event loop's, in Omni's processes), or
+    None (gone, or no schedstat)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _machine_busy_ns() -> int | None:
     """Nanoseconds every CPU of the machine spent busy (``/proc/stat``: all but idle and
     iowait), or None."""
@@ -274,6 +283,7 @@ def _snapshot(pids: dict[str, int], ray_pids: set[int]) -> dict[str, Any]:
     return {"wall": time.perf_counter_ns(), "driver": time.process_time_ns(),
             "trio_thread": time.thread_time_ns(), "machine": _machine_busy_ns(),
             "procs": {name: _task_cpu_ns(pid) for name, pid in pids.items()},
+            "loops": {name: _main_thread_cpu_ns(pid) for name, pid in pids.items()},
             "ray": {pid: ns for pid, ns in zip(ray_pids, ray, strict=True) if ns is not None}}
 
 
@@ -287,6 +297,8 @@ def _per_request(before: dict[str, Any], after: dict[str, Any], requests: int
     wall = us(before["wall"], after["wall"])
     procs = {name: us(before["procs"][name], after["procs"].get(name))
              for name in before["procs"]}
+    loops = {name: us(before["loops"][name], after["loops"].get(name))
+             for name in before["loops"]}
     ray_pids = before["ray"].keys() & after["ray"].keys()
     ray = us(sum(before["ray"][pid] for pid in ray_pids),
              sum(after["ray"][pid] for pid in ray_pids))
@@ -294,7 +306,8 @@ def _per_request(before: dict[str, Any], after: dict[str, Any], requests: int
         "requests": requests, "wall_us": wall,
         "driver_cpu_us": us(before["driver"], after["driver"]),
         "driver_trio_thread_cpu_us": us(before["trio_thread"], after["trio_thread"]),
-        "cluster_cpu_us": procs, "ray_cpu_us": ray, "ray_processes": len(ray_pids),
+        "cluster_cpu_us": procs, "cluster_loop_cpu_us": loops,
+        "ray_cpu_us": ray, "ray_processes": len(ray_pids),
         "machine_busy_us": us(before["machine"], after["machine"]), "cpus": os.cpu_count()}
     known = [out["driver_cpu_us"], *procs.values(), ray]
     if out["machine_busy_us"] is not None and None not in known:

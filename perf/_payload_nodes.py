@@ -80,18 +80,26 @@ class MakeTcp(_Make):
     pass
 
 
+class _Hop:
+    """Returns what it was given; synchronous, as the Ray pipeline's actor methods are (a
+    chain's stages of a synchronous node run on their worker's lane)."""
+
+    def __call__(self, value: Any) -> Any:
+        return value
+
+
 @omni.node(where="w1")
-class Hop1(_Pass):
+class Hop1(_Hop):
     pass
 
 
 @omni.node(where="w2")
-class Hop2(_Pass):
+class Hop2(_Hop):
     pass
 
 
 @omni.node(where="w3")
-class Hop3(_Pass):
+class Hop3(_Hop):
     pass
 
 

@@ -34,9 +34,10 @@ from typing import Any
 import trio
 
 from omni._parking import Parked
-from omni.cluster.membership import member_servers
+from omni.cluster.membership import ClientSet, member_servers
 from omni.cluster.remote import (
     Broken,
+    CallHead,
     Chain,
     ChainEnd,
     KeptReleases,
@@ -100,6 +101,7 @@ class ChainEnds:
         self._waiting: dict[int, Waiting] = {}
         self._tokens = itertools.count(1)
         self._nursery: trio.Nursery | None = None
+        self._lanes: ClientSet | None = None  # to the workers' lanes on this host
         self.ended = self.late = 0
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -118,16 +120,30 @@ class ChainEnds:
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
+                    self._lanes = ClientSet(self.creds, nursery, heartbeat_interval=None)
                     task_status.started()
                     await self._watch()
             finally:
-                self._nursery = None
+                self._nursery = self._lanes = None
 
     def open(self, replicas: Sequence[RemoteReplica]) -> Waiting:
         """A new chain over `replicas`' workers, waiting for its end until `close`."""
         waiting = Waiting(next(self._tokens), replicas)
         self._waiting[waiting.token] = waiting
         return waiting
+
+    async def start(self, replica: RemoteReplica, head: CallHead, frames: list[Any]) -> None:
+        """Send a chain's first stage to `replica`'s worker: to its lane on this host (its
+        heartbeats still answered: else the call fails as a call would), else over RPC.
+
+        Raises `PeerGone` when the worker stopped answering heartbeats.
+        """
+        lane = replica.address.lane_endpoint()
+        if lane and self._lanes is not None and replica.client.peer_alive:
+            client = await self._lanes.connect(replica.member, lane)
+        else:
+            client = replica.client
+        await client.notify("node.chain", head, payload=frames)
 
     def close(self, waiting: Waiting) -> None:
         """Stop waiting for the chain's end; before it came (cancelled, or the first notice

@@ -283,7 +283,7 @@ class ClusterLink:
                         mover=self.mover, same_host=member.host_id == host_id(),
                         session=self.session, nursery=self._nursery, trail=self.trail,
                         address=WorkerAddress(member.name, member.rpc, member.ipc,
-                                              member.host_id),
+                                              member.host_id, member.lane),
                         releases=self.releases, chains=self.chains)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:

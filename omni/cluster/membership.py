@@ -41,7 +41,7 @@ from omni.transport.rpc import RPCClient, RPCServer
 from omni.transport.unix import remove_stale
 
 __all__ = ["ClientSet", "HeadCluster", "HeadLink", "Membership", "Roster", "member_servers",
-           "probe"]
+           "probe", "unix_endpoint"]
 
 log = logging.getLogger("omni.cluster")
 
@@ -174,18 +174,25 @@ def member_servers(creds: Credentials, host: str, prefix: str) -> list[RPCServer
     servers = [RPCServer(f"tcp://{host}:*", ctx=creds.ctx, options=creds.server_options(),
                          data_plane=creds.data_plane())]
     if ipc_enabled():
-        folder = ipc_directory()
-        remove_stale(folder, f"{prefix}-*.sock")
-        servers.append(RPCServer(f"unix://{folder}/{prefix}-{os.getpid()}-"
-                                 f"{secrets.token_hex(4)}.sock"))
+        servers.append(RPCServer(unix_endpoint(prefix)))
     return servers
 
 
+def unix_endpoint(prefix: str) -> str:
+    """A fresh ``unix://`` endpoint in this host's 0700 folder for a socket of kind `prefix`
+    (the socket files of that kind that killed processes left are removed first)."""
+    folder = ipc_directory()
+    remove_stale(folder, f"{prefix}-*.sock")
+    return f"unix://{folder}/{prefix}-{os.getpid()}-{secrets.token_hex(4)}.sock"
+
+
 class ClientSet:
-    """RPC clients to members, by name; each lives in `nursery` until dropped or replaced."""
+    """RPC clients to members, by name; each lives in `nursery` until dropped or replaced.
+    `heartbeat_interval` None: the clients send no heartbeats (to lanes, which answer none:
+    `omni.transport.lane`)."""
 
     def __init__(self, creds: Credentials, nursery: trio.Nursery, *,
-                 heartbeat_interval: float = HEARTBEAT_S, missed: int = MISSED_BEATS):
+                 heartbeat_interval: float | None = HEARTBEAT_S, missed: int = MISSED_BEATS):
         self.creds = creds
         self.heartbeat_interval = heartbeat_interval
         self.missed = missed

@@ -43,7 +43,7 @@ import trio
 
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
-from omni.cluster.protocol import pick_endpoint
+from omni.cluster.protocol import lane_for, pick_endpoint
 from omni.graph.errors import StageError
 from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 __all__ = ["KEEP_MIN", "Broken", "CallHead", "Chain", "ChainEnd", "Chunk", "Deploy", "Feed",
            "KeptArg", "KeptReleases", "KeptValue", "RemoteReplica", "Renew", "RequestTrail",
            "Stage", "StreamBatch", "Take", "ValueHead", "WorkerAddress", "pack_for",
-           "pull_transfers", "split_items", "unpack_from"]
+           "pack_out", "pull_transfers", "split_items", "unpack_from", "unpack_here"]
 
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
@@ -90,10 +90,16 @@ class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
     rpc: str  # TCP
     ipc: str = ""  # its Unix socket, for processes on its host
     host: str = ""
+    lane: str = ""  # its lane, for chains' stages sent from its host (`omni.transport.lane`)
 
     def endpoint(self) -> str:
         """Where this process reaches it: its Unix socket on the same host, else TCP."""
         return pick_endpoint(self.rpc, self.ipc, self.host)
+
+    def lane_endpoint(self) -> str:
+        """Where this process sends it a chain's stage: its lane on the same host, else ''
+        (its RPC endpoint takes them)."""
+        return lane_for(self.lane, self.host)
 
 
 class KeptArg(msgspec.Struct, array_like=True, frozen=True):
@@ -236,17 +242,23 @@ def encode_for(value: Any, *, same_host: bool, streams: Callable[[Any], int] | N
     return pack_value(value, streams=streams, cuda_ipc=same_host and cuda_ipc_enabled())
 
 
+def pack_out(mover: PayloadMover, packed: Packed, *, peer: str, same_host: bool
+             ) -> tuple[list[BufferRef], list[Any]]:
+    """`packed`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`, moved in the
+    calling thread (`move_out` from the event loop)."""
+    refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
+    return refs, [packed.body, *frames]
+
+
 async def move_out(mover: PayloadMover, packed: Packed, *, peer: str, same_host: bool
                    ) -> tuple[list[BufferRef], list[Any]]:
-    """`packed`'s buffer refs, and its frames ``[body, *buffers]``, for `peer`. A copy into
-    shared memory of `OFF_LOOP_BYTES` or more runs in a thread: a gigabyte takes the better
-    part of a second, in which the event loop must go on answering heartbeats and calls."""
+    """`pack_out` from the event loop: a copy into shared memory of `OFF_LOOP_BYTES` or more
+    runs in a thread, since a gigabyte takes the better part of a second, in which the event
+    loop must go on answering heartbeats and calls."""
     if same_host and mover.shm and sum(b.nbytes for b in packed.buffers) >= OFF_LOOP_BYTES:
-        refs, frames = await trio.to_thread.run_sync(functools.partial(
-            mover.pack, packed.buffers, peer=peer, same_host=same_host))
-    else:
-        refs, frames = mover.pack(packed.buffers, peer=peer, same_host=same_host)
-    return refs, [packed.body, *frames]
+        return await trio.to_thread.run_sync(functools.partial(
+            pack_out, mover, packed, peer=peer, same_host=same_host))
+    return pack_out(mover, packed, peer=peer, same_host=same_host)
 
 
 async def pack_for(mover: PayloadMover, value: Any, *, peer: str, same_host: bool
@@ -260,14 +272,21 @@ async def unpack_from(mover: PayloadMover, refs: list[BufferRef], frames: Any, *
                       streams: Callable[[int], Any] | None = None) -> Any:
     """The value `pack_for` sent from `peer` (frames: ``[body, *buffers]``); shared memory of
     `OFF_LOOP_BYTES` or more is mapped in a thread (see `move_out`)."""
+    if sum(r.nbytes for r in refs if r.segment) < OFF_LOOP_BYTES:
+        return unpack_here(mover, refs, frames, peer=peer, streams=streams)
     if not frames:
         raise WireError("a value arrived without its body")
-    if sum(r.nbytes for r in refs if r.segment) >= OFF_LOOP_BYTES:
-        buffers = await trio.to_thread.run_sync(functools.partial(
-            mover.unpack, refs, frames[1:], peer=peer))
-    else:
-        buffers = mover.unpack(refs, frames[1:], peer=peer)
+    buffers = await trio.to_thread.run_sync(functools.partial(
+        mover.unpack, refs, frames[1:], peer=peer))
     return unpack_value(frames[0], buffers, streams=streams)
+
+
+def unpack_here(mover: PayloadMover, refs: list[BufferRef], frames: Any, *, peer: str,
+                streams: Callable[[int], Any] | None = None) -> Any:
+    """`unpack_from` in the calling thread."""
+    if not frames:
+        raise WireError("a value arrived without its body")
+    return unpack_value(frames[0], mover.unpack(refs, frames[1:], peer=peer), streams=streams)
 
 
 def split_items(refs: list[list[BufferRef]], frames: Any) -> list[tuple[list[BufferRef], Any]]:
@@ -487,8 +506,8 @@ class RemoteReplica:
         replicas = (self, *later)
         waiting = ends.open(replicas)
         try:
-            await self.client.notify("node.chain", msgspec.structs.replace(
-                head, then=stages, chain=Chain(self.session, waiting.token)), payload=frames)
+            await ends.start(self, msgspec.structs.replace(
+                head, then=stages, chain=Chain(self.session, waiting.token)), frames)
             end, payload = await waiting.result()
         except PeerGone as exc:
             raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None

@@ -26,11 +26,13 @@ worker's payload pool is emptied too, so an idle worker holds no payload memory.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import itertools
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +42,9 @@ import trio
 
 from omni.cluster._code import resolve
 from omni.cluster.errors import ClusterError, KeptValueLost
+from omni.cluster.gate import Gate
 from omni.cluster.kv import request_holders
-from omni.cluster.membership import ClientSet, HeadLink, Roster, member_servers
+from omni.cluster.membership import ClientSet, HeadLink, Roster, member_servers, unix_endpoint
 from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     KEEP_MIN,
@@ -55,6 +58,7 @@ from omni.cluster.remote import (
     Feed,
     KeptArg,
     Renew,
+    Stage,
     StreamBatch,
     Take,
     ValueHead,
@@ -62,18 +66,23 @@ from omni.cluster.remote import (
     encode_for,
     move_out,
     pack_for,
+    pack_out,
     pull_transfers,
     split_items,
     unpack_from,
+    unpack_here,
 )
 from omni.graph.context import CallContext, current
 from omni.graph.hosting import call_shape, host_replica
 from omni.transport.credentials import Credentials
-from omni.transport.errors import PeerGone, TransportError
-from omni.transport.host import host_id
+from omni.transport.errors import PeerGone, TransportError, WireError
+from omni.transport.host import host_id, ipc_enabled
+from omni.transport.lane import Lane
 from omni.transport.movers import payload_mover
-from omni.transport.rpc import Reply, RPCServer, handler_scope
-from omni.transport.values import decode_value
+from omni.transport.rpc import Reply, RPCServer
+from omni.transport.unix import is_unix
+from omni.transport.values import Packed, decode_value
+from omni.transport.wire import Request
 
 __all__ = ["KVTiers", "Worker"]
 
@@ -134,7 +143,7 @@ class _Hosted:
     stop: trio.Event = field(default_factory=trio.Event)
     # the node's calls in flight at once (its ``concurrency``): the driver holds its calls to
     # it, but a chain's later stages come from other workers and wait here (`_run`)
-    gate: trio.Semaphore | None = None
+    gate: Gate | None = None
 
 
 @dataclass
@@ -225,6 +234,9 @@ class Worker:
         # the chunked sends of kept values to the workers taking them: id -> [(peer, ids)]
         self._kept_sends: dict[int, list[tuple[str, list[int]]]] = {}
         self._peer_set: ClientSet | None = None  # clients to other workers (KV, kept values)
+        self.lane: Lane | None = None  # where chains' stages from this host come (`_on_lane`)
+        self._lane_set: ClientSet | None = None  # clients to other workers' lanes
+        self._lane_requests = self._lane_failed = 0  # (counted on the lane's thread)
         self._drivers: dict[str, WorkerAddress] = {}  # session -> where its chains end
         # the chains' stages running here: (session, token, stage) -> its scope
         self._chains: dict[tuple[str, int, int], trio.CancelScope] = {}
@@ -252,6 +264,9 @@ class Worker:
                 self._nursery = nursery
                 self.endpoint = self._servers[0].endpoint
                 self.ipc = self._servers[1].endpoint if len(self._servers) > 1 else ""
+                if ipc_enabled():
+                    self.lane = Lane(unix_endpoint("wl"), self._on_lane)
+                    await nursery.start(self.lane.run)
                 self.link = HeadLink(self.creds, self.head, self.info, self.load,
                                      heartbeat_interval=self.heartbeat_interval)
                 await nursery.start(self.link.run)
@@ -290,14 +305,16 @@ class Worker:
 
     def info(self) -> MemberInfo:
         return MemberInfo(self.name, self.endpoint or "", host_id(), os.getpid(),
-                          self.resources, self.kv_tiers.capacity(), self._kv_events, self.ipc)
+                          self.resources, self.kv_tiers.capacity(), self._kv_events, self.ipc,
+                          self.lane.endpoint if self.lane is not None else "")
 
     def load(self) -> MemberLoad:
         deployments = {f"{d}/{r}": (h.node, h.resources) for (d, r), h in self._hosted.items()}
         kv = self.kv.stats() if self.kv is not None else {}
         if self.peers is not None:
             kv["peers"] = {k: v for k, v in self.peers.stats().items() if isinstance(v, int)}
-        return MemberLoad(deployments, kv, self._requests, self._failed)
+        return MemberLoad(deployments, kv, self._requests + self._lane_requests,
+                          self._failed + self._lane_failed)
 
     async def _load_rpc(self, _: Any) -> MemberLoad:
         return self.load()
@@ -336,8 +353,7 @@ class Worker:
             self._hosted[key] = _Hosted(body.node, instance, streaming, is_async,
                                         dict(body.resources), body.session,
                                         body.host_id == host_id(), stop,
-                                        trio.Semaphore(body.concurrency)
-                                        if body.concurrency else None)
+                                        Gate(body.concurrency) if body.concurrency else None)
             task_status.started()
         self._hosted.pop(key, None)
 
@@ -444,6 +460,17 @@ class Worker:
         """`result` as it goes to the driver: its head and frames, or kept here when only
         class nodes take it (`keep`) and it is large; with `released`, the driver's leases
         released here (none for a chain's end: the chain carries them, `Chain.released`)."""
+        packed, kept = self._result_out(hosted, result, keep=keep, released=released)
+        if packed is None:
+            return kept, []
+        refs, frames = await move_out(self.mover, packed, peer=hosted.session,
+                                      same_host=hosted.same_host)
+        return ValueHead(refs, released), frames
+
+    def _result_out(self, hosted: _Hosted, result: Any, *, keep: bool, released: list[int]
+                    ) -> tuple[Packed | None, ValueHead]:
+        """`result` encoded for the driver (`_value_for_driver`), or (None, its head) when
+        it is kept here instead."""
         try:
             packed = encode_for(result, same_host=hosted.same_host)
         except TypeError as exc:
@@ -451,13 +478,16 @@ class Worker:
                 from None
         nbytes = sum(buffer.nbytes for buffer in packed.buffers)
         if keep and nbytes >= KEEP_MIN:  # only class nodes take it: it waits here
-            kept = self._keep(hosted.session, result)
-            return ValueHead([], released, kept, nbytes), []
-        refs, frames = await move_out(self.mover, packed, peer=hosted.session,
-                                      same_host=hosted.same_host)
-        return ValueHead(refs, released), frames
+            return None, ValueHead([], released, self._keep(hosted.session, result), nbytes)
+        return packed, ValueHead([], released)
 
     # -- chains (see omni.cluster.chains) ------------------------------------------------------
+    #
+    # A chain's stage comes over RPC (from another host, or where there are no Unix sockets)
+    # or on the lane (`omni.transport.lane`), whose thread runs it there and then when its
+    # node is synchronous and its arguments are all in the notice (`_on_lane`), and hands it
+    # to the event loop otherwise. Either way its value goes on to the next stage's lane when
+    # that worker has one on this host, else to its RPC endpoint.
 
     async def _chain(self, head: CallHead, payload: list[Any]) -> None:
         """``node.chain``, a notice: run this stage of a chain, then send its value on to the
@@ -468,34 +498,53 @@ class Worker:
         if chain is None:
             raise ValueError("a chain's stage came without its chain")
         key = (chain.session, chain.token, head.stage)  # (a worker may run two of its stages)
-        self._chains[key] = handler_scope()  # (cancelled: nothing is sent on)
-        try:
-            end, frames = await self._stage(head, chain, payload, started)
-        except Exception as exc:
-            broken = Broken.of(head.stage, self.name, exc)
-            if isinstance(exc, KeptValueLost) and head.stage > 0:
-                # the worker before, which kept this stage's argument, is gone
-                broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc,
-                                   lost=True)
-            end, frames = ChainEnd(self._passing(chain), self.name, broken=broken), []
-        finally:
-            del self._chains[key]
-        if end is not None:
-            await self._end_chain(chain.session, end, frames)
+        with trio.CancelScope() as scope:  # (cancelled: nothing is sent on)
+            self._chains[key] = scope
+            try:
+                end, frames = await self._stage(head, chain, payload, started)
+            except Exception as exc:
+                end, frames = self._broken(head, chain, exc), []
+            finally:
+                del self._chains[key]
+            if end is not None:
+                await self._end_chain(chain.session, end, frames)
 
     async def _stage(self, head: CallHead, chain: Chain, payload: list[Any], started: float
                      ) -> tuple[ChainEnd | None, list[Any]]:
         """Run the stage and pass its value on: the chain's end when this is its last stage
         (or the next stage's worker cannot be reached), else None."""
         hosted = self._hosted_for(head)
-        session = hosted.session
         result = await self._run_call(hosted, head, payload)
         took = trio.current_time() - started
-        self._check_session(session)  # it may have left while the call ran
+        self._check_session(hosted.session)  # it may have left while the call ran
         if not head.then:
             value, frames = await self._value_for_driver(hosted, result, keep=head.keep,
                                                          released=[])
             return ChainEnd(self._passing(chain, took), self.name, value), frames
+        stage, call, frames = self._next_stage(hosted, head, chain, result, took)
+        del result
+        await self._send_on(hosted.session, stage, call, frames)
+        return None, []
+
+    async def _send_on(self, session: str, stage: Stage, call: CallHead, frames: list[Any]
+                       ) -> None:
+        """Send the next stage to its worker from the event loop: to its lane on this host,
+        else over RPC; the chain ends here as broken when that worker cannot be reached."""
+        try:
+            lane = stage.worker.lane_endpoint()
+            if lane:
+                client = await self._lanes().connect(stage.worker.name, lane)
+            else:
+                client = await self._peers().connect(stage.worker.name, stage.worker.endpoint())
+            await client.notify("node.chain", call, payload=frames)
+        except TransportError as exc:  # stopped answering, or cannot be reached
+            await self._end_chain(session, self._unreached(session, stage, call, exc), [])
+
+    def _next_stage(self, hosted: _Hosted, head: CallHead, chain: Chain, result: Any,
+                    took: float) -> tuple[Stage, CallHead, list[Any]]:
+        """The next stage's worker, call and frames: `result` its argument, kept here when it
+        is too large to ride with the notice (the next worker takes it from here, then lets
+        go of it, or the driver's session ends)."""
         stage, later = head.then[0], head.then[1:]
         try:
             packed = encode_for([[result], {}], same_host=False)
@@ -504,25 +553,30 @@ class Worker:
                 from None
         kept_args: list[KeptArg] = []
         if sum(buffer.nbytes for buffer in packed.buffers) >= KEEP_MIN:
-            # too large to ride with the notice: the next worker takes it from here, and
-            # then lets go of it (or the driver's session ends)
-            kept_args = [KeptArg(0, "", self.address(), self._keep(session, result),
+            kept_args = [KeptArg(0, "", self.address(), self._keep(hosted.session, result),
                                  once=True)]
             packed = encode_for([[None], {}], same_host=False)
-        del result
-        refs, frames = await move_out(self.mover, packed, peer=stage.worker.name,
-                                      same_host=False)
-        passed = self._passing(chain, took)
+        refs, frames = pack_out(self.mover, packed, peer=stage.worker.name, same_host=False)
         call = msgspec.structs.replace(stage.head, refs=refs, kept_args=kept_args, then=later,
-                                       chain=passed)
-        try:
-            client = await self._peers().connect(stage.worker.name, stage.worker.endpoint())
-            await client.notify("node.chain", call, payload=frames)
-        except TransportError as exc:  # stopped answering, or cannot be reached
-            self._let_go(session, [k.kept for k in kept_args])
-            return ChainEnd(passed, self.name, broken=Broken.of(
-                call.stage, stage.worker.name, exc, lost=True)), []
-        return None, []
+                                       chain=self._passing(chain, took))
+        return stage, call, frames
+
+    def _unreached(self, session: str, stage: Stage, call: CallHead, exc: Exception
+                   ) -> ChainEnd:
+        """The chain's end when the next stage's worker cannot be reached: its argument
+        kept here is let go of."""
+        self._let_go(session, [k.kept for k in call.kept_args])
+        assert call.chain is not None
+        return ChainEnd(call.chain, self.name, broken=Broken.of(
+            call.stage, stage.worker.name, exc, lost=True))
+
+    def _broken(self, head: CallHead, chain: Chain, exc: Exception) -> ChainEnd:
+        """The chain's end when its stage here failed with `exc`."""
+        broken = Broken.of(head.stage, self.name, exc)
+        if isinstance(exc, KeptValueLost) and head.stage > 0:
+            # the worker before, which kept this stage's argument, is gone
+            broken = Broken.of(head.stage - 1, head.kept_args[0].holder.name, exc, lost=True)
+        return ChainEnd(self._passing(chain), self.name, broken=broken)
 
     def _passing(self, chain: Chain, took: float | None = None) -> Chain:
         """What the chain passes on from here: this stage's seconds (`took`) added, and the
@@ -531,6 +585,104 @@ class Worker:
         mine = self.mover.take_releases(chain.session)
         released = [*chain.released, (self.name, mine)] if mine else chain.released
         return msgspec.structs.replace(chain, seconds=seconds, released=released)
+
+    # -- the lane's thread -----------------------------------------------------------------
+
+    def _on_lane(self, msg: Request, payload: list[Any]) -> None:
+        """A notice on the lane: a chain's stage, run on the lane's thread when it can be
+        (`_lane_hosted`), else handed to the event loop as if it had come over RPC (within
+        its server's ``max_in_flight``)."""
+        assert self.lane is not None
+        if msg.method != "node.chain":
+            raise WireError(f"a worker's lane takes chains' stages, not {msg.method!r}")
+        head = self.lane.codec.decode_body(msg.body, CallHead)
+        if head.chain is None:
+            raise WireError("a chain's stage came without its chain")
+        hosted = self._lane_hosted(head)
+        if hosted is None:  # (the Unix socket's server: there is one where there is a lane)
+            self.lane.hand_to_loop(self._servers[-1].dispatch, msg, payload)
+            return
+        started = time.perf_counter()
+        try:
+            end, frames = self._lane_stage(hosted, head, head.chain, payload, started)
+        except Exception as exc:
+            end, frames = self._broken(head, head.chain, exc), []
+        finally:
+            if hosted.gate is not None:
+                hosted.gate.release()
+        if end is not None:
+            self._lane_end(head.chain.session, end, frames)
+
+    def _lane_hosted(self, head: CallHead) -> _Hosted | None:
+        """The replica `head` calls, when its stage may run on the lane's thread now: a
+        synchronous node with a slot free (its gate's, taken here), and no argument to take
+        from another worker."""
+        hosted = self._hosted.get((head.deployment, head.replica))
+        if hosted is None or hosted.is_async or head.stream or head.kept_args \
+                or (hosted.gate is not None and not hosted.gate.try_acquire()):
+            return None
+        return hosted
+
+    def _lane_stage(self, hosted: _Hosted, head: CallHead, chain: Chain, payload: list[Any],
+                    started: float) -> tuple[ChainEnd | None, list[Any]]:
+        """`_stage` on the lane's thread."""
+        assert self.lane is not None
+        session = hosted.session
+        self._check_session(session)
+        if head.released:
+            self.mover.release(session, head.released)
+        if head.kept_released:
+            self._let_go(session, head.kept_released)
+        args, kwargs = unpack_here(self.mover, head.refs, payload, peer=session)
+        del payload  # the arguments' leases end with the arguments
+        self._lane_requests += 1
+        token = self._enter_call(hosted, head)
+        try:
+            result = hosted.instance(*args, **kwargs)
+        except BaseException:
+            self._lane_failed += 1
+            raise
+        finally:
+            current.reset(token)
+        del args, kwargs
+        took = time.perf_counter() - started
+        self._check_session(session)  # it may have left while the call ran
+        if not head.then:
+            packed, value = self._result_out(hosted, result, keep=head.keep, released=[])
+            frames: list[Any] = []
+            if packed is not None:
+                refs, frames = pack_out(self.mover, packed, peer=session,
+                                        same_host=hosted.same_host)
+                value = ValueHead(refs)
+            return ChainEnd(self._passing(chain, took), self.name, value), frames
+        stage, call, frames = self._next_stage(hosted, head, chain, result, took)
+        del result
+        lane = stage.worker.lane_endpoint()
+        if not lane:  # on another host: over RPC, from the event loop
+            self.lane.hand_to_loop(self._start, self._send_on, session, stage, call, frames)
+            return None, []
+        try:
+            self.lane.notify(lane, "node.chain", call, payload=frames)
+        except TransportError as exc:
+            return self._unreached(session, stage, call, exc), []
+        return None, []
+
+    def _lane_end(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
+        """Send the chain's end to its driver from the lane's thread: straight to its Unix
+        socket on this host, else (or should that fail) from the event loop."""
+        assert self.lane is not None
+        driver = self._drivers.get(session)
+        endpoint = driver.endpoint() if driver is not None else ""
+        if is_unix(endpoint):
+            with contextlib.suppress(TransportError):  # (the event loop tries again)
+                self.lane.notify(endpoint, "chain.end", end, payload=frames)
+                return
+        self.lane.hand_to_loop(self._start, self._end_chain, session, end, frames)
+
+    def _start(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start task `fn(*args)` in the worker's nursery (from a lane's hand-over)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
 
     async def _end_chain(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
         """Send the chain's end to its driver. While the driver does not answer this worker's
@@ -587,7 +739,8 @@ class Worker:
 
     def address(self) -> WorkerAddress:
         """How other processes reach this worker."""
-        return WorkerAddress(self.name, self.endpoint or "", self.ipc, host_id())
+        return WorkerAddress(self.name, self.endpoint or "", self.ipc, host_id(),
+                             self.lane.endpoint if self.lane is not None else "")
 
     # -- kept results (see omni.cluster.remote) ------------------------------------------------
 
@@ -653,6 +806,14 @@ class Worker:
                                        heartbeat_interval=self.heartbeat_interval)
         return self._peer_set
 
+    def _lanes(self) -> ClientSet:
+        """This worker's clients to other workers' lanes (no heartbeats: `omni.transport.lane`;
+        `_peers` watches the workers)."""
+        if self._lane_set is None:
+            assert self._nursery is not None
+            self._lane_set = ClientSet(self.creds, self._nursery, heartbeat_interval=None)
+        return self._lane_set
+
     def _check_session(self, session: str) -> None:
         """Refuse work for a driver whose session has ended: nothing may be leased to it any
         more, since nobody would end that lease."""
@@ -663,23 +824,14 @@ class Worker:
         gate = hosted.gate
         if gate is None:
             return await self._invoke(hosted, head, args, kwargs)
-        # First come, first served. A free slot is taken without a trip through trio's
-        # scheduler (a semaphore's acquire always makes one): the call itself yields anyway.
-        # (A slot is free only while nobody waits: a release hands it to the first waiter.)
-        try:
-            gate.acquire_nowait()
-        except trio.WouldBlock:
-            await gate.acquire()
+        await gate.acquire()
         try:
             return await self._invoke(hosted, head, args, kwargs)
         finally:
             gate.release()
 
     async def _invoke(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict) -> Any:
-        token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
-                                        replica=head.replica, runtime=self))
-        if self.kv is not None:  # (a store is made at deployment, before any call)
-            _set_request_holders(head)
+        token = self._enter_call(hosted, head)
         try:
             if hosted.is_async:
                 return await hosted.instance(*args, **kwargs)
@@ -690,6 +842,15 @@ class Worker:
             raise
         finally:
             current.reset(token)
+
+    def _enter_call(self, hosted: _Hosted, head: CallHead) -> contextvars.Token:
+        """Set the call's context for the node's body (`omni.graph.context.current`, and the
+        workers its KV may come from); the token that resets it."""
+        token = current.set(CallContext(request_id=head.request_id, node=hosted.node,
+                                        replica=head.replica, runtime=self))
+        if self.kv is not None:  # (a store is made at deployment, before any call)
+            _set_request_holders(head)
+        return token
 
     def _open_stream(self, hosted: _Hosted, head: CallHead, args: list, kwargs: dict,
                      feeds: list[int]) -> int:

@@ -252,6 +252,14 @@ class RPCServer(_Service):
         else:  # a Response or an Error has no business arriving here
             self._dropped += 1
 
+    def dispatch(self, msg: Request, payload: list[Buffer]) -> None:
+        """Run notice `msg`, which came another way (handed over by a lane's thread:
+        `omni.transport.lane`), as if it had come to this server: by its route, within
+        ``max_in_flight``, counted. On the event loop's thread."""
+        if msg.id != 0:
+            raise ValueError("only a notice can be dispatched: nothing would carry its answer")
+        self._start_request(b"", msg, payload)
+
     def _start_request(self, identity: bytes, msg: Request, payload: list[Buffer]) -> None:
         self._requests += 1
         route = self._routes.get(msg.method)

@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from typing import Any, Final
 
 import trio
@@ -42,7 +42,8 @@ import trio
 from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import background_nursery
 
-__all__ = ["SCHEME", "UnixSocket", "is_unix", "open_unix_socket", "remove_stale"]
+__all__ = ["SCHEME", "UnixSocket", "encode", "is_unix", "open_unix_socket", "remove_stale",
+           "unsent"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,16 @@ def encode(frames: Sequence[Buffer]) -> list[Buffer]:
     return out
 
 
+def unsent(buffers: list[Buffer], sent: int) -> list[Buffer]:
+    """What of `buffers` is left to write once the kernel took `sent` bytes of them."""
+    for i, buffer in enumerate(buffers):
+        size = len(buffer) if type(buffer) is bytes else memoryview(buffer).nbytes
+        if sent < size:
+            return [memoryview(buffer)[sent:] if sent else buffer, *buffers[i + 1:]]
+        sent -= size
+    return []
+
+
 class _Connection:
     """One connected stream: the caller writes directly while nothing waits before it, the
     rest waits in `pending` for the writer; `reader` reads and dispatches."""
@@ -143,16 +154,7 @@ class _Connection:
         except OSError:
             self.close()
             raise TransportError("the connection broke") from None
-        rest = []
-        for i, buffer in enumerate(buffers):
-            size = len(buffer) if type(buffer) is bytes else memoryview(buffer).nbytes
-            if sent >= size:
-                sent -= size
-                continue
-            rest.append(memoryview(buffer)[sent:] if sent else buffer)
-            rest.extend(buffers[i + 1:])
-            break
-        return rest
+        return unsent(buffers, sent)
 
     async def flush_forever(self) -> None:
         """The writer: write what waits in `pending` whenever the socket takes it."""
@@ -206,40 +208,30 @@ class _Connection:
         _close(self.sock)
 
 
-class _Reader:
-    """Reads messages from a connection and hands each to `deliver` (never raises)."""
+class _Parser:
+    """The message format without the I/O (one home for both readers: `_Reader` on trio,
+    and `omni.transport.lane`'s thread): `message` is a generator that yields a view to
+    receive into whenever it needs more bytes, is sent how many arrived (0: end of stream),
+    and returns the message's frames, or None at a clean end of stream. Raises `_Broken`."""
 
-    def __init__(self, sock: socket.socket, *, max_frames: int, max_frame_bytes: int):
-        self.sock = sock
+    def __init__(self, *, max_frames: int, max_frame_bytes: int):
         self.max_frames = max_frames
         self.max_frame_bytes = max_frame_bytes
         self.buf = bytearray(_RECV_BUFFER)
         self.start = self.end = 0
 
-    async def run(self, deliver: Callable[[list[Buffer]], None]) -> str:
-        """Deliver messages until the peer closes; why the connection ended."""
-        delivered = 0
-        try:
-            while True:
-                frames = await self._message()
-                if frames is None:
-                    return "closed by the peer"
-                deliver(frames)
-                delivered += 1
-                if delivered >= _BURST or self.start == self.end:
-                    delivered = 0
-                    if self.start != self.end:
-                        await trio.lowlevel.checkpoint()
-        except _Broken as exc:
-            return str(exc)
+    def buffered(self) -> bool:
+        """Whether bytes of a next message wait in the buffer."""
+        return self.start != self.end
 
-    async def _message(self) -> list[Buffer] | None:
-        if not await self._fill(4, eof_ok=True):
+    def message(self) -> Generator[memoryview, int, list[Buffer] | None]:
+        if self.end - self.start < 4 and not (yield from self._fill(4, eof_ok=True)):
             return None
         (count,) = _COUNT.unpack_from(self.buf, self.start)
         if not 0 < count <= self.max_frames:
             raise _Broken(f"a message of {count} frames (limit {self.max_frames})")
-        await self._fill(4 + 8 * count)
+        if self.end - self.start < 4 + 8 * count:
+            yield from self._fill(4 + 8 * count)
         lengths = struct.unpack_from(f"<{count}Q", self.buf, self.start + 4)
         self.start += 4 + 8 * count
         for length in lengths:
@@ -248,14 +240,15 @@ class _Reader:
         frames: list[Buffer] = []
         for length in lengths:
             if length < _LARGE:
-                await self._fill(length)
+                if self.end - self.start < length:
+                    yield from self._fill(length)
                 frames.append(bytes(self.buf[self.start:self.start + length]))
                 self.start += length
             else:
-                frames.append(await self._large(length))
+                frames.append((yield from self._large(length)))
         return frames
 
-    async def _fill(self, need: int, *, eof_ok: bool = False) -> bool:
+    def _fill(self, need: int, *, eof_ok: bool = False) -> Generator[memoryview, int, bool]:
         """Until `need` bytes are buffered from `start`; False at a clean end of stream."""
         while self.end - self.start < need:
             if len(self.buf) - self.start < need:  # make room at the front, or grow
@@ -264,7 +257,7 @@ class _Reader:
                     self.buf = bytearray(max(need, _RECV_BUFFER))
                 self.buf[:len(data)] = data
                 self.start, self.end = 0, len(data)
-            received = await self._recv_into(memoryview(self.buf)[self.end:])
+            received = yield memoryview(self.buf)[self.end:]
             if received == 0:
                 if eof_ok and self.end == self.start:
                     return False
@@ -272,7 +265,7 @@ class _Reader:
             self.end += received
         return True
 
-    async def _large(self, length: int) -> memoryview:
+    def _large(self, length: int) -> Generator[memoryview, int, memoryview]:
         """A large frame in a buffer of its own: what is buffered, then straight from the
         kernel."""
         frame = bytearray(length)
@@ -281,11 +274,46 @@ class _Reader:
         view[:have] = memoryview(self.buf)[self.start:self.start + have]
         self.start += have
         while have < length:
-            received = await self._recv_into(view[have:])
+            received = yield view[have:]
             if received == 0:
                 raise _Broken("closed in the middle of a message")
             have += received
         return view
+
+
+class _Reader:
+    """Reads messages from a connection and hands each to `deliver` (never raises)."""
+
+    def __init__(self, sock: socket.socket, *, max_frames: int, max_frame_bytes: int):
+        self.sock = sock
+        self.parser = _Parser(max_frames=max_frames, max_frame_bytes=max_frame_bytes)
+
+    async def run(self, deliver: Callable[[list[Buffer]], None]) -> str:
+        """Deliver messages until the peer closes; why the connection ended."""
+        delivered = 0
+        parser = self.parser
+        try:
+            while True:
+                frames = await self._message()
+                if frames is None:
+                    return "closed by the peer"
+                deliver(frames)
+                delivered += 1
+                if delivered >= _BURST or not parser.buffered():
+                    delivered = 0
+                    if parser.buffered():
+                        await trio.lowlevel.checkpoint()
+        except _Broken as exc:
+            return str(exc)
+
+    async def _message(self) -> list[Buffer] | None:
+        parsing = self.parser.message()
+        try:
+            view = parsing.send(None)
+            while True:
+                view = parsing.send(await self._recv_into(view))
+        except StopIteration as done:
+            return done.value
 
     async def _recv_into(self, view: memoryview) -> int:
         while True:

@@ -123,6 +123,17 @@ types = TypeRegistry()
 # -- encoding --------------------------------------------------------------------------------
 
 
+def _place(where: Any) -> str:
+    """A place in a value as `_Lowering.lower` keeps it, spelled out: ``value[0].name``
+    (a place is the root's name, or (the parent's place, an index, key or field name, whether
+    it is a field))."""
+    parts = []
+    while type(where) is tuple:
+        where, key, field = where
+        parts.append(f".{key}" if field else f"[{key!r}]")
+    return where + "".join(reversed(parts))
+
+
 class _Lowering:
     """One encode: turns a value into msgpack-native data, collecting out-of-band buffers."""
 
@@ -133,17 +144,19 @@ class _Lowering:
         self.cuda_ipc = cuda_ipc
         self.buffers: list[memoryview] = []
 
-    def lower(self, value: Any, where: str) -> Any:
+    def lower(self, value: Any, where: Any) -> Any:
+        """`value` lowered; `where` is its place in the whole value, as `_place` spells it
+        (built only when something cannot travel: this runs for every value sent)."""
         kind = type(value)
         if kind in _SCALARS:
             return value
         if kind is list:
             if all(type(x) in _SCALARS for x in value):
                 return value
-            return [self.lower(x, f"{where}[{i}]") for i, x in enumerate(value)]
+            return [self.lower(x, (where, i, False)) for i, x in enumerate(value)]
         if kind is dict:
             if all(type(k) in _SCALARS for k in value):
-                return {k: self.lower(v, f"{where}[{k!r}]") for k, v in value.items()}
+                return {k: self.lower(v, (where, k, False)) for k, v in value.items()}
             pairs = [(k, v) for k, v in value.items()]  # keys that msgpack maps cannot hold
             return self._nested(_PAIRS, pairs, where)
         if kind is tuple:
@@ -152,40 +165,41 @@ class _Lowering:
             return self._nested(_SET if kind is set else _FROZENSET, value, where)
         return self._special(value, where)
 
-    def _nested(self, code: int, items: Any, where: str) -> msgspec.msgpack.Ext:
-        lowered = [self.lower(x, f"{where}[{i}]") for i, x in enumerate(items)]
+    def _nested(self, code: int, items: Any, where: Any) -> msgspec.msgpack.Ext:
+        lowered = [self.lower(x, (where, i, False)) for i, x in enumerate(items)]
         return msgspec.msgpack.Ext(code, _plain.encode(lowered))
 
-    def _special(self, value: Any, where: str) -> Any:
+    def _special(self, value: Any, where: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(value, torch.Tensor):
             return self._tensor(value)
         numpy = sys.modules.get("numpy")
         if numpy is not None and isinstance(value, numpy.ndarray):
             if value.dtype.hasobject:
-                raise TypeError(f"{where}: a numpy array of Python objects cannot travel "
+                raise TypeError(f"{_place(where)}: a numpy array of Python objects cannot travel "
                                 "between processes")
             return self._array(_NDARRAY, value, value.dtype.str, not value.flags.writeable)
         if numpy is not None and isinstance(value, numpy.generic) and not isinstance(
                 value, numpy.object_):
             return self._array(_NPSCALAR, numpy.asarray(value), value.dtype.str, False)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            fields = {f.name: self.lower(getattr(value, f.name), f"{where}.{f.name}")
+            fields = {f.name: self.lower(getattr(value, f.name), (where, f.name, True))
                       for f in dataclasses.fields(value)}
             return self._object(_DATACLASS, type(value), fields)
         if isinstance(value, msgspec.Struct):
-            fields = {name: self.lower(getattr(value, name), f"{where}.{name}")
+            fields = {name: self.lower(getattr(value, name), (where, name, True))
                       for name in value.__struct_fields__}
             return self._object(_STRUCT, type(value), fields)
         if isinstance(value, enum.Enum):
             return self._object(_ENUM, type(value), self.lower(value.value, where))
         if hasattr(value, "__aiter__"):
             if self.streams is None:
-                raise TypeError(f"{where}: a stream can travel only as a node's argument")
+                raise TypeError(f"{_place(where)}: a stream can travel only as a node's "
+                                "argument")
             return msgspec.msgpack.Ext(_STREAM, _plain.encode(self.streams(value)))
-        raise TypeError(f"{where}: a value of type {type(value).__qualname__} cannot travel "
-                        "between processes (send str, bytes, numbers, lists, tuples, dicts, "
-                        "dataclasses, msgspec Structs, enums, tensors or numpy arrays)")
+        raise TypeError(f"{_place(where)}: a value of type {type(value).__qualname__} cannot "
+                        "travel between processes (send str, bytes, numbers, lists, tuples, "
+                        "dicts, dataclasses, msgspec Structs, enums, tensors or numpy arrays)")
 
     def _object(self, kind: int, cls: type, fields: Any) -> msgspec.msgpack.Ext:
         module, qualname = types.name_of(cls)

@@ -1,13 +1,18 @@
 """Nodes of the chain tests (tests/cluster/test_chains.py): three class nodes, one per worker
 ("w1", "w2", "w3"), each taking the one before as its only argument. `HOLD` (the test's)
 holds `Double`'s call for the value named, once; `Double` fails on 13 and records how many
-of its calls run at once."""
+of its calls run at once. Their synchronous twins (`SyncDouble`: `SYNC_HOLD`, `SYNC_RUNNING`)
+record the thread each call ran on."""
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import trio
 
 import omni
+from tests._wait import CAP_S
 
 HOLD: dict[int, trio.Event] = {}  # value -> what Double's call with it waits for, once
 RUNNING: list[int] = [0, 0]  # Double's calls running now, and the most at once
@@ -58,3 +63,88 @@ def line(x: int):
 def back(x: int):
     """w1 -> w2 -> w1: x + 1."""
     return Half()(Double()(AddOne()(x)))
+
+
+# -- synchronous nodes: their stages run on the workers' lanes (`omni.transport.lane`) -------
+
+THREADS: list[tuple[str, int]] = []  # (node, thread) of each synchronous call
+SYNC_HOLD: dict[int, threading.Event] = {}  # value -> what SyncDouble's call waits for, once
+SYNC_RUNNING: list[int] = [0, 0]  # SyncDouble's calls running now, and the most at once
+_running = threading.Lock()
+
+
+def _ran(node: str) -> None:
+    THREADS.append((node, threading.get_ident()))
+
+
+@omni.node(where="w1")
+class SyncAddOne:
+    def __call__(self, x: int) -> int:
+        _ran("SyncAddOne")
+        return x + 1
+
+
+@omni.node(where="w2")
+class SyncDouble:
+    def __call__(self, x: int) -> int:
+        _ran("SyncDouble")
+        with _running:
+            SYNC_RUNNING[0] += 1
+            SYNC_RUNNING[1] = max(SYNC_RUNNING)
+        try:
+            hold = SYNC_HOLD.pop(x, None)
+            if hold is not None:
+                hold.wait(CAP_S)
+            if x == 13:
+                raise ValueError("13 is not doubled here")
+            return 2 * x
+        finally:
+            with _running:
+                SYNC_RUNNING[0] -= 1
+
+
+@omni.node(where="w3")
+class SyncNegate:
+    def __call__(self, x: int) -> int:
+        _ran("SyncNegate")
+        return -x
+
+
+@omni.node(where="w1")
+class SyncScale:
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        _ran("SyncScale")
+        return x * 2
+
+
+@omni.node(where="w2")
+class SyncTotal:
+    def __call__(self, x: np.ndarray) -> float:
+        _ran("SyncTotal")
+        return float(x.sum(dtype=np.float64))
+
+
+@omni.graph
+def sync_line(x: int):
+    """w1 -> w2 -> w3, each stage on its worker's lane: -(2 * (x + 1))."""
+    return SyncNegate()(SyncDouble()(SyncAddOne()(x)))
+
+
+@omni.graph
+def mixed_line(x: int):
+    """As `sync_line`, with the asynchronous Double on w2 (its lane hands it to the event
+    loop)."""
+    return SyncNegate()(Double()(SyncAddOne()(x)))
+
+
+@omni.graph
+def sync_double(x: int):
+    """SyncDouble alone: a plain call on w2."""
+    return SyncDouble()(x)
+
+
+@omni.graph
+def sync_scaled(x: np.ndarray):
+    """The driver's array to w1 (in shared memory when large), twice it to w2 (kept on w1
+    when 1 MiB or more, and taken from there); the driver gets the sum."""
+    return SyncTotal()(SyncScale()(x))

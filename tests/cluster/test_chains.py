@@ -24,15 +24,16 @@ from tests.cluster.test_direct_hops import expected
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
-    """Each node call the workers serve: (worker, stage, stages after it)."""
+    """Each node call the workers serve, on their event loops or lanes: (worker, stage, stages
+    after it)."""
     calls: list[tuple[str, int, int]] = []
-    original = worker_module.Worker._run_call
+    original = worker_module.Worker._enter_call
 
-    async def record(self, hosted, head, payload):
+    def record(self, hosted, head):
         calls.append((self.name, head.stage, len(head.then)))
-        return await original(self, hosted, head, payload)
+        return original(self, hosted, head)
 
-    monkeypatch.setattr(worker_module.Worker, "_run_call", record)
+    monkeypatch.setattr(worker_module.Worker, "_enter_call", record)
     c.HOLD.clear()
     c.RUNNING[:] = [0, 0]
     return calls
@@ -56,9 +57,11 @@ async def test_each_stage_goes_from_worker_to_worker(
         # chain's end to the driver: nothing answered, nothing came back through w1 or w2
         chains = rt.cluster.chains
         assert (chains.ended, chains.late) == (5, 0)
+        # (on its lane, which handed each to the event loop: the nodes are async)
         for name in ("w1", "w2", "w3"):
-            servers = local_cluster.worker_named(name)._servers
-            assert sum(server.stats().notices for server in servers) == 5
+            worker = local_cluster.worker_named(name)
+            assert worker.lane.stats().received == 5
+            assert sum(server.stats().notices for server in worker._servers) == 5
     assert served == [("w1", 0, 2), ("w2", 1, 1), ("w3", 2, 0)] * 5
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import sys
 
 import msgspec
@@ -165,6 +166,13 @@ def test_what_cannot_travel_is_named() -> None:
         encode_value({"fn": object()})
     with pytest.raises(TypeError, match="numpy array of Python objects"):
         encode_value(np.array([object()]))
+
+
+def test_what_cannot_travel_is_found_by_its_place_in_the_value() -> None:
+    with pytest.raises(TypeError, match=re.escape("value['a'][1]['b']: a value of type")):
+        encode_value({"a": [1, {"b": object()}]})
+    with pytest.raises(TypeError, match=re.escape("value[0].y[2]: a value of type")):
+        encode_value([Point(1, (2, 3, object()))])
 
 
 def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_a_wire_error() -> None:

@@ -1,0 +1,131 @@
+"""A chain's stages of synchronous class nodes run on their workers' lanes
+(`omni.transport.lane`): the driver sends the first stage to its worker's lane, each lane runs
+its stage on its own thread and sends the value on to the next one's, the last one the chain's
+end to the driver; none of it goes through a worker's event loop. A stage a lane cannot run
+there and then (an async node, no free slot, an argument kept elsewhere) goes to the event
+loop instead, and the chain goes on. The workers run in this process (`LocalCluster`); each
+synchronous call records its thread (`chain_nodes.THREADS`)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import trio
+
+from omni.cluster.errors import RemoteNodeError
+from omni.graph.errors import NodeError
+from tests._wait import wait_until
+from tests.cluster import chain_nodes as c
+from tests.cluster.conftest import LocalCluster
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> None:
+    c.THREADS.clear()
+    c.SYNC_HOLD.clear()
+    c.SYNC_RUNNING[:] = [0, 0]
+
+
+async def three_workers(local_cluster: LocalCluster) -> None:
+    await local_cluster.start()
+    for name in ("w1", "w2", "w3"):
+        await local_cluster.worker(name)
+
+
+def notices(local_cluster: LocalCluster, name: str) -> tuple[int, int]:
+    """What worker `name` got: (notices on its lane, notices its RPC servers ran)."""
+    worker = local_cluster.worker_named(name)
+    return (worker.lane.stats().received,
+            sum(server.stats().notices for server in worker._servers))
+
+
+async def test_a_synchronous_chain_runs_on_the_workers_lanes(
+        local_cluster: LocalCluster) -> None:
+    await three_workers(local_cluster)
+    async with local_cluster.driver() as rt:
+        for x in range(5):
+            assert await rt.run(c.sync_line, x=x) == -2 * (x + 1)
+        assert (rt.cluster.chains.ended, rt.cluster.chains.late) == (5, 0)
+        for name in ("w1", "w2", "w3"):
+            assert notices(local_cluster, name) == (5, 0)
+            assert local_cluster.worker_named(name).load().requests == 5
+    loop = threading.get_ident()  # the event loop's thread: the workers' too, here
+    threads = {node: {t for n, t in c.THREADS if n == node} for node, _ in c.THREADS}
+    assert [n for n, _ in c.THREADS] == ["SyncAddOne", "SyncDouble", "SyncNegate"] * 5
+    assert all(len(ts) == 1 for ts in threads.values())  # one lane each, for good
+    assert len(set.union(*threads.values()) | {loop}) == 4
+
+
+async def test_a_synchronous_stage_that_fails_fails_its_own_node(
+        local_cluster: LocalCluster) -> None:
+    await three_workers(local_cluster)
+    async with local_cluster.driver() as rt:
+        with pytest.raises(NodeError) as caught:
+            await rt.run(c.sync_line, x=12)  # SyncDouble gets 13
+        assert caught.value.node == "SyncDouble"
+        assert isinstance(caught.value.cause, RemoteNodeError)
+        assert (caught.value.cause.member, caught.value.cause.remote_type) == ("w2",
+                                                                              "ValueError")
+        assert "13 is not doubled here" in str(caught.value)
+        assert await rt.run(c.sync_line, x=1) == -4
+        assert local_cluster.worker_named("w2").load().failed == 1
+
+
+async def test_an_async_stage_between_lanes_goes_to_its_workers_event_loop(
+        local_cluster: LocalCluster) -> None:
+    await three_workers(local_cluster)
+    async with local_cluster.driver() as rt:
+        for x in range(4):
+            assert await rt.run(c.mixed_line, x=x) == -2 * (x + 1)
+    assert notices(local_cluster, "w1") == (4, 0)
+    assert notices(local_cluster, "w2") == (4, 4)  # each handed over, and run there
+    assert notices(local_cluster, "w3") == (4, 0)
+
+
+async def test_a_stage_whose_slot_is_taken_waits_for_it_on_the_event_loop(
+        local_cluster: LocalCluster) -> None:
+    """SyncDouble runs one call at a time (its concurrency, 1 by default). While a plain
+    call of it holds its slot, a chain's stage of it cannot run on the lane: it goes to the
+    event loop, waits there for the slot, and runs once the call is done."""
+    await three_workers(local_cluster)
+    hold = c.SYNC_HOLD[8] = threading.Event()
+    results: dict[str, int] = {}
+    async with local_cluster.driver() as rt:
+        async def plain() -> None:
+            results["plain"] = await rt.run(c.sync_double, x=8)
+
+        async def chain() -> None:
+            results["chain"] = await rt.run(c.sync_line, x=1)
+
+        async with trio.open_nursery() as nursery:
+            try:
+                nursery.start_soon(plain)
+                await wait_until(lambda: c.SYNC_RUNNING[0] == 1, "the plain call holding")
+                nursery.start_soon(chain)
+                await wait_until(lambda: notices(local_cluster, "w2") == (1, 1),
+                                 "the chain's stage handed to w2's event loop")
+                assert c.SYNC_RUNNING[0] == 1  # it waits for the slot
+            finally:
+                hold.set()
+    assert results == {"plain": 16, "chain": -4}
+    assert c.SYNC_RUNNING[1] == 1
+
+
+@pytest.mark.parametrize("elements", [1 << 10, 1 << 17, 1 << 19])
+async def test_values_large_and_small_travel_between_lanes_and_nothing_stays_leased(
+        local_cluster: LocalCluster, elements: int) -> None:
+    """4 KiB rides with the notices; 512 KiB comes from the driver in shared memory, mapped
+    on w1's lane, and goes to w2 with the notice; 2 MiB is kept on w1 for w2, which takes it
+    from its event loop. Every lease and kept value is let go of after each request."""
+    await local_cluster.start()
+    w1 = await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    x = np.arange(elements, dtype=np.float32)
+    async with local_cluster.driver() as rt:
+        for _ in range(3):
+            assert await rt.run(c.sync_scaled, x=x) == 2 * float(x.sum(dtype=np.float64))
+            assert rt.cluster.mover.stats()["leased"] == 0
+            await wait_until(lambda: not w1._kept, "w1 letting go of what w2 took")
+        assert rt.cluster.chains.ended == 3
