@@ -396,6 +396,7 @@ class RemoteReplica:
         self.nursery = nursery
         self.trail = trail
         self.address = address or WorkerAddress(member, "")
+        self.lane = self.address.lane_endpoint()  # where its chains start, or ''
         self.releases = releases
         self.chains = chains
         self.lost = False

@@ -15,7 +15,12 @@ cluster's KV directory, and pages other workers hold are fetched from them when 
 recomputing (`omni.cluster.kv.peers`).
 
 The event loop must keep answering heartbeats, so constructors and synchronous node bodies
-run in worker threads.
+run in worker threads. On a host with Unix sockets the worker also has a lane
+(`omni.transport.lane`): one thread outside the event loop where chains' stages from this host
+arrive and, for synchronous nodes, run there and then, one at a time, as a compiled graph's
+actor runs its methods; a stage the lane cannot run at once goes to the event loop
+(`_on_lane`). A worker that stops waits for the stage its lane is running, as for any
+synchronous call.
 
 A driver's session ends when it says so (``node.leave``, as it stops) or stops renewing for
 `SESSION_LEASE_S` (killed): its replicas are dropped, the payload segments it still held are
@@ -237,6 +242,7 @@ class Worker:
         self.lane: Lane | None = None  # where chains' stages from this host come (`_on_lane`)
         self._lane_set: ClientSet | None = None  # clients to other workers' lanes
         self._lane_requests = self._lane_failed = 0  # (counted on the lane's thread)
+        self._lane_endpoints: dict[WorkerAddress, str] = {}  # `_lane_of`
         self._drivers: dict[str, WorkerAddress] = {}  # session -> where its chains end
         # the chains' stages running here: (session, token, stage) -> its scope
         self._chains: dict[tuple[str, int, int], trio.CancelScope] = {}
@@ -531,7 +537,7 @@ class Worker:
         """Send the next stage to its worker from the event loop: to its lane on this host,
         else over RPC; the chain ends here as broken when that worker cannot be reached."""
         try:
-            lane = stage.worker.lane_endpoint()
+            lane = self._lane_of(stage.worker)
             if lane:
                 client = await self._lanes().connect(stage.worker.name, lane)
             else:
@@ -657,7 +663,7 @@ class Worker:
             return ChainEnd(self._passing(chain, took), self.name, value), frames
         stage, call, frames = self._next_stage(hosted, head, chain, result, took)
         del result
-        lane = stage.worker.lane_endpoint()
+        lane = self._lane_of(stage.worker)
         if not lane:  # on another host: over RPC, from the event loop
             self.lane.hand_to_loop(self._start, self._send_on, session, stage, call, frames)
             return None, []
@@ -805,6 +811,16 @@ class Worker:
             self._peer_set = ClientSet(self.creds, self._nursery,
                                        heartbeat_interval=self.heartbeat_interval)
         return self._peer_set
+
+    def _lane_of(self, worker: WorkerAddress) -> str:
+        """`worker`'s lane as this worker reaches it, or '' (`WorkerAddress.lane_endpoint`,
+        remembered: it never changes for an address)."""
+        lane = self._lane_endpoints.get(worker)
+        if lane is None:
+            if len(self._lane_endpoints) >= 1024:  # (workers come and go under new names)
+                self._lane_endpoints.clear()
+            lane = self._lane_endpoints[worker] = worker.lane_endpoint()
+        return lane
 
     def _lanes(self) -> ClientSet:
         """This worker's clients to other workers' lanes (no heartbeats: `omni.transport.lane`;

@@ -124,6 +124,7 @@ class _Route:
     with_payload: bool
     inline: bool = False
     refused: Callable[[Any], None] | None = None  # a notice's, when the server is full
+    at_once: Callable[..., Any] | None = None  # tried inline first: None sends it to `handler`
 
 
 def _infer_body_type(method: str, handler: Handler) -> Any:
@@ -180,7 +181,8 @@ class RPCServer(_Service):
 
     def register(self, method: str, handler: Handler | Callable[..., Any], *,
                  body_type: Any = None, with_payload: bool = False, inline: bool = False,
-                 refused: Callable[[Any], None] | None = None) -> None:
+                 refused: Callable[[Any], None] | None = None,
+                 at_once: Callable[..., Any] | None = None) -> None:
         """Serve `method` with ``await handler(body)`` (``handler(body, payload)`` when
         `with_payload`: the request's payload frames as a list).
 
@@ -191,9 +193,12 @@ class RPCServer(_Service):
         own (one trip less through trio's scheduler); its reply goes out without waiting,
         dropped as a heartbeat's would be if the outbox is full. `refused`: called with the
         decoded body of a notice refused because `max_in_flight` handlers run (a call is
-        answered ``ServerBusy``; a notice cannot be, so the server says so this way). Raises
-        ValueError if `method` is already registered, or the body type cannot be resolved or
-        decoded into.
+        answered ``ServerBusy``; a notice cannot be, so the server says so this way).
+        `at_once`: a plain function taking what the handler takes, run first as an inline
+        handler is; what it returns is the reply, unless it is None: then the request goes to
+        `handler` as if `at_once` were not there (a fast path for what needs no waiting).
+        Raises ValueError if `method` is already registered, or the body type cannot be
+        resolved or decoded into.
         """
         if method in self._routes:
             raise ValueError(f"method '{method}' is already registered")
@@ -203,7 +208,8 @@ class RPCServer(_Service):
         except TypeError as exc:
             raise ValueError(f"method '{method}': cannot decode bodies as {body_type!r}: "
                              f"{exc}") from None
-        self._routes[method] = _Route(handler, body_type, with_payload, inline, refused)
+        self._routes[method] = _Route(handler, body_type, with_payload, inline, refused,
+                                      at_once)
 
     async def __aenter__(self) -> RPCServer:
         await self._start(zmq.ROUTER, bind=self._bind, sndhwm=self._hwm[0],
@@ -272,6 +278,10 @@ class RPCServer(_Service):
             self._reply_error(identity, msg.id, "UnknownMethod", f"no method '{msg.method}'")
         elif route.inline:
             frames = self._invoke_inline(msg, payload, route)
+            if msg.id:
+                self._send_nowait([identity, *frames])
+        elif route.at_once is not None \
+                and (frames := self._invoke_inline(msg, payload, route, at_once=True)) is not None:
             if msg.id:
                 self._send_nowait([identity, *frames])
         elif len(self._active) >= self._max_in_flight:
@@ -420,19 +430,26 @@ class RPCServer(_Service):
             return self._failure(msg.id, exc)
         return self._success(msg.id, result)
 
-    def _invoke_inline(self, msg: Request, payload: list[Buffer], route: _Route
-                       ) -> list[Buffer]:
-        """`_invoke` for an inline route: the handler is a plain function."""
+    def _invoke_inline(self, msg: Request, payload: list[Buffer], route: _Route, *,
+                       at_once: bool = False) -> list[Buffer] | None:
+        """`_invoke` for an inline route: the handler is a plain function (with `at_once`,
+        the route's `at_once`: None when it returned None)."""
         try:
-            result = self._handle(msg, payload, route)
+            result = self._handle(msg, payload, route, at_once=at_once)
         except Exception as exc:
             return self._failure(msg.id, exc)
+        if at_once and result is None:
+            return None
         return self._success(msg.id, result)
 
-    def _handle(self, msg: Request, payload: list[Buffer], route: _Route) -> Any:
-        """What the handler returns for `msg` (an awaitable, unless the route is inline)."""
+    def _handle(self, msg: Request, payload: list[Buffer], route: _Route, *,
+                at_once: bool = False) -> Any:
+        """What the handler (with `at_once`, the route's `at_once`) returns for `msg` (an
+        awaitable, unless the route is inline or `at_once`)."""
         body = self._codec.decode_body(msg.body, route.body_type)
-        return route.handler(body, payload) if route.with_payload else route.handler(body)
+        handler = route.at_once if at_once else route.handler
+        assert handler is not None
+        return handler(body, payload) if route.with_payload else handler(body)
 
     def _success(self, request_id: int, result: Any) -> list[Buffer]:
         """The reply frames of a handler's `result` (a `Reply`: with its payload frames);

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -81,11 +82,11 @@ def encode(frames: Sequence[Buffer]) -> list[Buffer]:
     joined, the large frames as they are."""
     if not frames:
         raise ValueError("a message needs at least one frame")
-    views = [_as_bytes_view(frame) for frame in frames]
+    views = [frame if type(frame) is bytes else _as_bytes_view(frame) for frame in frames]
     lengths = [len(v) for v in views]
-    header = struct.pack(f"<I{len(views)}Q", len(views), *lengths)
+    header = _header(len(views)).pack(len(views), *lengths)
     if max(lengths) < _LARGE:
-        return [header + b"".join(views)]
+        return [b"".join([header, *views])]
     out: list[Buffer] = []
     small = [header]
     for view, length in zip(views, lengths, strict=True):
@@ -208,6 +209,12 @@ class _Connection:
         _close(self.sock)
 
 
+@functools.lru_cache(maxsize=64)
+def _header(count: int) -> struct.Struct:
+    """The header of a message of `count` frames: the count, then each frame's length."""
+    return struct.Struct(f"<I{count}Q")
+
+
 class _Parser:
     """The message format without the I/O (one home for both readers: `_Reader` on trio,
     and `omni.transport.lane`'s thread): `message` is a generator that yields a view to
@@ -232,7 +239,7 @@ class _Parser:
             raise _Broken(f"a message of {count} frames (limit {self.max_frames})")
         if self.end - self.start < 4 + 8 * count:
             yield from self._fill(4 + 8 * count)
-        lengths = struct.unpack_from(f"<{count}Q", self.buf, self.start + 4)
+        lengths = _header(count).unpack_from(self.buf, self.start)[1:]
         self.start += 4 + 8 * count
         for length in lengths:
             if length > self.max_frame_bytes:

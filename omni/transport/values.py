@@ -151,10 +151,13 @@ class _Lowering:
         if kind in _SCALARS:
             return value
         if kind is list:
-            if all(type(x) in _SCALARS for x in value):
-                return value
-            return [self.lower(x, (where, i, False)) for i, x in enumerate(value)]
+            for x in value:  # (a loop: cheaper than all() over a generator, on short lists)
+                if type(x) not in _SCALARS:
+                    return [self.lower(x, (where, i, False)) for i, x in enumerate(value)]
+            return value
         if kind is dict:
+            if not value:
+                return value
             if all(type(k) in _SCALARS for k in value):
                 return {k: self.lower(v, (where, k, False)) for k, v in value.items()}
             pairs = [(k, v) for k, v in value.items()]  # keys that msgpack maps cannot hold

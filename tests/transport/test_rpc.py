@@ -678,6 +678,34 @@ async def test_an_inline_handler_answers_calls_and_notices_like_any_other():
             assert (stats.completed, stats.failed, stats.notices, stats.in_flight) == (3, 1, 1, 0)
 
 
+async def test_an_at_once_function_answers_what_needs_no_waiting_and_passes_on_the_rest():
+    """`at_once` runs where the message is read: its result is the reply (the handler never
+    runs), its failure the error; when it returns None the handler answers as usual."""
+    ran: list[tuple[str, int]] = []
+
+    def now(x: int) -> int | None:
+        ran.append(("now", x))
+        if x == 13:
+            raise ValueError("13 is refused at once")
+        return x * 10 if x % 2 == 0 else None
+
+    async def later(x: int) -> int:
+        ran.append(("later", x))
+        await trio.sleep(0)
+        return -x
+
+    server = make_server()
+    server.register("work", later, at_once=now)
+    with trio.fail_after(CAP_S):
+        async with server, RPCClient(server.endpoint) as client:
+            assert [await client.call("work", x) for x in (2, 3, 4)] == [20, -3, 40]
+            with pytest.raises(RPCError, match="ValueError: 13 is refused at once"):
+                await client.call("work", 13)
+            stats = server.stats()
+            assert (stats.requests, stats.completed, stats.failed) == (4, 3, 1)
+    assert ran == [("now", 2), ("now", 3), ("later", 3), ("now", 4), ("now", 13)]
+
+
 async def test_a_notice_is_stopped_through_its_handlers_scope():
     """Nobody can send a notice's handler `Cancel`: another handler stops it by cancelling
     the scope it runs in (`handler_scope`), as a caller's Cancel would."""

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from omni.transport.rpc import RPCClient, RPCServer
 
 __all__ = ["FetchReply", "FetchRequest", "PeerFetcher", "make_fetch_handler",
-           "pages_per_call", "serve_kv"]
+           "make_fetch_handlers", "pages_per_call", "serve_kv"]
 
 log = logging.getLogger("omni.transport.kv")
 
@@ -80,22 +80,42 @@ def pages_per_call(layout: KVLayout) -> int:
 
 
 def make_fetch_handler(store: KVStore, *, host_id: str | None = None
-                       ) -> Callable[[FetchRequest], Any]:
+                       ) -> Callable[[FetchRequest], Awaitable[Reply]]:
     """The "kv.fetch" handler over `store` (`serve_kv` registers it). `host_id` is this
     machine's id as requesters see it (default `movers.host_id()`)."""
+    return make_fetch_handlers(store, host_id=host_id)[1]
+
+
+def make_fetch_handlers(store: KVStore, *, host_id: str | None = None
+                        ) -> tuple[Callable[[FetchRequest], Reply | None],
+                                   Callable[[FetchRequest], Awaitable[Reply]]]:
+    """`make_fetch_handler`'s handler, and before it its plain function for
+    `RPCServer.register`'s ``at_once``: the reply where the request is read when it needs no
+    waiting (a descriptor of pages in shared memory already), else None."""
     local = host_id if host_id is not None else movers.host_id()
     limit = pages_per_call(store.layout)
 
-    async def fetch(request: FetchRequest) -> Reply:
-        keys = request.keys[:limit]
+    def mover_for(request: FetchRequest) -> Any:
         same_process = request.host_id == local and request.pid == os.getpid()
-        mover = choose_mover(local, request.host_id, same_process, layout=store.layout)
-        inline = mover.locality == "same_machine" and len(keys) <= INLINE_PAGES
-        packed = _share_now(store, mover, keys) if inline else None
-        header, frames = packed or await trio.to_thread.run_sync(_pack, store, mover, keys)
+        return choose_mover(local, request.host_id, same_process, layout=store.layout)
+
+    def at_once(request: FetchRequest) -> Reply | None:
+        keys = request.keys[:limit]
+        mover = mover_for(request)
+        if mover.locality != "same_machine" or len(keys) > INLINE_PAGES:
+            return None
+        packed = _share_now(store, mover, keys)
+        return None if packed is None else Reply(FetchReply(packed[0]), packed[1])
+
+    async def fetch(request: FetchRequest) -> Reply:
+        reply = at_once(request)
+        if reply is not None:
+            return reply
+        header, frames = await trio.to_thread.run_sync(
+            _pack, store, mover_for(request), request.keys[:limit])
         return Reply(FetchReply(header), frames)
 
-    return fetch
+    return at_once, fetch
 
 
 def _share_now(store: KVStore, mover: Any, keys: list[bytes]
@@ -141,9 +161,11 @@ def _pack_lease(store: KVStore, mover: Any, lease: Lease, *, frames: bool
 
 
 def serve_kv(server: RPCServer, store: KVStore, *, host_id: str | None = None) -> None:
-    """Serve "kv.fetch" from `store` on `server` (see `make_fetch_handler`)."""
-    server.register("kv.fetch", make_fetch_handler(store, host_id=host_id),
-                    body_type=FetchRequest)
+    """Serve "kv.fetch" from `store` on `server` (see `make_fetch_handler`): pages in shared
+    memory already are answered where the request is read (`RPCServer.register`'s
+    ``at_once``), the rest in a task of its own."""
+    at_once, fetch = make_fetch_handlers(store, host_id=host_id)
+    server.register("kv.fetch", fetch, body_type=FetchRequest, at_once=at_once)
 
 
 # Rough first guesses, refined by every fetch: per-call latency (s) and bandwidth (B/s).
