@@ -6,7 +6,8 @@ After the pipeline's rounds, where Omni's time goes is measured once (`explain_p
 the claims' ``explain`` and its one-line summary ``why``): the same requests again, first
 plain, for CPU time per request (the driver: ``time.process_time``, and its trio thread:
 ``time.thread_time``; the head and the workers, and Ray's processes: their threads' on-CPU
-time from ``/proc/PID/task/*/schedstat``; the machine: busy time in ``/proc/stat``) against
+time from ``/proc/PID/task/*/schedstat``, and of the cluster's processes their main threads'
+(their event loops'), apart; the machine: busy time in ``/proc/stat``) against
 wall time per request; then under cProfile in the driver (its trio thread), for the functions
 with the most own time (share of the profiled wall time) and the remote calls per request.
 Both while Ray's pipeline stands, as in the rounds; then the plain requests once more after
@@ -135,7 +136,8 @@ async def pipeline_section(rt: Any, p: Params, ray: RayState, thread: BlockingTh
         error=errors.get("omni") or errors.get("ray") or no_ray, **baseline, floor=floor,
         **_why(explain.get("hop"), "hop"),
         note=(f"a graph of three class nodes, one per worker (w1, w2, w3), each returning its "
-              f"argument (an int): one request's end-to-end µs / 3, the median of "
+              f"argument (an int) from a synchronous method, as the baseline's actors do (their "
+              f"stages run on the workers' lanes): one request's end-to-end µs / 3, the median of "
               f"{p.hop_requests} sequential requests; baseline: {kind}, the same; median of "
               f"{p.repeats} alternating rounds after a warm-up; ratio = Omni / baseline, "
               f"target <= {RAY_TARGET:g}"))
@@ -427,6 +429,9 @@ def _summary(e: dict[str, Any], kind: str) -> str:
     cpu += f" (driver {e['driver_cpu_us']:,.0f} µs, {e['driver_cpu_share']:.0%} of wall"
     if workers and None not in workers.values():
         cpu += f"; workers {'/'.join(f'{v:,.0f}' for v in workers.values())} µs"
+        loops = [e.get("cluster_loop_cpu_us", {}).get(k) for k in workers]
+        if None not in loops:
+            cpu += f", of which their event loops' threads {'/'.join(f'{v:,.0f}' for v in loops)}"
     cpu += ")"
     if e.get("ray_processes"):
         cpu += f"; Ray's processes, serving none of these: {e['ray_cpu_us']:,.0f} µs"

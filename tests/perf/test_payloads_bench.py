@@ -43,6 +43,9 @@ def test_payloads_results_report_every_claim_by_its_rule():
     assert report["tcp_64mib"]["baseline"]["median"] > 0  # raw pyzmq
     floor = report["hop_latency"]["floor"]  # the bare rings under the hop, in the same run
     assert floor["trio_us_per_hop"] > 0 and floor["blocking_us_per_hop"] > 0
+    explain = report["hop_latency"]["explain"]
+    for worker in ("w1", "w2", "w3"):  # the stages ran on the lanes, not the event loops
+        assert explain["cluster_loop_cpu_us"][worker] < explain["cluster_cpu_us"][worker] / 4
     assert report["tcp_64mib"]["setting"] == {"OMNI_PAYLOAD_SHM": "0", "OMNI_IPC": "0",
                                               "OMNI_DATA_PLANE": "plaintext"}
     assert report["tcp_64mib"]["plaintext_gib_s"]["median"] > 0  # the plaintext data plane
