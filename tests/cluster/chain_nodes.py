@@ -6,7 +6,9 @@ record the thread each call ran on."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import trio
@@ -148,3 +150,26 @@ def sync_scaled(x: np.ndarray):
     """The driver's array to w1 (in shared memory when large), twice it to w2 (kept on w1
     when 1 MiB or more, and taken from there); the driver gets the sum."""
     return SyncTotal()(SyncScale()(x))
+
+
+@omni.node(where="w2")
+class SyncNap:
+    """Doubles, once the test lets it: notes ``SyncNap WORKER`` in the workers' folder's
+    `pipelines.STARTED` file as it starts, then waits for `pipelines.RELEASE` (polling: it runs
+    on a lane, or in a worker thread, where nothing else can wake it)."""
+
+    def __call__(self, x: int) -> int:
+        from tests.cluster.pipelines import RELEASE, STARTED, where
+
+        with open(STARTED, "a") as f:
+            f.write(f"SyncNap {where()}\n")
+        deadline = time.monotonic() + CAP_S
+        while not os.path.exists(RELEASE) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return 2 * x
+
+
+@omni.graph
+def napping_line(x: int):
+    """As `sync_line`, with SyncNap on w2: -(2 * (x + 1))."""
+    return SyncNegate()(SyncNap()(SyncAddOne()(x)))

@@ -3,8 +3,9 @@
 its stage on its own thread and sends the value on to the next one's, the last one the chain's
 end to the driver; none of it goes through a worker's event loop. A stage a lane cannot run
 there and then (an async node, no free slot, an argument kept elsewhere) goes to the event
-loop instead, and the chain goes on. The workers run in this process (`LocalCluster`); each
-synchronous call records its thread (`chain_nodes.THREADS`)."""
+loop instead, and the chain goes on. The workers run in this process (`LocalCluster`), but
+for a worker killed mid-stage (real processes); each synchronous call records its thread
+(`chain_nodes.THREADS`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import numpy as np
 import pytest
 import trio
 
+import omni
 from omni.cluster.errors import RemoteNodeError
 from omni.graph.errors import NodeError
-from tests._wait import wait_until
+from tests._wait import CAP_S, wait_until
 from tests.cluster import chain_nodes as c
-from tests.cluster.conftest import LocalCluster
+from tests.cluster.conftest import Cluster, LocalCluster
+from tests.cluster.pipelines import RELEASE, STARTED
 
 
 @pytest.fixture(autouse=True)
@@ -129,3 +132,34 @@ async def test_values_large_and_small_travel_between_lanes_and_nothing_stays_lea
             assert rt.cluster.mover.stats()["leased"] == 0
             await wait_until(lambda: not w1._kept, "w1 letting go of what w2 took")
         assert rt.cluster.chains.ended == 3
+
+
+@pytest.mark.proc
+async def test_a_worker_killed_while_its_lane_runs_a_stage_is_lost_and_the_request_runs_again(
+        cluster: Cluster) -> None:
+    """Real worker processes: w2 is SIGKILLed while its lane runs SyncNap's stage. The driver
+    finds w2 gone by its heartbeats and ends the chain as broken by it; the request runs
+    again from its first stage once a new w2 has joined, and returns what it should."""
+    cluster.head()
+    workers = {name: await trio.to_thread.run_sync(cluster.worker, name)
+               for name in ("w1", "w2", "w3")}
+    w2 = workers["w2"]
+    started = cluster.folder / STARTED
+    result: list[int] = []
+    async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
+        async def request() -> None:
+            result.append(await rt.run(c.napping_line, x=7))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await wait_until(lambda: started.exists() and "SyncNap w2" in started.read_text(),
+                             "SyncNap running on w2's lane")
+            w2.popen.kill()
+            await trio.to_thread.run_sync(
+                cluster.wait_members, lambda m: m.get("w2", {}).get("state") != "up",
+                "the head to find w2 lost")
+            (cluster.folder / RELEASE).touch()  # the next SyncNap returns at once
+            await trio.to_thread.run_sync(cluster.worker, "w2")
+    assert result == [-16]
+    assert started.read_text().splitlines() == ["SyncNap w2", "SyncNap w2"]
+    assert await trio.to_thread.run_sync(w2.wait, CAP_S) == -9
