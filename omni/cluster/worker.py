@@ -409,7 +409,8 @@ class Worker:
             stream.scope.cancel()
             stream.receive.close()
         self._drop_inboxes(session, [feed for s, feed in self._inboxes if s == session])
-        self._let_go(session, [k for k, (s, _) in self._kept.items() if s == session])
+        # (a copy first: the lane's thread may keep a value meanwhile)
+        self._let_go(session, [k for k, (s, _) in list(self._kept.items()) if s == session])
         self.mover.forget(session)
         if not self._sessions:
             self.mover.shrink()
@@ -660,9 +661,11 @@ class Worker:
                 refs, frames = pack_out(self.mover, packed, peer=session,
                                         same_host=hosted.same_host)
                 value = ValueHead(refs)
+            self._drop_if_gone(session, [value.kept] if value.kept else [])
             return ChainEnd(self._passing(chain, took), self.name, value), frames
         stage, call, frames = self._next_stage(hosted, head, chain, result, took)
         del result
+        self._drop_if_gone(session, [k.kept for k in call.kept_args])
         lane = self._lane_of(stage.worker)
         if not lane:  # on another host: over RPC, from the event loop
             self.lane.hand_to_loop(self._start, self._send_on, session, stage, call, frames)
@@ -672,6 +675,16 @@ class Worker:
         except TransportError as exc:
             return self._unreached(session, stage, call, exc), []
         return None, []
+
+    def _drop_if_gone(self, session: str, kept: list[int]) -> None:
+        """After keeping values or leasing memory for `session` on the lane's thread: should
+        its session have ended meanwhile (on the event loop's thread, which let go of what
+        it held then), let go of these too, and fail the stage. (Ended after this check, the
+        session's end finds them.)"""
+        if session not in self._sessions:
+            self._let_go(session, kept)
+            self.mover.forget(session)
+            self._check_session(session)
 
     def _lane_end(self, session: str, end: ChainEnd, frames: list[Any]) -> None:
         """Send the chain's end to its driver from the lane's thread: straight to its Unix
@@ -754,8 +767,9 @@ class Worker:
         """Drop kept values of `session`, and what a taker left unfinished of them (one that
         died half-way through a large value would otherwise keep it alive here)."""
         for kept_id in kept:
-            if self._kept.get(kept_id, ("",))[0] == session:
-                del self._kept[kept_id]
+            # (popped, not deleted: the event loop's and the lane's threads both let go)
+            if self._kept.get(kept_id, ("",))[0] == session \
+                    and self._kept.pop(kept_id, None) is not None:
                 for peer, transfers in self._kept_sends.pop(kept_id, []):
                     self.mover.drop_transfers(peer, transfers)
 

@@ -100,9 +100,9 @@ class _Out:
 
 class Lane:
     """See the module docstring. `handle(request, payload)` runs on the lane's thread for
-    each notice; it may call `notify` and `hand_to_loop`, and must not raise (what it raises
-    is logged and counted as dropped). `run` binds `bind` (``unix://PATH``) and serves until
-    cancelled."""
+    each notice; it may call `notify` and `hand_to_loop`. What it raises is counted as
+    dropped: a `WireError` (it refused the notice) quietly, anything else logged with its
+    traceback (a bug). `run` binds `bind` (``unix://PATH``) and serves until cancelled."""
 
     def __init__(self, bind: str, handle: Handler, *, limits: WireLimits | None = None):
         _path(bind)
@@ -292,9 +292,12 @@ class Lane:
         self._received += 1
         try:
             self._handle(msg, frames[1:])
+        except WireError as exc:  # the handler refused what it got: the sender's fault
+            self._dropped += 1
+            log.debug("lane %s: dropped a %r notice: %s", self.endpoint, msg.method, exc)
         except Exception:
             self._dropped += 1
-            log.exception("lane %s: the handler of %s failed", self.endpoint, msg.method)
+            log.exception("lane %s: the handler of %r failed", self.endpoint, msg.method)
 
     def _connect(self, endpoint: str) -> _Out:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
