@@ -16,8 +16,9 @@ one, the client, and a server child process per side):
    calls), and all frames in one call (one multipart message).
 3. Shared memory. 64 MiB of KV pages fetched from a child process's `KVStore` with the
    "kv.fetch" RPC (`serve_kv`): as a descriptor of the store's shared memory
-   (`SharedMemoryMover`, what a requester on the same machine gets) against the same pages
-   as one checksummed frame over TCP loopback (`FrameMover`, what a remote requester gets).
+   (`SharedMemoryMover`, what a requester on the same machine gets, over the Unix socket a
+   cluster member on the holder's host is reached by) against the same pages as one
+   checksummed frame over TCP loopback (`FrameMover`, what a remote requester gets).
    Seconds from the request to pages in this process, every byte read once; target: shared
    memory ≥ 20× faster.
 
@@ -172,11 +173,14 @@ def _kv_pages(total_bytes: int) -> tuple[Any, list[bytes]]:
 
 async def _serve_kv(total_bytes: int) -> None:
     """A `KVStore` whose one tier, host memory, is shared memory, holding `total_bytes` of
-    random pages, served by "kv.fetch" (`serve_kv`); prints its endpoint, serves until stdin
-    closes, then closes the store (which unlinks its shared memory: not killed for that)."""
+    random pages, served by "kv.fetch" (`serve_kv`) over TCP and over a Unix socket, as a
+    cluster member serves it (the Unix socket for members on its host: `endpoint_for`);
+    prints both endpoints, serves until stdin closes, then closes the store (which unlinks
+    its shared memory: not killed for that)."""
     import torch
 
     from omni.cluster.kv.peers import serve_kv
+    from omni.cluster.membership import unix_endpoint
     from omni.kv import KVStore, TierConfig
 
     layout, keys = _kv_pages(total_bytes)
@@ -185,10 +189,11 @@ async def _serve_kv(total_bytes: int) -> None:
     with KVStore(layout, [TierConfig("host", 2 * total_bytes)]) as store:
         store.put(keys, raw.view(layout.dtype).view(len(keys), *layout.page_shape))
         del raw
-        server = RPCServer(LOOPBACK)
-        serve_kv(server, store)
-        async with server:
-            print(server.endpoint, flush=True)
+        servers = [RPCServer(LOOPBACK), RPCServer(unix_endpoint("perf-kv"))]
+        for server in servers:
+            serve_kv(server, store)
+        async with servers[0], servers[1]:
+            print(*(server.endpoint for server in servers), flush=True)
             await trio.to_thread.run_sync(sys.stdin.read)
 
 
@@ -327,7 +332,7 @@ async def kv_fetch(client: RPCClient, layout: Any, keys: list[bytes], host: str
     return usable - start, end - start, total
 
 
-async def _measure_kv(p: Params, endpoint: str) -> dict[str, Samples]:
+async def _measure_kv(p: Params, tcp: str, unix: str) -> dict[str, Samples]:
     """Alternate fetches over shared memory and over TCP; per sample the median of
     `p.kv_fetches` fetches, in ms."""
     import torch
@@ -340,7 +345,7 @@ async def _measure_kv(p: Params, endpoint: str) -> dict[str, Samples]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        s = await _fetch_alternately(p, endpoint, layout, keys, sums, usable)
+        s = await _fetch_alternately(p, tcp, unix, layout, keys, sums, usable)
     finally:
         torch.set_num_threads(threads)
     if len(sums) != 1:
@@ -349,13 +354,16 @@ async def _measure_kv(p: Params, endpoint: str) -> dict[str, Samples]:
     return {**s, **usable_samples}  # v[0]: the warm-up round's
 
 
-async def _fetch_alternately(p: Params, endpoint: str, layout: Any, keys: list[bytes],
+async def _fetch_alternately(p: Params, tcp: str, unix: str, layout: Any, keys: list[bytes],
                              sums: set[int], usable: dict[str, list[float]]
                              ) -> dict[str, Samples]:
+    """The requester on this host over the Unix socket, the remote one over TCP, as a
+    cluster's members reach the holder."""
     from omni.transport.movers import host_id
 
-    async with RPCClient(endpoint, timeout=60) as client:
-        def fetching(host: str, name: str) -> Callable[[], Awaitable[float]]:
+    async with RPCClient(tcp, timeout=60) as remote, RPCClient(unix, timeout=60) as local:
+        def fetching(client: RPCClient, host: str, name: str
+                     ) -> Callable[[], Awaitable[float]]:
             async def measure() -> float:
                 runs = [await kv_fetch(client, layout, keys, host)
                         for _ in range(p.kv_fetches)]
@@ -364,8 +372,8 @@ async def _fetch_alternately(p: Params, endpoint: str, layout: Any, keys: list[b
                 return statistics.median(done for _, done, _ in runs) * 1e3
             return measure
 
-        return await _alternate({"shm": fetching(host_id(), "shm"),
-                                 "tcp": fetching(REMOTE_HOST, "tcp")}, p.repeats)
+        return await _alternate({"shm": fetching(local, host_id(), "shm"),
+                                 "tcp": fetching(remote, REMOTE_HOST, "tcp")}, p.repeats)
 
 
 async def _alternate(measures: dict[str, Callable[[], Awaitable[float]]],
@@ -444,9 +452,9 @@ def measure(p: Params) -> dict[str, Any]:
     finally:
         _stop_child(bproc)
         _stop_child(tproc, grace=10)
-    kproc, (kv_ep,) = _start_child("kv", str(p.total_bytes))  # after: torch loads meanwhile
+    kproc, kv_eps = _start_child("kv", str(p.total_bytes))  # after: torch loads meanwhile
     try:
-        kv = trio.run(_measure_kv, p, kv_ep)
+        kv = trio.run(_measure_kv, p, *kv_eps)
     finally:
         _stop_child(kproc, grace=10)
     lat_ratio = s["lat_rpc"].median / s["lat_blocking"].median
@@ -487,9 +495,10 @@ def measure(p: Params) -> dict[str, Any]:
                  "a child process's KVStore (host tier: shared memory) by its \"kv.fetch\" "
                  "RPC, from the request until every byte has been read once in this process "
                  "(a sum of each page viewed as int64, on one torch thread), median of "
-                 f"{p.kv_fetches} fetches per run; measured: a requester on this machine "
-                 "(SharedMemoryMover: a descriptor, the store's memory mapped here, the "
-                 "mapping kept between fetches as open_descriptor does); baseline: a "
+                 f"{p.kv_fetches} fetches per run; measured: a requester on this machine, "
+                 "over the holder's Unix socket as a member of its host (SharedMemoryMover: "
+                 "a descriptor, the store's memory mapped here, the mapping kept between "
+                 "fetches as open_descriptor does); baseline: a "
                  "requester of another host id (FrameMover: the pages copied out of the "
                  "store, one checksummed frame over TCP loopback, the checksum verified "
                  "here); usable / baseline_usable: until the pages are usable, before the "
