@@ -83,22 +83,28 @@ async def test_a_chain_may_come_back_to_a_worker_it_went_through(
     assert not local_cluster.worker_named("w1")._chains
 
 
+@pytest.mark.parametrize("graph, nodes", [
+    (c.line, ("AddOne", "Double", "Negate")),
+    (c.sync_line, ("SyncAddOne", "SyncDouble", "SyncNegate"))],  # on the workers' lanes
+    ids=["async", "sync"])
 async def test_a_later_stage_that_fails_fails_its_own_node(
-        local_cluster: LocalCluster, served: list[tuple[str, int, int]]) -> None:
+        local_cluster: LocalCluster, served: list[tuple[str, int, int]], graph,
+        nodes: tuple[str, ...]) -> None:
     await three_workers(local_cluster)
     async with local_cluster.driver() as rt:
         with pytest.raises(NodeError) as caught:
-            await rt.run(c.line, x=12)  # Double gets 13
-        assert caught.value.node == "Double"
+            await rt.run(graph, x=12)  # the second stage gets 13
+        assert caught.value.node == nodes[1]
         assert isinstance(caught.value.cause, RemoteNodeError)
         assert caught.value.cause.member == "w2"
         assert caught.value.cause.remote_type == "ValueError"
         assert "13 is not doubled here" in str(caught.value)
-        assert await rt.run(c.line, x=1) == -4  # the next request is not affected
+        assert await rt.run(graph, x=1) == -4  # the next request is not affected
         # each stage's pool counted both calls (the failed chain as failed at every stage it
         # was queued on, the one after the failure included) and holds none
         pools = {p.name: p.replicas for p in rt.stats().pools}
-        assert pools == {name: ((0, 0, 1, 1),) for name in ("AddOne", "Double", "Negate")}
+        assert pools == {name: ((0, 0, 1, 1),) for name in nodes}
+        assert local_cluster.worker_named("w2").load().failed == 1
     assert [call[0] for call in served] == ["w1", "w2", "w1", "w2", "w3"]
 
 
@@ -197,10 +203,11 @@ async def test_the_drivers_shared_memory_comes_back_with_the_chains_end(
     await local_cluster.worker("w2")
     async with local_cluster.driver() as rt:
         x = np.arange(1 << 17, dtype=np.float32)  # 512 KiB: shared memory, and not kept
+        before = rt.cluster.mover.stats()["shm_out"]  # (the process's: earlier tests' too)
         for _ in range(5):
             assert await rt.run(h.scaled, x=x) == 2 * expected(1 << 17)
             assert rt.cluster.mover.stats()["leased"] == 0
-        assert rt.cluster.mover.stats()["shm_out"] == 5
+        assert rt.cluster.mover.stats()["shm_out"] - before == 5
         assert rt.cluster.chains.ended == 5
 
 

@@ -16,8 +16,6 @@ import pytest
 import trio
 
 import omni
-from omni.cluster.errors import RemoteNodeError
-from omni.graph.errors import NodeError
 from tests._wait import CAP_S, wait_until
 from tests.cluster import chain_nodes as c
 from tests.cluster.conftest import Cluster, LocalCluster
@@ -59,21 +57,6 @@ async def test_a_synchronous_chain_runs_on_the_workers_lanes(
     assert [n for n, _ in c.THREADS] == ["SyncAddOne", "SyncDouble", "SyncNegate"] * 5
     assert all(len(ts) == 1 for ts in threads.values())  # one lane each, for good
     assert len(set.union(*threads.values()) | {loop}) == 4
-
-
-async def test_a_synchronous_stage_that_fails_fails_its_own_node(
-        local_cluster: LocalCluster) -> None:
-    await three_workers(local_cluster)
-    async with local_cluster.driver() as rt:
-        with pytest.raises(NodeError) as caught:
-            await rt.run(c.sync_line, x=12)  # SyncDouble gets 13
-        assert caught.value.node == "SyncDouble"
-        assert isinstance(caught.value.cause, RemoteNodeError)
-        assert (caught.value.cause.member, caught.value.cause.remote_type) == ("w2",
-                                                                              "ValueError")
-        assert "13 is not doubled here" in str(caught.value)
-        assert await rt.run(c.sync_line, x=1) == -4
-        assert local_cluster.worker_named("w2").load().failed == 1
 
 
 async def test_an_async_stage_between_lanes_goes_to_its_workers_event_loop(

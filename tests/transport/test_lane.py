@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import socket
 import struct
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,15 +26,6 @@ from omni.transport.lane import Lane
 from omni.transport.unix import encode
 from omni.transport.wire import Heartbeat, Request
 from tests._wait import CAP_S, wait_until
-
-
-@pytest.fixture
-def folder():
-    path = Path(tempfile.mkdtemp(prefix="omni-l-", dir="/tmp"))
-    yield path
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
 
 
 @asynccontextmanager

@@ -15,24 +15,13 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 import pytest
 import trio
 
 from omni.transport import PeerGone, Reply, RPCClient, RPCServer, TransportError
 from tests._wait import CAP_S, wait_until
-
-
-@pytest.fixture
-def folder():
-    path = Path(tempfile.mkdtemp(prefix="omni-t-", dir="/tmp"))
-    yield path
-    for child in path.iterdir():
-        child.unlink()
-    path.rmdir()
 
 
 async def echo(body):
