@@ -1,8 +1,9 @@
 """Wire: how Omni processes talk. `trio_zmq` gives trio one owner task per ZeroMQ socket,
 `wire` the versioned, size-limited msgpack codec (no pickle), `rpc` ROUTER/DEALER calls with
 timeouts, cancellation and heartbeats. The mover of buffers and KV pages
-(`omni.transport.movers`) and CURVE security (`omni.transport.security`) are imported from
-their modules.
+(`omni.transport.movers`), CURVE security (`omni.transport.security`) and lanes (notices
+received and sent on a thread outside the event loop: `omni.transport.lane`) are imported
+from their modules.
 """
 
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError, WireError
