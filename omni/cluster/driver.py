@@ -282,8 +282,11 @@ class ClusterLink:
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
                         session=self.session, nursery=self._nursery, trail=self.trail,
+                        # (its lane only for a synchronous node: an async node's stages run
+                        # on the event loop, which a lane would only reach one hop later)
                         address=WorkerAddress(member.name, member.rpc, member.ipc,
-                                              member.host_id, member.lane),
+                                              member.host_id,
+                                              "" if node.is_async else member.lane),
                         releases=self.releases, chains=self.chains)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:

@@ -16,11 +16,11 @@ recomputing (`omni.cluster.kv.peers`).
 
 The event loop must keep answering heartbeats, so constructors and synchronous node bodies
 run in worker threads. On a host with Unix sockets the worker also has a lane
-(`omni.transport.lane`): one thread outside the event loop where chains' stages from this host
-arrive and, for synchronous nodes, run there and then, one at a time, as a compiled graph's
-actor runs its methods; a stage the lane cannot run at once goes to the event loop
-(`_on_lane`). A worker that stops waits for the stage its lane is running, as for any
-synchronous call.
+(`omni.transport.lane`): one thread outside the event loop where chains' stages of synchronous
+nodes from this host arrive (the driver gives an async node's address no lane) and run there
+and then, one at a time, as a compiled graph's actor runs its methods; a stage the lane cannot
+run at once goes to the event loop (`_on_lane`). A worker that stops waits for the stage its
+lane is running, as for any synchronous call.
 
 A driver's session ends when it says so (``node.leave``, as it stops) or stops renewing for
 `SESSION_LEASE_S` (killed): its replicas are dropped, the payload segments it still held are
@@ -490,11 +490,11 @@ class Worker:
 
     # -- chains (see omni.cluster.chains) ------------------------------------------------------
     #
-    # A chain's stage comes over RPC (from another host, or where there are no Unix sockets)
-    # or on the lane (`omni.transport.lane`), whose thread runs it there and then when its
-    # node is synchronous and its arguments are all in the notice (`_on_lane`), and hands it
-    # to the event loop otherwise. Either way its value goes on to the next stage's lane when
-    # that worker has one on this host, else to its RPC endpoint.
+    # A chain's stage comes over RPC (from another host, where there are no Unix sockets, or
+    # for an async node) or on the lane (`omni.transport.lane`), whose thread runs it there
+    # and then when its node has a slot free and its arguments are all in the notice
+    # (`_on_lane`), and hands it to the event loop otherwise. Either way its value goes on to
+    # the next stage's lane when its address has one on this host, else to its RPC endpoint.
 
     async def _chain(self, head: CallHead, payload: list[Any]) -> None:
         """``node.chain``, a notice: run this stage of a chain, then send its value on to the

@@ -134,7 +134,7 @@ def sync_line(x: int):
 
 @omni.graph
 def mixed_line(x: int):
-    """As `sync_line`, with the asynchronous Double on w2 (its lane hands it to the event
+    """As `sync_line`, with the asynchronous Double on w2 (its stage goes to w2's event
     loop)."""
     return SyncNegate()(Double()(SyncAddOne()(x)))
 
