@@ -294,6 +294,7 @@ class _Reader:
     def __init__(self, sock: socket.socket, *, max_frames: int, max_frame_bytes: int):
         self.sock = sock
         self.parser = _Parser(max_frames=max_frames, max_frame_bytes=max_frame_bytes)
+        self.drained = False  # the last read was short: it took all there was
 
     async def run(self, deliver: Callable[[list[Buffer]], None]) -> str:
         """Deliver messages until the peer closes; why the connection ended."""
@@ -323,16 +324,23 @@ class _Reader:
             return done.value
 
     async def _recv_into(self, view: memoryview) -> int:
+        """Receive into `view`: the bytes that came, 0 at the end of the stream. After a
+        short read the socket is waited on first (a read then would only say EAGAIN)."""
         while True:
-            try:
-                return self.sock.recv_into(view)
-            except (BlockingIOError, InterruptedError):
+            if self.drained:
                 try:
                     await trio.lowlevel.wait_readable(self.sock)
                 except trio.ClosedResourceError:
                     raise _Broken("closed") from None
+            try:
+                received = self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                self.drained = True
+                continue
             except OSError as exc:
                 raise _Broken(os.strerror(exc.errno) if exc.errno else str(exc)) from None
+            self.drained = 0 < received < len(view)
+            return received
 
 
 class _Broken(Exception):
