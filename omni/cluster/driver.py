@@ -196,7 +196,8 @@ class ClusterLink:
         self._stopping = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.mover = payload_mover()
-        self.trail = RequestTrail()  # which workers served each request: its KV follows it
+        # which workers served each request, so that its KV follows it (none without KV)
+        self.trail = RequestTrail() if kv_layout is not None else None
         self.releases = KeptReleases()  # results kept on workers that this driver let go of
 
     def stop(self) -> None:

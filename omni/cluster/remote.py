@@ -371,7 +371,8 @@ class RemoteReplica:
         same_host: the worker shares this host's shared memory.
         session: the driver's session id (names this driver to the worker).
         nursery: where stream arguments' feeders run (the cluster link's).
-        trail: the driver's record of which workers served each request (None: none kept).
+        trail: the driver's record of which workers served each request (None: none kept,
+            and no call names them: the nodes keep no KV).
         address: the worker's address, for that record, kept values and chains.
         releases: the driver's kept values let go of (None: results are never kept).
         chains: the driver's end of its chains (None: this replica starts none).
@@ -442,9 +443,11 @@ class RemoteReplica:
         """The head of a call of this replica: the leases and kept values released since it
         last went there, and the workers whose pages the request may find there (`before`:
         those of a chain's earlier stages, latest first, then the request's trail)."""
-        trail = [] if self.trail is None else self.trail.holders(request_id, self.member)
-        kv_from = [a for a in before if a.name != self.member]
-        kv_from += [a for a in trail if a not in kv_from]
+        kv_from: list[WorkerAddress] = []
+        if self.trail is not None:  # (None: the nodes keep no KV, so none follows)
+            kv_from = [a for a in before if a.name != self.member]
+            kv_from += [a for a in self.trail.holders(request_id, self.member)
+                        if a not in kv_from]
         let_go = [] if self.releases is None else self.releases.take(self.member)
         return CallHead(self.deployment, self.replica, request_id, self.streaming, refs,
                         self.mover.take_releases(self.member), kv_from, keep, kept or [],
