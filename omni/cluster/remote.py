@@ -543,6 +543,8 @@ class RemoteReplica:
 
     async def _push(self, refs: list[BufferRef]) -> None:
         transfers = [ref for ref in refs if ref.transfer]
+        if not transfers:
+            return
         try:
             for ref in transfers:
                 offset = 0
@@ -556,6 +558,8 @@ class RemoteReplica:
             raise
 
     async def _pull(self, refs: list[BufferRef]) -> None:
+        if not any(ref.transfer for ref in refs):
+            return
         await pull_transfers(self.mover, refs, self.member,
                              lambda chunk: self._rpc("payload.pull", chunk, []),
                              session=self.session)
