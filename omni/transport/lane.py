@@ -182,7 +182,9 @@ class Lane:
                 return
         views = [memoryview(b).cast("B") for b in buffers]
         size = sum(v.nbytes for v in views)
-        if out.pending_bytes + size > MAX_PENDING_BYTES:
+        # (refused only behind a backlog: nothing of it went out then, where the rest of a
+        # message begun must follow, whatever its size, or the stream would be cut mid-way)
+        if out.pending and out.pending_bytes + size > MAX_PENDING_BYTES:
             raise TransportError(f"the peer at {endpoint} does not read: "
                                  f"{out.pending_bytes} bytes wait for it")
         if not out.pending:

@@ -210,3 +210,43 @@ async def test_cancelling_run_ends_the_thread_and_removes_the_socket_file(folder
     assert not (folder / "lane.sock").exists()
     with socket.socket(socket.AF_UNIX) as probe, pytest.raises(FileNotFoundError):
         probe.connect(str(folder / "lane.sock"))
+
+
+async def test_a_message_begun_is_finished_whatever_the_bound(folder, monkeypatch):
+    """A message larger than the bound, to a peer that does not read yet, goes out whole once
+    the peer reads (the kernel took its start: refusing the rest would cut the stream); the
+    next one, behind it, is refused."""
+    from omni.transport.unix import _Parser
+
+    monkeypatch.setattr(lane_module, "MAX_PENDING_BYTES", 1 << 20)
+    outcomes: list[str] = []
+    late_path = folder / "late.sock"
+    late = socket.socket(socket.AF_UNIX)
+    late.bind(str(late_path))
+    late.listen()
+
+    def handle(msg: Request, payload: list) -> None:
+        try:
+            lane.notify(f"unix://{late_path}", "stage", payload=[bytes(range(256)) * 16384])
+            outcomes.append("queued")
+        except TransportError as exc:
+            outcomes.append(str(exc))
+
+    lane = Lane(f"unix://{folder}/lane.sock", handle)
+    with late, trio.fail_after(CAP_S):
+        async with running(lane), RPCClient(lane.endpoint, heartbeat_interval=None) as client:
+            for _ in range(2):
+                await client.notify("stage")
+            await wait_until(lambda: len(outcomes) == 2, "two sends tried")
+            reader, _ = await trio.to_thread.run_sync(late.accept)
+            with reader:
+                parser = _Parser(max_frames=4, max_frame_bytes=8 << 20)
+                parsing = parser.message()
+                try:
+                    view = next(parsing)
+                    while True:
+                        view = parsing.send(await trio.to_thread.run_sync(reader.recv_into, view))
+                except StopIteration as done:
+                    frames = done.value
+    assert outcomes[0] == "queued" and "does not read" in outcomes[1]
+    assert bytes(frames[1]) == bytes(range(256)) * 16384  # the 4 MiB frame, whole
