@@ -15,6 +15,7 @@ import struct
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +49,36 @@ def recording(handled: Handled, then: Callable[[Request, list], None] | None = N
         if then is not None:
             then(msg, payload)
     return handle
+
+
+def silent_peer(path: Path) -> socket.socket:
+    """A Unix socket listening at `path` that reads nothing until the test accepts."""
+    peer = socket.socket(socket.AF_UNIX)
+    peer.bind(str(path))
+    peer.listen()
+    return peer
+
+
+def lane_sending_to(folder: Path, peer: Path, frame: bytes, outcomes: list[str]) -> Lane:
+    """A lane that sends `frame` to the peer at `peer` for each notice it gets, noting
+    "queued" or the refusal in `outcomes`."""
+    def handle(msg: Request, payload: list) -> None:
+        try:
+            lane.notify(f"unix://{peer}", "stage", payload=[frame])
+            outcomes.append("queued")
+        except TransportError as exc:
+            outcomes.append(str(exc))
+
+    lane = Lane(f"unix://{folder}/lane.sock", handle)
+    return lane
+
+
+async def notices_tried(lane: Lane, count: int, outcomes: list[str]) -> None:
+    """Send `lane` `count` notices; return once it tried to send each on."""
+    async with RPCClient(lane.endpoint, heartbeat_interval=None) as client:
+        for _ in range(count):
+            await client.notify("stage")
+        await wait_until(lambda: len(outcomes) == count, f"{count} sends tried")
 
 
 async def test_a_lane_runs_notices_on_its_own_thread_and_sends_on_to_an_rpc_server(folder):
@@ -166,24 +197,11 @@ async def test_a_peer_that_stops_reading_is_an_error_not_a_wait(folder, monkeypa
     fails, and the lane itself never blocks (it goes on handling notices)."""
     monkeypatch.setattr(lane_module, "MAX_PENDING_BYTES", 4 << 20)
     outcomes: list[str] = []
-    silent_path = folder / "silent.sock"
-    silent = socket.socket(socket.AF_UNIX)
-    silent.bind(str(silent_path))
-    silent.listen()
-
-    def handle(msg: Request, payload: list) -> None:
-        try:
-            lane.notify(f"unix://{silent_path}", "stage", payload=[b"z" * (1 << 20)])
-            outcomes.append("queued")
-        except TransportError as exc:
-            outcomes.append(str(exc))
-
-    lane = Lane(f"unix://{folder}/lane.sock", handle)
+    silent = silent_peer(folder / "silent.sock")
+    lane = lane_sending_to(folder, folder / "silent.sock", b"z" * (1 << 20), outcomes)
     with silent, trio.fail_after(CAP_S):
-        async with running(lane), RPCClient(lane.endpoint, heartbeat_interval=None) as client:
-            for _ in range(12):
-                await client.notify("stage")
-            await wait_until(lambda: len(outcomes) == 12, "12 sends tried")
+        async with running(lane):
+            await notices_tried(lane, 12, outcomes)
     assert outcomes[0] == "queued"
     refused = [o for o in outcomes if o != "queued"]
     assert refused and all("does not read" in o for o in refused)
@@ -220,24 +238,11 @@ async def test_a_message_begun_is_finished_whatever_the_bound(folder, monkeypatc
 
     monkeypatch.setattr(lane_module, "MAX_PENDING_BYTES", 1 << 20)
     outcomes: list[str] = []
-    late_path = folder / "late.sock"
-    late = socket.socket(socket.AF_UNIX)
-    late.bind(str(late_path))
-    late.listen()
-
-    def handle(msg: Request, payload: list) -> None:
-        try:
-            lane.notify(f"unix://{late_path}", "stage", payload=[bytes(range(256)) * 16384])
-            outcomes.append("queued")
-        except TransportError as exc:
-            outcomes.append(str(exc))
-
-    lane = Lane(f"unix://{folder}/lane.sock", handle)
+    late = silent_peer(folder / "late.sock")
+    lane = lane_sending_to(folder, folder / "late.sock", bytes(range(256)) * 16384, outcomes)
     with late, trio.fail_after(CAP_S):
-        async with running(lane), RPCClient(lane.endpoint, heartbeat_interval=None) as client:
-            for _ in range(2):
-                await client.notify("stage")
-            await wait_until(lambda: len(outcomes) == 2, "two sends tried")
+        async with running(lane):
+            await notices_tried(lane, 2, outcomes)
             reader, _ = await trio.to_thread.run_sync(late.accept)
             with reader:
                 parser = _Parser(max_frames=4, max_frame_bytes=8 << 20)
