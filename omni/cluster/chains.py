@@ -5,9 +5,9 @@ each taking only the one before. The driver sends the first stage's worker one n
 (``node.chain``, a one-way message); each worker runs its stage and sends its result on to the
 next stage's worker the same way; the last one sends the chain's value to the driver, and a
 stage that fails sends its failure instead (``chain.end``, `ChainEnd`). A three-stage request
-is four messages, and no worker waits on another. Between processes of one host a synchronous
-node's stages go to its worker's lane (`omni.transport.lane`, `omni.cluster.worker`), where
-they run without waking the worker's event loop.
+is four messages, and no worker waits on another. Between processes of one host the stages of
+a synchronous node that runs one call at a time go to its worker's lane (`omni.transport.lane`,
+`omni.cluster.worker`), where they run without waking the worker's event loop.
 
 `ChainEnds` is the driver's side: an RPC endpoint (TCP with CURVE, and a Unix socket for the
 workers on this host) that the workers learn, and check they reach, when a replica is

@@ -283,11 +283,8 @@ class ClusterLink:
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),
                         session=self.session, nursery=self._nursery, trail=self.trail,
-                        # (its lane only for a synchronous node: an async node's stages run
-                        # on the event loop, which a lane would only reach one hop later)
                         address=WorkerAddress(member.name, member.rpc, member.ipc,
-                                              member.host_id,
-                                              "" if node.is_async else member.lane),
+                                              member.host_id, _lane_of(node, member)),
                         releases=self.releases, chains=self.chains)
 
     async def _placement(self, node: Any, request: PlaceRequest) -> MemberInfo:
@@ -506,3 +503,12 @@ def _check_travels(node: Any) -> None:
 
 def _call_keys(kv_keys: Any, call: CallInfo) -> list[bytes]:
     return list(kv_keys(*call.args, **call.kwargs))
+
+
+def _lane_of(node: Any, member: MemberInfo) -> str:
+    """The lane a replica of `node` on `member` takes its chains' stages on: the worker's, for
+    a synchronous node that runs one call at a time (its default), as the lane runs them; ''
+    for the others, whose stages go to the worker's event loop (an async node's run there, and
+    one with more calls at once runs them in as many threads)."""
+    return member.lane if not node.is_async and node.options.concurrency == 1 else ""
+

@@ -16,10 +16,11 @@ recomputing (`omni.cluster.kv.peers`).
 
 The event loop must keep answering heartbeats, so constructors and synchronous node bodies
 run in worker threads. On a host with Unix sockets the worker also has a lane
-(`omni.transport.lane`): one thread outside the event loop where chains' stages of synchronous
-nodes from this host arrive (the driver gives an async node's address no lane) and run there
-and then, one at a time, as a compiled graph's actor runs its methods; a stage the lane cannot
-run at once goes to the event loop (`_on_lane`). A worker that stops waits for the stage its
+(`omni.transport.lane`): one thread outside the event loop where chains' stages from this host
+arrive, of synchronous nodes that run one call at a time (the driver gives other nodes'
+addresses no lane: `omni.cluster.driver`), and run there and then, one at a time, as a
+compiled graph's actor runs its methods; a stage the lane cannot run at once goes to the event
+loop (`_on_lane`). A worker that stops waits for the stage its
 lane is running, as for any synchronous call.
 
 A driver's session ends when it says so (``node.leave``, as it stops) or stops renewing for

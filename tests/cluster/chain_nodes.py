@@ -139,6 +139,21 @@ def mixed_line(x: int):
     return SyncNegate()(Double()(SyncAddOne()(x)))
 
 
+@omni.node(where="w2", concurrency=2)
+class SyncWide:
+    """Doubles, two calls at once: more than a lane runs."""
+
+    def __call__(self, x: int) -> int:
+        _ran("SyncWide")
+        return 2 * x
+
+
+@omni.graph
+def wide_line(x: int):
+    """As `sync_line`, with SyncWide on w2 (its stages go to w2's event loop)."""
+    return SyncNegate()(SyncWide()(SyncAddOne()(x)))
+
+
 @omni.graph
 def sync_double(x: int):
     """SyncDouble alone: a plain call on w2."""

@@ -72,6 +72,19 @@ async def test_an_async_stage_between_lanes_goes_to_its_workers_event_loop(
     assert notices(local_cluster, "w3") == (4, 0)
 
 
+async def test_a_node_with_more_calls_at_once_than_a_lane_runs_its_stages_on_the_event_loop(
+        local_cluster: LocalCluster) -> None:
+    """SyncWide may run two calls at once: a lane runs one, so its stages go to w2's event
+    loop, whose threads run as many as the node allows."""
+    await three_workers(local_cluster)
+    async with local_cluster.driver() as rt:
+        for x in range(4):
+            assert await rt.run(c.wide_line, x=x) == -2 * (x + 1)
+    assert notices(local_cluster, "w1") == (4, 0)
+    assert notices(local_cluster, "w2") == (0, 4)
+    assert notices(local_cluster, "w3") == (4, 0)
+
+
 async def test_a_stage_whose_slot_is_taken_waits_for_it_on_the_event_loop(
         local_cluster: LocalCluster) -> None:
     """SyncDouble runs one call at a time (its concurrency, 1 by default). While a plain
