@@ -60,23 +60,12 @@ from omni.transport.wire import (
     WireLimits,
 )
 
-__all__ = ["Handler", "RPCClient", "RPCClientStats", "RPCServer", "RPCServerStats", "Reply",
-           "handler_scope"]
+__all__ = ["Handler", "RPCClient", "RPCClientStats", "RPCServer", "RPCServerStats", "Reply"]
 
 
 log = logging.getLogger(__name__)
 
 _MAX_IDLE_WORKERS = 32  # idle handler tasks kept for the next requests; more end
-_handler_scope: contextvars.ContextVar[trio.CancelScope] = contextvars.ContextVar(
-    "omni_rpc_handler_scope")
-
-
-def handler_scope() -> trio.CancelScope:
-    """The cancel scope the running handler's request runs in: cancelling it stops the
-    handler as the caller's ``Cancel`` would (nothing is answered). For a notice, which its
-    sender cannot cancel, the way to stop it from elsewhere. Raises LookupError outside a
-    (non-inline) handler."""
-    return _handler_scope.get()
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,7 +337,7 @@ class RPCServer(_Service):
                         break
                     if not await self._next_job(worker):
                         return
-            if scope.cancelled_caught:  # Cancel (or `handler_scope`): no reply is wanted
+            if scope.cancelled_caught:  # the caller sent Cancel: it wants no reply
                 self._cancelled += 1
             elif reply is not None:
                 await self._reply(reply)
@@ -361,7 +350,6 @@ class RPCServer(_Service):
         flight until then."""
         job = worker.job
         assert job is not None
-        _handler_scope.set(worker.scope)  # (in the request's own copy of the context)
         try:
             reply = await self._invoke(job.msg, job.payload, job.route)
         finally:

@@ -60,26 +60,16 @@ async def test_a_synchronous_chain_runs_on_the_workers_lanes(
     assert len(set.union(*threads.values()) | {loop}) == 4
 
 
-async def test_an_async_stage_between_lanes_goes_to_its_workers_event_loop(
-        local_cluster: LocalCluster) -> None:
-    """Straight to its RPC endpoint: a lane would only hand it on."""
+@pytest.mark.parametrize("graph", [c.mixed_line, c.wide_line], ids=["async", "wide"])
+async def test_a_stage_no_lane_runs_goes_straight_to_its_workers_event_loop(
+        local_cluster: LocalCluster, graph) -> None:
+    """The middle stage is async (Double), or may run two calls at once (SyncWide) where a
+    lane runs one: its notice goes to w2's RPC endpoint, not through its lane, and its call
+    runs on the event loop (in as many threads as the node allows)."""
     await three_workers(local_cluster)
     async with local_cluster.driver() as rt:
         for x in range(4):
-            assert await rt.run(c.mixed_line, x=x) == -2 * (x + 1)
-    assert notices(local_cluster, "w1") == (4, 0)
-    assert notices(local_cluster, "w2") == (0, 4)
-    assert notices(local_cluster, "w3") == (4, 0)
-
-
-async def test_a_node_with_more_calls_at_once_than_a_lane_runs_its_stages_on_the_event_loop(
-        local_cluster: LocalCluster) -> None:
-    """SyncWide may run two calls at once: a lane runs one, so its stages go to w2's event
-    loop, whose threads run as many as the node allows."""
-    await three_workers(local_cluster)
-    async with local_cluster.driver() as rt:
-        for x in range(4):
-            assert await rt.run(c.wide_line, x=x) == -2 * (x + 1)
+            assert await rt.run(graph, x=x) == -2 * (x + 1)
     assert notices(local_cluster, "w1") == (4, 0)
     assert notices(local_cluster, "w2") == (0, 4)
     assert notices(local_cluster, "w3") == (4, 0)

@@ -706,39 +706,6 @@ async def test_an_at_once_function_answers_what_needs_no_waiting_and_passes_on_t
     assert ran == [("now", 2), ("now", 3), ("later", 3), ("now", 4), ("now", 13)]
 
 
-async def test_a_notice_is_stopped_through_its_handlers_scope():
-    """Nobody can send a notice's handler `Cancel`: another handler stops it by cancelling
-    the scope it runs in (`handler_scope`), as a caller's Cancel would."""
-    from omni.transport.rpc import handler_scope
-
-    scopes: dict[str, trio.CancelScope] = {}
-    ended: list[str] = []
-
-    async def wait(name: str) -> None:
-        scopes[name] = handler_scope()
-        try:
-            await trio.sleep_forever()
-        finally:
-            ended.append(name)
-
-    async def stop(name: str) -> bool:
-        scopes.pop(name).cancel()
-        return True
-
-    server = make_server()
-    server.register("wait", wait)
-    server.register("stop", stop)
-    with trio.fail_after(CAP_S):
-        async with server, RPCClient(server.endpoint) as client:
-            await client.notify("wait", "a")
-            await client.notify("wait", "b")
-            await wait_until(lambda: len(scopes) == 2, "both notices running")
-            assert await client.call("stop", "a") is True
-            await wait_until(lambda: ended == ["a"], "a stopped")
-            assert server.stats().cancelled == 1 and server.stats().in_flight == 1  # b runs
-            assert await client.call("echo", 1) == 1
-
-
 async def test_a_notice_refused_for_lack_of_room_is_handed_to_its_refusal():
     """A server at `max_in_flight` answers a call ServerBusy; a notice has no answer, so the
     method's `refused` gets its body instead (and the handler never runs)."""

@@ -99,20 +99,21 @@ def make_fetch_handlers(store: KVStore, *, host_id: str | None = None
         same_process = request.host_id == local and request.pid == os.getpid()
         return choose_mover(local, request.host_id, same_process, layout=store.layout)
 
-    def at_once(request: FetchRequest) -> Reply | None:
-        keys = request.keys[:limit]
-        mover = mover_for(request)
+    def reply_now(keys: list[bytes], mover: Any) -> Reply | None:
         if mover.locality != "same_machine" or len(keys) > INLINE_PAGES:
             return None
         packed = _share_now(store, mover, keys)
         return None if packed is None else Reply(FetchReply(packed[0]), packed[1])
 
+    def at_once(request: FetchRequest) -> Reply | None:
+        return reply_now(request.keys[:limit], mover_for(request))
+
     async def fetch(request: FetchRequest) -> Reply:
-        reply = at_once(request)
+        keys, mover = request.keys[:limit], mover_for(request)
+        reply = reply_now(keys, mover)
         if reply is not None:
             return reply
-        header, frames = await trio.to_thread.run_sync(
-            _pack, store, mover_for(request), request.keys[:limit])
+        header, frames = await trio.to_thread.run_sync(_pack, store, mover, keys)
         return Reply(FetchReply(header), frames)
 
     return at_once, fetch
