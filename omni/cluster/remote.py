@@ -45,7 +45,6 @@ from omni.cluster._code import CodeRef
 from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
 from omni.cluster.protocol import lane_for, pick_endpoint
 from omni.graph.errors import StageError
-from omni.transport.cuda import cuda_ipc_enabled
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.movers import BufferRef, PayloadMover
 from omni.transport.rpc import RPCClient
@@ -239,7 +238,7 @@ def encode_for(value: Any, *, same_host: bool, streams: Callable[[Any], int] | N
                ) -> Packed:
     """`value` encoded for a peer (no bytes copied yet). Raises TypeError if it cannot
     travel."""
-    return pack_value(value, streams=streams, cuda_ipc=same_host and cuda_ipc_enabled())
+    return pack_value(value, streams=streams, cuda_ipc=same_host)
 
 
 def pack_out(mover: PayloadMover, packed: Packed, *, peer: str, same_host: bool

@@ -217,9 +217,10 @@ class _Lowering:
         t = tensor.detach()
         device = "" if t.device.type == "cpu" else str(t.device)
         if device.startswith("cuda") and self.cuda_ipc:
-            from omni.transport.cuda import share
+            from omni.transport.cuda import cuda_ipc_enabled, share
 
-            return msgspec.msgpack.Ext(_CUDA, _plain.encode(share(t)))
+            if cuda_ipc_enabled():
+                return msgspec.msgpack.Ext(_CUDA, _plain.encode(share(t)))
         if device:
             t = t.cpu()
         dtype = str(t.dtype).removeprefix("torch.")
@@ -270,7 +271,8 @@ def pack_value(value: Any, *, oob_min: int | None = OOB_MIN,
     Args:
         oob_min: arrays of this many bytes or more go out of band (None: all inline).
         streams: gives the id of each async iterator found in the value (None: refused).
-        cuda_ipc: CUDA tensors go by CUDA IPC handle (only for a receiver on this host).
+        cuda_ipc: the receiver is on this host: CUDA tensors go by CUDA IPC handle, unless
+            ``OMNI_CUDA_IPC=0`` (`cuda_ipc_enabled`, looked up only when one is found).
 
     Raises:
         TypeError: the value (or something inside it) cannot travel; the message names it.
