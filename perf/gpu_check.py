@@ -13,6 +13,9 @@ figures, each beside its baseline from the same run.
    transformers' and cached == recomputed (float32), prefix-reuse time to first token
    (perf/_gpu_engine.py).
 
+The tiny Qwen3-Omni on CUDA (float32 tokens and waveform against transformers on CUDA; bfloat16
+speaks) is a test file of `tests`' (`QWEN3_OMNI_TESTS`), with a claim of its own.
+
 Without a CUDA device it says so and exits 0 (nothing to check). Each section that fails
 records its error and the next one runs; the JSON is rewritten after every section, so a run
 cut short keeps what it measured. Exit status 1 when a test or a target failed.
@@ -39,12 +42,14 @@ if __package__ in (None, ""):  # run as a script: make `perf` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tests that hold Qwen3-Omni on CUDA to transformers on CUDA (a claim of their own).
+QWEN3_OMNI_TESTS = "tests/compute/test_qwen3_omni_cuda.py"
 # Every test file holding a test marked `gpu` (tests/perf/test_gpu_check.py keeps this list
 # whole).
 GPU_TEST_FILES = (
     "tests/compute/test_default_store.py",
     "tests/compute/test_engine_cuda.py",
-    "tests/compute/test_qwen3_omni_cuda.py",
+    QWEN3_OMNI_TESTS,
     "tests/kv/test_store_cuda.py",
     "tests/kv/tiers/test_segment.py",
     "tests/kv/tiers/test_memory.py",
@@ -159,6 +164,12 @@ def claims(result: dict[str, Any]) -> dict[str, Any]:
         "passed": len(tests.get("passed", [])), "failed": sorted(tests.get("failed", {})),
         "pass": tests.get("exit") == 0 and bool(tests.get("passed"))
         and not tests.get("failed")}}
+    omni_module = QWEN3_OMNI_TESTS.removesuffix(".py").replace("/", ".") + "::"
+    omni_tests = {kind: sorted(n for n in tests.get(kind, ()) if n.startswith(omni_module))
+                  for kind in ("passed", "failed", "skipped")}
+    out["qwen3_omni_equals_transformers"] = {
+        **omni_tests, "pass": bool(omni_tests["passed"]) and not omni_tests["failed"]
+        and not omni_tests["skipped"]}
     tiers = get("tier_copies", "vs_torch")
     out["tier_copies"] = at_least(
         TARGETS["tier_copies"], None if tiers is None else min(
@@ -242,7 +253,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in SECTIONS:
         if name in sections:
             _section(result, name, runs[name], args.out)
-    result["qwen3_omni"] = {"status": "not run: Qwen3-Omni does not run on Omni yet"}
     result["claims"] = claims(result)
     result["all_pass"] = all_pass(result["claims"])
     _write(result, args.out)

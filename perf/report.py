@@ -698,6 +698,14 @@ GPU_KNOWN: tuple[Known, ...] = (
           lambda k: (f"greedy tokens on CUDA equal transformers' on CUDA ({k.c['dtype']}, "
                      f"{k.d['engine']['model']['shape']} shape)"),
           "equal", _equal, "transformers' `generate`"),
+    Known("gpu_check", "claims.qwen3_omni_equals_transformers",
+          "the tiny Qwen3-Omni on CUDA: its float32 tokens and waveform equal to transformers' "
+          "on CUDA, and it speaks in bfloat16",
+          "equal",
+          lambda k: (f"{len(k.c['passed'])} tests pass" if k.c["pass"] else
+                     f"{len(k.c['passed'])} passed, failed: "
+                     f"{', '.join(k.c['failed'] + k.c['skipped']) or 'none ran'}"),
+          "transformers' Qwen3-Omni"),
     Known("gpu_check", "claims.cached_equals_recomputed",
           lambda k: (f"a second turn reusing {k.c['cached_tokens']} tokens of KV from a CUDA "
                      f"store gives the recomputed tokens ({k.c['dtype']})"),

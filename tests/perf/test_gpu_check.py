@@ -34,8 +34,10 @@ def test_without_cuda_it_says_so_and_exits_0(monkeypatch: pytest.MonkeyPatch,
 
 def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met(gpu_check) -> None:
     samples = {"median": 1.0}
+    omni = gpu_check.QWEN3_OMNI_TESTS.removesuffix(".py").replace("/", ".")
     measured = {
-        "tests": {"exit": 0, "passed": ["t"], "failed": {}},
+        "tests": {"exit": 0, "passed": ["t", f"{omni}::test_a", f"{omni}::test_b"],
+                  "failed": {}, "skipped": []},
         "tier_copies": {"vs_torch": {"h2d": 0.95, "d2h": 0.91, "store_acquire": 0.93,
                                      "h2d_waiting_each": 0.6}},
         "ipc_handoff": {"speedup": 25.0, "ms": {"ipc": samples, "copy": samples}},
@@ -50,6 +52,8 @@ def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met(gpu_c
                                                                  "recomputed": samples}}]},
     }
     assert gpu_check.all_pass(gpu_check.claims(measured))
+    assert gpu_check.claims(measured)["qwen3_omni_equals_transformers"]["passed"] == [
+        f"{omni}::test_a", f"{omni}::test_b"]
     measured["tier_copies"] = {"error": "RuntimeError: boom"}
     measured["engine"]["decode"][1]["ratio"] = 0.99
     verdict = gpu_check.claims(measured)
@@ -61,3 +65,19 @@ def test_claims_fail_where_a_section_failed_and_pass_where_targets_are_met(gpu_c
     verdict = gpu_check.claims(measured)
     assert not verdict["decode"][0]["pass"]
     assert not verdict["greedy_tokens_equal_transformers"]["pass"]
+
+
+def test_the_qwen3_omni_claim_passes_only_when_its_cuda_tests_all_ran_and_passed(
+        gpu_check) -> None:
+    omni = gpu_check.QWEN3_OMNI_TESTS.removesuffix(".py").replace("/", ".")
+
+    def verdict(passed: list[str], failed: dict[str, str], skipped: list[str]) -> bool:
+        tests = {"exit": 0 if not failed else 1, "passed": passed, "failed": failed,
+                 "skipped": skipped}
+        return gpu_check.claims({"tests": tests})["qwen3_omni_equals_transformers"]["pass"]
+
+    assert verdict([f"{omni}::a", f"{omni}::b"], {}, [])
+    assert not verdict([f"{omni}::a"], {f"{omni}::b": "tokens differ"}, [])
+    assert not verdict([f"{omni}::a"], {}, [f"{omni}::b"])
+    assert not verdict(["tests.kv.test_store_cuda::x"], {}, [])  # none of its tests ran
+    assert not verdict([], {}, [])  # the tests section failed or did not run
