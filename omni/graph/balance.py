@@ -158,10 +158,12 @@ class Pool:
             RuntimeError: the balancer returned something that is not a replica index.
         """
         replicas = self.replicas
-        if not all(r.alive for r in replicas):
-            replicas = [r for r in replicas if r.alive]
-            if not replicas:
-                return None
+        for replica in replicas:  # (a loop: cheaper than all() over a generator, per call)
+            if not replica.alive:
+                replicas = [r for r in replicas if r.alive]
+                if not replicas:
+                    return None
+                break
         index = self.balancer.choose(replicas, call)
         num_replicas = len(replicas)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_replicas:
@@ -223,7 +225,8 @@ class Pool:
         room."""
         replica.queued -= 1
         replica.count(failed=failed)
-        self._space.unpark()
+        if self._space:  # someone waits for room
+            self._space.unpark()
 
     @asynccontextmanager
     async def acquire(self, call: CallInfo) -> AsyncIterator[Replica]:
