@@ -647,6 +647,15 @@ def _decode_case(k: Ctx) -> dict[str, Any]:
     return next(c for c in k.d["engine"]["decode"] if c["batch"] == k.c["batch"])
 
 
+def _tests_outcome(c: dict[str, Any]) -> str:
+    """A claim made of tests: how many passed, and which failed or were skipped."""
+    if not (c["passed"] or c["failed"] or c["skipped"]):
+        return "none of its tests ran"
+    missed = c["failed"] + c["skipped"]
+    return f"{len(c['passed'])} passed" + (f"; failed or skipped: {', '.join(missed)}"
+                                           if missed else "")
+
+
 def _equal(k: Ctx) -> str:
     return "equal" if k.c["pass"] else "differ"
 
@@ -702,10 +711,7 @@ GPU_KNOWN: tuple[Known, ...] = (
           "the tiny Qwen3-Omni on CUDA: its float32 tokens and waveform equal to transformers' "
           "on CUDA, and it speaks in bfloat16",
           "equal",
-          lambda k: (f"{len(k.c['passed'])} tests pass" if k.c["pass"] else
-                     f"{len(k.c['passed'])} passed, failed: "
-                     f"{', '.join(k.c['failed'] + k.c['skipped']) or 'none ran'}"),
-          "transformers' Qwen3-Omni"),
+          lambda k: _tests_outcome(k.c), "transformers' Qwen3-Omni"),
     Known("gpu_check", "claims.cached_equals_recomputed",
           lambda k: (f"a second turn reusing {k.c['cached_tokens']} tokens of KV from a CUDA "
                      f"store gives the recomputed tokens ({k.c['dtype']})"),
