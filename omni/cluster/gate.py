@@ -49,11 +49,11 @@ class Gate:
     async def acquire(self) -> None:
         """Take a slot, waiting in line for one. A free slot is taken without a trip through
         trio's scheduler (the call itself yields anyway)."""
-        waiter = _Waiter()
         with self._lock:
             if self._free and not self._waiters:
                 self._free -= 1
                 return
+            waiter = _Waiter()
             self._waiters.append(waiter)
         try:
             await waiter.event.wait()

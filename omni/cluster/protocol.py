@@ -13,7 +13,7 @@ from omni.transport.host import host_id, ipc_enabled
 __all__ = [
     "HEARTBEAT_S", "LOST_KEPT_S", "MISSED_BEATS", "RESERVATION_S", "Beat", "BeatReply",
     "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Register", "Welcome",
-    "check_address", "endpoint_for", "lane_for", "pick_endpoint",
+    "check_address", "endpoint_for", "pick_endpoint",
 ]
 
 HEARTBEAT_S = 0.5  # seconds between heartbeats, both ways
@@ -66,12 +66,6 @@ def endpoint_for(info: MemberInfo) -> str:
 def pick_endpoint(rpc: str, ipc: str, host: str) -> str:
     """`endpoint_for` a member known by its TCP endpoint, Unix endpoint and host."""
     return ipc if ipc and host == host_id() and ipc_enabled() else rpc
-
-
-def lane_for(lane: str, host: str) -> str:
-    """A worker's lane (`omni.transport.lane`) as this process reaches it: on its host, where
-    Unix sockets are used; else '' (its stages' notices go to its RPC endpoint)."""
-    return lane if lane and host == host_id() and ipc_enabled() else ""
 
 
 class MemberLoad(msgspec.Struct, frozen=True):

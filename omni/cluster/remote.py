@@ -43,7 +43,7 @@ import trio
 
 from omni.cluster._code import CodeRef
 from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
-from omni.cluster.protocol import lane_for, pick_endpoint
+from omni.cluster.protocol import pick_endpoint
 from omni.graph.errors import StageError
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.movers import BufferRef, PayloadMover
@@ -96,9 +96,9 @@ class WorkerAddress(msgspec.Struct, array_like=True, frozen=True):
         return pick_endpoint(self.rpc, self.ipc, self.host)
 
     def lane_endpoint(self) -> str:
-        """Where this process sends it a chain's stage: its lane on the same host, else ''
-        (its RPC endpoint takes them)."""
-        return lane_for(self.lane, self.host)
+        """Where this process sends it a chain's stage: its lane on the same host (as its
+        Unix socket would be picked), else '' (its RPC endpoint takes them)."""
+        return pick_endpoint("", self.lane, self.host)
 
 
 class KeptArg(msgspec.Struct, array_like=True, frozen=True):

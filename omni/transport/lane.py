@@ -40,6 +40,7 @@ import trio
 
 from omni.transport.errors import TransportError, WireError
 from omni.transport.unix import (
+    _IOV_MAX,
     Buffer,
     _Broken,
     _listen,
@@ -47,7 +48,7 @@ from omni.transport.unix import (
     _path,
     _same_user,
     encode,
-    unsent,
+    write_now,
 )
 from omni.transport.wire import Codec, Request, WireLimits
 
@@ -56,7 +57,6 @@ __all__ = ["MAX_PENDING_BYTES", "Lane", "LaneStats"]
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES: Final = 64 << 20  # unsent bytes a lane holds for one peer
-_IOV_MAX: Final = 512
 
 Handler = Callable[[Request, list[Buffer]], None]
 
@@ -173,7 +173,7 @@ class Lane:
         out = self._outs.get(endpoint) or self._connect(endpoint)
         if not out.pending:
             try:
-                buffers = self._write(out, buffers)
+                buffers = write_now(out.sock, buffers)
             except OSError:
                 self._close_out(out)
                 raise TransportError(f"the connection to {endpoint} broke") from None
@@ -322,14 +322,6 @@ class Lane:
         else:
             self._owners[fd] = out
             self._epoll.register(fd, events)
-
-    def _write(self, out: _Out, buffers: list[Buffer]) -> list[Buffer]:
-        try:
-            sent = (out.sock.send(buffers[0]) if len(buffers) == 1
-                    else out.sock.sendmsg(buffers[:_IOV_MAX]))
-        except (BlockingIOError, InterruptedError):
-            return buffers
-        return unsent(buffers, sent)
 
     def _flush(self, out: _Out) -> None:
         """Write what waits for `out`, as far as the kernel takes it."""

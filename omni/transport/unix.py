@@ -44,7 +44,7 @@ from omni.transport.errors import TransportError
 from omni.transport.trio_zmq import background_nursery
 
 __all__ = ["SCHEME", "UnixSocket", "encode", "is_unix", "open_unix_socket", "remove_stale",
-           "unsent"]
+           "write_now"]
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,14 @@ def encode(frames: Sequence[Buffer]) -> list[Buffer]:
     return out
 
 
-def unsent(buffers: list[Buffer], sent: int) -> list[Buffer]:
-    """What of `buffers` is left to write once the kernel took `sent` bytes of them."""
+def write_now(sock: socket.socket, buffers: list[Buffer]) -> list[Buffer]:
+    """Write to non-blocking `sock` what the kernel takes of `buffers` now; the rest (empty:
+    all written). Raises OSError when the connection broke."""
+    try:
+        sent = (sock.send(buffers[0]) if len(buffers) == 1
+                else sock.sendmsg(buffers[:_IOV_MAX]))
+    except (BlockingIOError, InterruptedError):
+        return buffers
     for i, buffer in enumerate(buffers):
         size = len(buffer) if type(buffer) is bytes else memoryview(buffer).nbytes
         if sent < size:
@@ -146,16 +152,10 @@ class _Connection:
     def _write(self, buffers: list[Buffer]) -> list[Buffer]:
         """Write what the kernel takes now; the rest (empty: all written)."""
         try:
-            if len(buffers) == 1:
-                sent = self.sock.send(buffers[0])
-            else:
-                sent = self.sock.sendmsg(buffers[:_IOV_MAX])
-        except (BlockingIOError, InterruptedError):
-            return buffers
+            return write_now(self.sock, buffers)
         except OSError:
             self.close()
             raise TransportError("the connection broke") from None
-        return unsent(buffers, sent)
 
     async def flush_forever(self) -> None:
         """The writer: write what waits in `pending` whenever the socket takes it."""
