@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from omni.errors import OmniError
 
-__all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError", "StageError"]
+__all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError", "StageError",
+           "lost_midway"]
 
 
 class GraphError(OmniError):
@@ -84,3 +85,13 @@ class StageError(OmniError):
 
     def __reduce__(self):
         return (type(self), (self.stage, self.cause))
+
+
+def lost_midway(exc: NodeError) -> bool:
+    """Whether `exc` failed its request only because a node's stream was lost with the process
+    hosting its replica after passing items on (`ReplicaLost.items_passed`; a call lost before
+    anything came back was retried already). Such a request may run again from its start
+    wherever nothing of it has reached its caller: `omni.Runtime.run`, a served reply not yet
+    sent."""
+    cause = exc.cause
+    return isinstance(cause, ReplicaLost) and cause.items_passed > 0

@@ -16,7 +16,7 @@ from omni.graph._plan import Plan
 from omni.graph.balance import Pool, PoolStats
 from omni.graph.context import CallContext
 from omni.graph.dsl import Graph, Node, NodeClass
-from omni.graph.errors import NodeError, ReplicaLost
+from omni.graph.errors import NodeError, lost_midway
 from omni.graph.hosting import host_replica
 from omni.graph.scheduler import run_plan
 
@@ -420,9 +420,6 @@ class ResultStream:
 
 
 def _rerunnable(exc: NodeError, inputs: dict[str, Any]) -> bool:
-    """Whether a request that failed with `exc` may run again: a node's stream was lost with
-    its replica after passing items on (a lost call was retried already), and no input is a
-    stream (one that was read cannot be read again)."""
-    cause = exc.cause
-    return isinstance(cause, ReplicaLost) and cause.items_passed > 0 and not any(
-        hasattr(v, "__aiter__") for v in inputs.values())
+    """Whether a request that failed with `exc` may run again: it was lost midway
+    (`lost_midway`), and no input is a stream (one that was read cannot be read again)."""
+    return lost_midway(exc) and not any(hasattr(v, "__aiter__") for v in inputs.values())

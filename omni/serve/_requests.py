@@ -5,7 +5,7 @@ Why a module of its own: the app (`omni.serve.app`) and the OpenAI endpoints
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -13,14 +13,16 @@ import msgspec
 from starlette.requests import Request
 
 from omni.graph.balance import NoLiveReplica
-from omni.graph.errors import NodeError, RouteError
+from omni.graph.errors import NodeError, ReplicaLost, RouteError, lost_midway
 from omni.serve._errors import ApiError
 
-__all__ = ["DONE", "PARSE_IN_THREAD_BYTES", "graph_error", "json_body", "until_disconnected"]
+__all__ = ["DONE", "LOST_RETRY_AFTER_S", "PARSE_IN_THREAD_BYTES", "graph_error", "json_body",
+           "outputs", "until_disconnected"]
 
 DONE = "[DONE]"  # a server-sent event stream's last data
 # a body larger than this is parsed in a worker thread (1 MiB of JSON: ~5 ms to parse)
 PARSE_IN_THREAD_BYTES = 1 << 20
+LOST_RETRY_AFTER_S = 5  # Retry-After of a request its workers' loss failed: time to place anew
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -69,16 +71,44 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[Any]
     return result
 
 
+async def outputs(runtime: Any, graph: Any, inputs: dict[str, Any], *,
+                  unsent: Callable[[], bool],
+                  restart: Callable[[], None] = lambda: None
+                  ) -> AsyncIterator[tuple[str, Any]]:
+    """The request's ``(output, item)`` pairs, as `runtime.stream` gives them. A request lost
+    with a worker midway (`lost_midway`: a node's stream had passed items on inside the
+    graph) runs once more from its start while `unsent()` says its caller has been sent
+    nothing of it yet (a reply collected whole, a stream before its first event), as
+    `omni.Runtime.run` does, after `restart()` (the caller drops what it gathered of the
+    first run). A request lost again fails with that error (`graph_error`: 503, retry later)."""
+    again = False
+    while True:
+        try:
+            async with runtime.stream(graph, **inputs) as stream:
+                async for pair in stream:
+                    yield pair
+            return
+        except NodeError as exc:
+            if again or not lost_midway(exc) or not unsent():
+                raise
+            again = True
+            restart()
+
+
 def graph_error(exc: NodeError) -> ApiError:
     """A failed request as an API error: a node refusing its input (a ValueError, a switch
     without the route) is the client's 400, a node with no live replica left (its workers
-    gone, none placed again within the replace timeout) a 503 to retry later, anything else
-    the server's 500."""
+    gone, none placed again within the replace timeout) or lost with its worker where it
+    could not run again a 503 to retry later, anything else the server's 500."""
     cause = exc.cause
     text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    retry = {"retry-after": str(LOST_RETRY_AFTER_S)}
     if isinstance(cause, NoLiveReplica):
         return ApiError(503, f"node '{exc.node}' failed: {text}", code="no_live_replica",
-                        headers={"retry-after": "5"})
+                        headers=retry)
+    if isinstance(cause, ReplicaLost):
+        return ApiError(503, f"node '{exc.node}' failed: {text}", code="worker_lost",
+                        headers=retry)
     client = isinstance(cause, ValueError) or isinstance(exc, RouteError)
     return ApiError(400 if client else 500, f"node '{exc.node}' failed: {text}",
                     code="node_failed")

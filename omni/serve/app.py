@@ -52,7 +52,7 @@ from omni.graph.marks import OutputFile, file_role, is_cache_salt
 from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
 from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
-from omni.serve._requests import DONE, graph_error, json_body, until_disconnected
+from omni.serve._requests import DONE, graph_error, json_body, outputs, until_disconnected
 from omni.serve._tenants import cache_salt, requested_salt, tenant_of
 
 if TYPE_CHECKING:
@@ -277,13 +277,19 @@ def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:
 async def _graph_events(runtime: Any, graph: Graph, inputs: dict[str, Any],
                         files: RequestFiles) -> AsyncIterator[dict[str, str]]:
     """One event per output item, then the output files (``{"files": {...}}``) if any, then
-    ``[DONE]``; a failure as an ``error`` event. Closes `files` when it ends."""
+    ``[DONE]``; a failure as an ``error`` event. Closes `files` when it ends. A request lost
+    with a worker midway runs again if no event was sent yet (`outputs`)."""
+    sent = 0
+
+    def unsent() -> bool:
+        return sent == 0
+
     try:
-        async with runtime.stream(graph, **inputs) as stream:
-            async for name, item in stream:
-                yield {"data": json.dumps({"output": name,
-                                           "item": files.rewrite(to_jsonable(item))},
-                                          ensure_ascii=False)}
+        async for name, item in outputs(runtime, graph, inputs, unsent=unsent):
+            sent += 1
+            yield {"data": json.dumps({"output": name,
+                                       "item": files.rewrite(to_jsonable(item))},
+                                      ensure_ascii=False)}
         written = await files.collect()
         if written:
             yield {"data": json.dumps({FILES_KEY: written})}

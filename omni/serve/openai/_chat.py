@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from omni.graph.errors import NodeError
 from omni.serve._errors import ApiError, error_body
-from omni.serve._requests import DONE, graph_error, json_body, until_disconnected
+from omni.serve._requests import DONE, graph_error, json_body, outputs, until_disconnected
 from omni.serve._tenants import tenant_of
 from omni.serve.openai import _audio
 from omni.serve.openai._body import validated
@@ -76,9 +76,14 @@ class _Reply:
     created: int = field(default_factory=lambda: int(time.time()))
     start: ChatStart | None = None
     choices: dict[int, _Choice] = field(default_factory=dict)
+    num_sent: int = 0  # chunks a stream of it has sent
 
     def choice(self, index: int) -> _Choice:
         return self.choices.setdefault(index, _Choice())
+
+    def restart(self) -> None:
+        """Forget what came of a run: the request runs again (`outputs`)."""
+        self.start, self.choices = None, {}
 
     def usage(self) -> dict[str, Any]:
         prompt = self.start.prompt_tokens if self.start else 0
@@ -136,22 +141,26 @@ def _note(reply: _Reply, event: Any) -> None:
 
 
 async def _collect(runtime: Any, graph: Any, chat: ChatRequest, reply: _Reply) -> bool:
-    async with runtime.stream(graph, request=chat) as stream:
-        async for _, event in stream:
-            _note(reply, event)
+    """Gather the whole reply (run again if a worker is lost midway: nothing was sent)."""
+    async for _, event in outputs(runtime, graph, {"request": chat}, unsent=lambda: True,
+                                  restart=reply.restart):
+        _note(reply, event)
     return True
 
 
 async def _chunks(runtime: Any, graph: Any, chat: ChatRequest, reply: _Reply,
                   usage: bool) -> AsyncIterator[dict[str, str]]:
     """The stream's events: a role chunk per choice, deltas, finish chunks, the usage chunk
-    when asked for, ``[DONE]``; a failure as an ``error`` event."""
+    when asked for, ``[DONE]``; a failure as an ``error`` event. A request lost with a
+    worker midway runs again if no chunk was sent yet."""
     try:
-        async with runtime.stream(graph, request=chat) as stream:
-            async for _, event in stream:
-                _note(reply, event)
-                for delta in _deltas(reply, event):
-                    yield {"data": reply.chunk([delta], usage)}
+        async for _, event in outputs(runtime, graph, {"request": chat},
+                                      unsent=lambda: reply.num_sent == 0,
+                                      restart=reply.restart):
+            _note(reply, event)
+            for delta in _deltas(reply, event):
+                reply.num_sent += 1
+                yield {"data": reply.chunk([delta], usage)}
     except NodeError as exc:
         error = graph_error(exc)
         yield {"event": "error", "data": json.dumps(error_body(
