@@ -131,5 +131,16 @@ def _execute(graph: Graph, requests: Requests, concurrency: int,
                            f"{error.strerror or error}") from exc
         raise
     except NodeError as exc:  # raised only while the Runtime starts the graph's replicas
-        raise CliError(f"node '{exc.node}' failed to start: {describe_cause(exc)}",
-                       exit_code=EXIT_FAILED) from exc
+        raise CliError(_start_failure(exc), exit_code=EXIT_FAILED) from exc
+
+
+def _start_failure(error: NodeError) -> str:
+    """What failed as the Runtime started `error`'s node: on a worker, the error it raised
+    there, by its own type (its traceback comes with ``--debug``, as the error's note)."""
+    from omni.cluster import RemoteNodeError
+
+    cause = error.cause
+    if isinstance(cause, RemoteNodeError):
+        return (f"node '{error.node}' failed to start on worker '{cause.member}': "
+                f"{cause.remote_type}: {cause.remote_message}")
+    return f"node '{error.node}' failed to start: {describe_cause(error)}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import sys
 import tempfile
 from enum import StrEnum
@@ -38,6 +39,11 @@ from omni.serve import serve as serve_app
 __all__ = ["serve"]
 
 MAX_BODY_MIB = 32
+MIN_KEY_CHARS = 16  # a shorter key can be guessed
+KEY_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a tenant's name in a key file
+KEY_FILE_HELP = ("one key per line, 'KEY' or 'NAME:KEY' ('NAME KEY' too), each key at least "
+                 f"{MIN_KEY_CHARS} printable ASCII characters without spaces, a NAME letters, "
+                 "digits, '.', '_' or '-'; a line starting with # is a comment")
 
 
 class JsonWhitespace(StrEnum):
@@ -45,6 +51,7 @@ class JsonWhitespace(StrEnum):
 
     any = "any"
     compact = "compact"
+
 
 MEDIA = MediaPolicy()  # the defaults of the media options
 
@@ -60,9 +67,14 @@ def serve(
         "--port", "-p", min=0, max=65535, help="Port to listen on (0: a free one).")] = 8000,
     api_key_file: Annotated[str | None, typer.Option(
         "--api-key-file", metavar="PATH", show_default=False,
-        help="Require 'Authorization: Bearer KEY' on /v1/ routes: the file holds one key "
-             "per line ('KEY' or 'NAME KEY'; # comments), each key a tenant whose KV cache "
-             "is its own.")] = None,
+        help="Require 'Authorization: Bearer KEY' on /v1/ routes: each key of the file is a "
+             f"tenant whose caches and sessions are its own ({KEY_FILE_HELP}).")] = None,
+    metrics_key_file: Annotated[str | None, typer.Option(
+        "--metrics-key-file", metavar="PATH", show_default=False,
+        help="The operator's keys, the only ones /metrics takes once the server has keys (a "
+             "tenant's key gets 403: the KV page counts tell prompt lengths); the format of "
+             "--api-key-file. Without any key file /metrics is open, as is every route.")
+    ] = None,
     max_concurrency: Annotated[int | None, typer.Option(
         "--max-concurrency", metavar="N", min=1, show_default=False,
         help="Answer 429 to a request beyond N in flight (default: no limit).")] = None,
@@ -86,6 +98,25 @@ def serve(
         "--max-media-mib", metavar="MIB", min=1,
         help="Answer 400 to a message's image or audio clip larger than this.")
     ] = MEDIA.max_item_bytes >> 20,
+    max_request_pixels: Annotated[int, typer.Option(
+        "--max-request-pixels", metavar="N", min=1,
+        help="Answer 400 to a chat request whose images hold more pixels than this in all "
+             "(read from their headers, before any is decoded).")] = MEDIA.max_request_pixels,
+    max_request_samples: Annotated[int, typer.Option(
+        "--max-request-samples", metavar="N", min=1,
+        help="Answer 400 to a chat request whose audio clips hold more samples than this in "
+             "all (every channel's; read from their headers).")] = MEDIA.max_request_samples,
+    max_inflight_pixels: Annotated[int, typer.Option(
+        "--max-inflight-pixels", metavar="N", min=1,
+        help="The decoded pixels the chat requests in flight may hold at once (each until "
+             "it is answered); a request without room waits for it, then gets 429 (at least "
+             "--max-request-pixels).")
+    ] = MEDIA.max_inflight_pixels,
+    max_inflight_samples: Annotated[int, typer.Option(
+        "--max-inflight-samples", metavar="N", min=1,
+        help="The decoded audio samples the chat requests in flight may hold at once, as "
+             "--max-inflight-pixels (at least --max-request-samples).")
+    ] = MEDIA.max_inflight_samples,
     system_prompt: Annotated[str | None, typer.Option(
         "--system-prompt", metavar="TEXT", show_default=False,
         help="The system message of a /v1/chat/completions conversation that has none "
@@ -126,7 +157,10 @@ def serve(
         use_data_plane(data_plane)
         module = load_module(file)
         graphs = graphs_to_serve(module, graph_names or [], file)
-        state = GuardState(api_keys=_read_keys(api_key_file), max_concurrency=max_concurrency,
+        api_keys = _read_keys(api_key_file)
+        state = GuardState(api_keys=api_keys,
+                           metrics_keys=_metrics_keys(metrics_key_file, api_keys),
+                           max_concurrency=max_concurrency,
                            max_body_bytes=max_body_mib * 1024 * 1024)
         kv = kv_config(module, file, device=kv_device, host=kv_host, disk=kv_disk)
         runtime = {"kv": kv, "cluster": cluster, "token_file": token_file, "metrics": True,
@@ -135,14 +169,24 @@ def serve(
         with tempfile.TemporaryDirectory(prefix="omni-serve-") as outputs:
             files = _file_policy(allow_path or [], outputs)
             app = {"files": files, "chat": ChatPolicy(system_prompt, json_whitespace.value),
-                   "media": MediaPolicy(allow_remote_media, max_image_pixels,
-                                        max_media_mib << 20)}
+                   "media": _media_policy(allow_remote_media, max_image_pixels,
+                                          max_media_mib << 20, max_request_pixels,
+                                          max_request_samples, max_inflight_pixels,
+                                          max_inflight_samples)}
             try:
                 trio.run(functools.partial(_serve, graphs, state, runtime, host, port,
                                            drain_timeout, app))
             except Stopped as exc:
                 sys.stderr.write(f"omni serve: stopped ({exc.signal_name}); "
                                  f"{_drained(state, drain_timeout)}\n")
+
+
+def _media_policy(*limits: Any) -> MediaPolicy:
+    try:
+        return MediaPolicy(*limits)
+    except ValueError as exc:
+        raise CliError(f"{exc} (--max-inflight-pixels >= --max-request-pixels, "
+                       "--max-inflight-samples >= --max-request-samples)") from None
 
 
 def _file_policy(allow_paths: list[str], outputs: str) -> FilePolicy:
@@ -152,35 +196,66 @@ def _file_policy(allow_paths: list[str], outputs: str) -> FilePolicy:
         raise CliError(str(exc)) from None
 
 
-def _read_keys(path: str | None) -> dict[str, str]:
-    """The key file's keys, each mapped to its tenant: the name given before it on its line,
-    else ``key-`` and 12 hex digits of its digest (stable, and telling nothing of the key)."""
+def _read_keys(path: str | None, option: str = "--api-key-file") -> dict[str, str]:
+    """The keys of `option`'s file `path` (see `KEY_FILE_HELP`), each mapped to its name:
+    the one given on its line, else ``key-`` and 12 hex digits of its digest (stable, and
+    telling nothing of the key). A mistake is a one-line `CliError` naming the file and line,
+    never the key."""
     if path is None:
         return {}
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"--api-key-file {path}: cannot read it "
+        raise CliError(f"{option} {path}: cannot read it "
                        f"({getattr(exc, 'strerror', None) or exc})") from None
     keys: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
+        if not line.strip() or line.lstrip().startswith("#"):
             continue
-        if len(words) > 2:
-            raise CliError(f"--api-key-file {path}:{number}: expected 'KEY' or 'NAME KEY', "
-                           f"got {len(words)} words")
-        key = words[-1]
-        name = words[0] if len(words) == 2 else (
-            "key-" + hashlib.sha256(key.encode()).hexdigest()[:12])
+        try:
+            name, key = _key_line(line)
+        except ValueError as exc:
+            raise CliError(f"{option} {path}:{number}: {exc}") from None
         if key in keys:
-            raise CliError(f"--api-key-file {path}:{number}: this key is listed twice")
+            raise CliError(f"{option} {path}:{number}: this key is listed twice")
         if name in keys.values():
-            raise CliError(f"--api-key-file {path}:{number}: the name {name!r} is taken")
+            raise CliError(f"{option} {path}:{number}: the name {name!r} is taken")
         keys[key] = name
     if not keys:
-        raise CliError(f"--api-key-file {path}: no key in it")
+        raise CliError(f"{option} {path}: no key in it")
     return keys
+
+
+def _key_line(line: str) -> tuple[str, str]:
+    """A key file's line as (name, key); ValueError saying what is wrong, never quoting it.
+    Unambiguous: a key holds no space, so two words are NAME KEY; one word is NAME:KEY when
+    it holds a ':' (the first one ends the name), else KEY."""
+    words = line.split()
+    if len(words) > 2:
+        raise ValueError(f"expected 'KEY', 'NAME:KEY' or 'NAME KEY', got {len(words)} words")
+    if len(words) == 2:
+        name, key = words
+    else:
+        name, colon, key = words[0].partition(":")
+        if not colon:
+            name, key = "key-" + hashlib.sha256(words[0].encode()).hexdigest()[:12], words[0]
+    if not KEY_NAME.fullmatch(name):
+        raise ValueError("a name is 1 to 64 letters, digits, '.', '_' or '-'")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"the key is shorter than {MIN_KEY_CHARS} characters (draw one: "
+                         "openssl rand -hex 32; '#' starts a comment only at a line's start)")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError("a key is printable ASCII, as an Authorization header carries it")
+    return name, key
+
+
+def _metrics_keys(path: str | None, api_keys: dict[str, str]) -> frozenset[str]:
+    """``--metrics-key-file``'s keys; a `CliError` for one that is a tenant's too."""
+    keys = _read_keys(path, "--metrics-key-file")
+    if set(keys) & set(api_keys):
+        raise CliError(f"--metrics-key-file {path}: a key of it is a tenant's too (in "
+                       "--api-key-file): the operator's keys must be their own")
+    return frozenset(keys)
 
 
 def _drained(state: GuardState, timeout: float) -> str:

@@ -252,8 +252,8 @@ class Understand:
     def __init__(self, model: str = MODEL) -> None:
         self.engine = _shared_engine(model)
 
-    async def __call__(self, prompt: str, references: list[Image],
-                       settings: Settings) -> Understood:
+    async def __call__(self, prompt: str, references: list[Image], settings: Settings,
+                       cache_salt: str = "") -> Understood:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt must be non-empty text, got {prompt!r}")
         if self.engine.tokenizer is None:
@@ -262,7 +262,7 @@ class Understand:
         request = Prompt([*references, Text(prompt)])
         started = time.perf_counter()
         params = SamplingParams(max_new_tokens=settings.expand, temperature=0)
-        result = await self.engine.generate(request, params)
+        result = await self.engine.generate(request, params, cache_salt=cache_salt)
         # The expansion goes on as token ids, exactly the ones whose KV the engine cached.
         conditioned = request + Text(result.token_ids) if result.token_ids else request
         return Understood(conditioned, result.text or "", len(result.token_ids),
@@ -279,14 +279,15 @@ class Paint:
         self.engine = _shared_engine(model)
         self.generator = ImageGenerator(self.engine, seed=0)
 
-    async def __call__(self, understood: Understood, settings: Settings,
-                       reuse: bool) -> Painted:
+    async def __call__(self, understood: Understood, settings: Settings, reuse: bool,
+                       cache_salt: str = "") -> Painted:
         if not isinstance(reuse, bool):
             raise ValueError(f"reuse must be true or false, got {reuse!r}")
         started = time.perf_counter()
         result = await self.generator.generate(
             understood.prompt, height=settings.height // 8, width=settings.width // 8,
-            steps=settings.steps, guidance=settings.guidance, seed=settings.seed, reuse=reuse)
+            steps=settings.steps, guidance=settings.guidance, seed=settings.seed, reuse=reuse,
+            cache_salt=cache_salt)
         return Painted(understood, result, self.engine.model_id, reuse,
                        time.perf_counter() - started)
 
@@ -341,12 +342,13 @@ def _write(path: str, data: bytes) -> None:
 def image_generation(prompt: str, out: Annotated[str, omni.OutputFile(".png")],
                      image: Annotated[str, omni.InputFile()] = "", width: int = 128,
                      height: int = 128, steps: int = 8, guidance: float = 3.0, seed: int = 0,
-                     expand: int = 8, reuse: bool = True, png: bool = False):
+                     expand: int = 8, reuse: bool = True, png: bool = False,
+                     cache_salt: Annotated[str, omni.CacheSalt()] = ""):
     settings = check_settings(width, height, steps, guidance, seed, expand)
     references = read_reference(image)
     path = check_out(out, png)
-    understood = Understand()(prompt, references, settings)
-    painted = Paint()(understood, settings, reuse)
+    understood = Understand()(prompt, references, settings, cache_salt)
+    painted = Paint()(understood, settings, reuse, cache_salt)
     return write_png(painted, path, png)
 
 

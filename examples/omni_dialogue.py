@@ -31,7 +31,10 @@ and the server picks ``out`` itself and sends the WAV back in the answer's ``"fi
   when the session speaks again. The top tier must hold a session's whole history at once,
   or that turn recomputes it (the tiny model's pages are 8 KiB: 80KiB holds 10 pages, 160
   tokens).
-- `Dialogue` remembers the 256 most recently used sessions (LRU); an older one starts over.
+- `Dialogue` remembers each tenant's 256 most recently used sessions (an LRU per tenant: a
+  tenant opening more evicts only its own older ones, which start over). Served, a tenant is
+  an API key (the graph's ``CacheSalt(per="tenant")`` input, which clients cannot set, so
+  there are as many as the server has keys); under ``omni run`` there is one.
   A session's history holds its token ids and its images and audio clips (pixels and
   samples: should its pages be gone, the next turn encodes them again), and is cut from the
   oldest turn on when it would outgrow the model's context (`trimmed_turns`).
@@ -153,6 +156,7 @@ class Turn:
     max_tokens: int
     started: float  # time.perf_counter() when the request entered the graph
     salt: str = ""  # the request's cache salt: sessions and KV pages are its own
+    tenant: str = ""  # the tenant's own salt: its sessions count toward its quota
 
 
 class Event:
@@ -207,7 +211,8 @@ class Finished(Event):
 
 
 @omni.node
-async def begin(session: str, text: str, out: str, max_tokens: int, salt: str) -> Turn:
+async def begin(session: str, text: str, out: str, max_tokens: int, salt: str,
+                tenant: str) -> Turn:
     """The entry: check the request and note when it started."""
     started = time.perf_counter()
     if not isinstance(session, str) or not session.strip() or len(session) > 200:
@@ -221,9 +226,10 @@ async def begin(session: str, text: str, out: str, max_tokens: int, salt: str) -
             or not 1 <= max_tokens <= MAX_TOKENS_LIMIT):
         raise ValueError(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, "
                          f"got {max_tokens!r}")
-    if not isinstance(salt, str):
-        raise ValueError(f"salt must be a string, got {salt!r:.60}")
-    return Turn(session, text, out or None, max_tokens, started, salt)
+    for name, value in (("salt", salt), ("tenant", tenant)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r:.60}")
+    return Turn(session, text, out or None, max_tokens, started, salt, tenant)
 
 
 @omni.node(thread=True)
@@ -265,21 +271,22 @@ class _Session:
 
 @omni.node
 class Dialogue:
-    """The LLM. Keeps the history of the `max_sessions` most recently used sessions and
-    streams a turn's reply token by token, between a `Started` and a `Finished` event."""
+    """The LLM. Keeps the history of each tenant's `max_sessions` most recently used sessions
+    and streams a turn's reply token by token, between a `Started` and a `Finished` event."""
 
     def __init__(self, model: str = MODEL, max_sessions: int = MAX_SESSIONS, seed: int = 0):
         self.engine = _engine(model, seed)
         self.store = self.engine.store
         self.tokenizer = self.engine.tokenizer
-        self.max_sessions = max_sessions
-        self.sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self.max_sessions = max_sessions  # per tenant
+        # by tenant, its sessions by (salt, name), least recently used first
+        self.sessions: dict[str, OrderedDict[tuple[str, str], _Session]] = {}
         self.system = Text(self.tokenizer.encode(SYSTEM))
         self.templated = has_chat_template(self.engine)
 
     async def __call__(self, turn: Turn, heard: Prompt, seen: Prompt) -> AsyncIterator[Event]:
         self.engine.check_length(Prompt(turn.text))  # a text too long: refused untokenized
-        session = self._session((turn.salt, turn.session))
+        session = self._session(turn)
         if self.templated:
             media = (heard + seen).segments
             if media and not QWEN3_OMNI:
@@ -332,14 +339,17 @@ class Dialogue:
         yield Finished(self.tokenizer.decode(reply), tuple(reply), reason,
                        {k: after[k] - before[k] for k in after})
 
-    def _session(self, name: tuple[str, str]) -> _Session:
-        """The session of (salt, name): a salt's sessions are its own."""
-        session = self.sessions.get(name)
+    def _session(self, turn: Turn) -> _Session:
+        """The turn's session, by its salt and name among its tenant's: a salt's sessions
+        are its own, and a tenant past its quota evicts its own least recently used."""
+        sessions = self.sessions.setdefault(turn.tenant, OrderedDict())
+        name = (turn.salt, turn.session)
+        session = sessions.get(name)
         if session is None:
-            session = self.sessions[name] = _Session([])
-            while len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)  # the least recently used session
-        self.sessions.move_to_end(name)
+            session = sessions[name] = _Session([])
+            while len(sessions) > self.max_sessions:
+                sessions.popitem(last=False)
+        sessions.move_to_end(name)
         return session
 
     def _message(self, text: str, media: Prompt, *, first: bool) -> list:
@@ -559,8 +569,9 @@ def _wav_path(turn: Turn, number: int) -> Path:
 def dialogue(session: str, text: str, audio: Annotated[str, omni.InputFile()] = "",
              image: Annotated[str, omni.InputFile()] = "",
              out: Annotated[str, omni.OutputFile(".wav")] = "", max_tokens: int = 32,
-             salt: Annotated[str, omni.CacheSalt()] = ""):
-    turn = begin(session, text, out, max_tokens, salt)
+             salt: Annotated[str, omni.CacheSalt()] = "",
+             tenant: Annotated[str, omni.CacheSalt(per="tenant")] = ""):
+    turn = begin(session, text, out, max_tokens, salt, tenant)
     reply = Dialogue()(turn, hear(audio), look(image))
     return write_reply(turn, Speech()(reply))
 
@@ -681,14 +692,15 @@ def _parts(message: ChatMessage) -> list[dict]:
 
 
 def _segment(part: object) -> object:
-    """A message part as a prompt segment; ValueError for audio the encoder cannot take."""
+    """A message part as a prompt segment (the one the server built off the event loop, when
+    it did); ValueError for audio the encoder cannot take."""
     if isinstance(part, ImagePart):
-        return Image(part.pixels)
+        return part.segment or Image(part.pixels)
     if isinstance(part, AudioPart):
         if part.sample_rate != SAMPLE_RATE:
             raise ValueError(f"input_audio must be {SAMPLE_RATE} Hz, got {part.sample_rate} "
                              f"Hz (ffmpeg -i IN -ac 1 -ar {SAMPLE_RATE} OUT.wav)")
-        return Audio(part.samples, part.sample_rate)
+        return part.segment or Audio(part.samples, part.sample_rate)
     return Text(part)
 
 

@@ -64,26 +64,40 @@ def shm_directory() -> Path:
     return private
 
 
+def _stat_fields(pid: int) -> list[bytes]:
+    """The fields of ``/proc/PID/stat`` after the first two (pid, comm), or [] where there
+    is none to read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def process_start_time(pid: int) -> int:
     """When process `pid` started (clock ticks since boot), or 0 where that is not known."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])  # the 22nd field; the first two (pid, comm) are before ")"
-    except (OSError, IndexError, ValueError):
+        return int(_stat_fields(pid)[19])  # the 22nd field
+    except (IndexError, ValueError):
         return 0
 
 
 def process_alive(pid: int, started: int = 0) -> bool:
     """Whether process `pid` runs (another user's counts), and, given the `started` time
     `process_start_time` gave when it was recorded, is still that process (not a reused
-    pid): what decides whether a dead owner's segments may be reclaimed."""
+    pid): what decides whether a dead owner's segments may be reclaimed.
+
+    A zombie (killed, not yet reaped by its parent: a SIGKILLed worker whose supervisor has
+    not waited for it yet) is dead: it runs no code and will never unlink anything."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # another user's process: alive
+    fields = _stat_fields(pid)
+    if fields[:1] in ([b"Z"], [b"X"]):  # the state: zombie, or dead
+        return False
     now = process_start_time(pid)
     return not (started and now and now != started)
 

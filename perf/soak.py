@@ -257,7 +257,7 @@ async def load(p: Params, soak: Soak, modules: dict[str, Any], folder: Path, job
             out["memory_loaded"] = memory()
             nursery.cancel_scope.cancel()
         soak.snapshot(rt.kv, started)
-        out["sessions"] = len(dialogue.sessions)
+        out["sessions"] = sum(len(kept) for kept in dialogue.sessions.values())
     return out
 
 

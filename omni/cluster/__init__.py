@@ -13,6 +13,7 @@ from omni.cluster.driver import ClusterLink, default_token_path
 from omni.cluster.errors import (
     ClusterError,
     HeadUnreachable,
+    LayoutMismatch,
     NameTaken,
     RemoteNodeError,
     TokenRefused,
@@ -34,8 +35,8 @@ from omni.cluster.worker import KVTiers, Worker
 
 __all__ = [
     "HEARTBEAT_S", "ClientSet", "ClusterError", "ClusterLink", "Head", "HeadCluster", "HeadLink",
-    "HeadUnreachable", "KVTiers", "MemberInfo", "MemberLoad", "MemberView", "Membership",
-    "NameTaken", "PlaceRequest",
+    "HeadUnreachable", "KVTiers", "LayoutMismatch", "MemberInfo", "MemberLoad", "MemberView",
+    "Membership", "NameTaken", "PlaceRequest",
     "RemoteNodeError", "RemoteReplica", "Roster", "TokenRefused", "Worker", "WorkerLost",
     "check_address", "default_token_path", "endpoint_for", "place", "probe",
 ]

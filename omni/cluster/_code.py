@@ -20,9 +20,10 @@ from typing import Any
 
 import msgspec
 
+from omni.cluster.errors import LayoutMismatch
 from omni.transport.values import types
 
-__all__ = ["CodeRef", "code_ref", "resolve"]
+__all__ = ["CodeRef", "check_kv_layout", "code_ref", "module_kv_layout", "resolve"]
 
 
 class CodeRef(msgspec.Struct, frozen=True):
@@ -58,6 +59,43 @@ def code_ref(obj: Any) -> CodeRef:
                          "to cluster workers")
     source = Path(path).read_text()
     return CodeRef(obj.__module__, qualname, str(Path(path).resolve()), source, _digest(source))
+
+
+def module_kv_layout(obj: Any) -> dict[str, Any] | None:
+    """The ``KV_LAYOUT`` that `obj`'s module defines at its top level, as a `LayoutSpec`'s
+    fields (None when it defines none). Why: a graph file computes it as it is imported, from
+    its environment (``OMNI_MODEL``), which does not travel with its code; a worker compares
+    its own import's with the driver's."""
+    target = getattr(obj, "cls", obj)  # an @omni.node class is a NodeClass
+    layout = getattr(sys.modules.get(target.__module__), "KV_LAYOUT", None)
+    to_spec = getattr(layout, "to_spec", None)
+    return None if to_spec is None else msgspec.structs.asdict(to_spec())
+
+
+def check_kv_layout(obj: Any, driver_layout: dict[str, Any] | None, path: str,
+                    worker: str) -> None:
+    """Refuse `obj` when its module, imported on `worker`, defines another ``KV_LAYOUT`` than
+    the driver's import did (`driver_layout`, from `module_kv_layout` there): the code is the
+    same, so the environment it reads differs.
+
+    Raises:
+        LayoutMismatch: naming the file (`path`), both layouts and what to set.
+    """
+    here = module_kv_layout(obj)
+    if here == driver_layout:
+        return
+    raise LayoutMismatch(
+        f"KV_LAYOUT of {path} is {_layout_text(driver_layout)} on the driver but "
+        f"{_layout_text(here)} on worker '{worker}': a graph file's code travels to the "
+        "workers, its environment does not; start `omni cluster join` (or `ray start`) with "
+        "the variables the file reads (such as OMNI_MODEL) set as for the driver")
+
+
+def _layout_text(spec: dict[str, Any] | None) -> str:
+    """A `LayoutSpec`'s fields as ``num_layers=2 num_kv_heads=2 ...``, or ``none``."""
+    if spec is None:
+        return "none"
+    return " ".join(f"{name}={value}" for name, value in spec.items())
 
 
 def resolve(ref: CodeRef) -> Any:

@@ -35,12 +35,14 @@ from typing import Any
 import msgspec
 import trio
 
-from omni.cluster._code import code_ref
+from omni.cluster._code import code_ref, module_kv_layout
+from omni.cluster._reclaim import reclaim_dead_owners
 from omni.cluster.chains import ChainEnds, address_towards
 from omni.cluster.errors import ClusterError
 from omni.cluster.membership import ClientSet, HeadCluster, Membership, Roster
 from omni.cluster.protocol import (
     HEARTBEAT_S,
+    Failure,
     MemberInfo,
     PlaceRequest,
     endpoint_for,
@@ -238,6 +240,7 @@ class ClusterLink:
                         await self._undeploy_all()
                     self._clients.close()
                     nursery.cancel_scope.cancel()
+                    reclaim_dead_owners("the driver is ending")
 
     # -- deployment --------------------------------------------------------------------------
 
@@ -272,13 +275,15 @@ class ClusterLink:
         body = Deploy(deployment, replica, node.name, code_ref(node.target),
                       encode_value([list(node.init_args), node.init_kwargs]),
                       dict(node.options.resources or {}), self.session, self._layout_spec(),
-                      host_id(), node.options.concurrency, self.chains.address)
+                      module_kv_layout(node.target), host_id(), node.options.concurrency,
+                      self.chains.address)
         try:
-            await client.call("node.deploy", body, timeout=120.0)
+            failure = await client.call("node.deploy", body, timeout=120.0,
+                                        result_type=Failure | None)
         except RPCError as exc:
-            raise NodeError(node.name, "startup", ClusterError(
-                f"{exc.remote_type}: {exc.remote_message} (on worker '{member.name}')")) \
-                from None
+            failure = Failure(exc.remote_type, exc.remote_message)
+        if failure is not None:  # the node's own error, raised as it started on the worker
+            raise NodeError(node.name, "startup", failure.error(member.name))
         assert self._nursery is not None
         return _Tracked(member.name, client, deployment, replica, node.streaming,
                         mover=self.mover, same_host=member.host_id == host_id(),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from omni.errors import OmniError
 from omni.graph.errors import ReplicaLost
 
-__all__ = ["ClusterError", "HeadUnreachable", "KeptValueLost", "NameTaken", "RemoteNodeError",
-           "TokenRefused", "WorkerLost"]
+__all__ = ["ClusterError", "HeadUnreachable", "KeptValueLost", "LayoutMismatch", "NameTaken",
+           "RemoteNodeError", "TokenRefused", "WorkerLost", "describe", "unwrap"]
 
 
 class ClusterError(OmniError):
@@ -41,10 +41,43 @@ class KeptValueLost(ClusterError):
     or the value was let go of): raised on the worker, a `WorkerLost` at the driver."""
 
 
-class RemoteNodeError(ClusterError):
-    """A node raised on its worker; `remote_type` is its exception's type name."""
+class LayoutMismatch(ClusterError):
+    """A worker's import of a node's module gives its ``KV_LAYOUT`` another value than the
+    driver's did (the module reads an environment the worker was not started with): raised
+    on the worker as the replica is deployed, before it is built."""
 
-    def __init__(self, member: str, remote_type: str, message: str):
+
+class RemoteNodeError(ClusterError):
+    """A node raised on its worker; `remote_type` is its exception's type name and
+    `remote_message` its message. `remote_traceback`, when the worker sent it (a replica
+    that failed to start), is the worker's traceback text, also added as a note, so that a
+    printed traceback (``--debug``) shows it under this error."""
+
+    def __init__(self, member: str, remote_type: str, message: str, *,
+                 remote_traceback: str = ""):
         self.member = member
         self.remote_type = remote_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
         super().__init__(f"{remote_type}: {message} (on worker '{member}')")
+        if remote_traceback:
+            self.add_note(f"on worker '{member}':\n{remote_traceback.rstrip()}")
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """`error` without trio's wrapping: a nursery's group of one exception is that exception
+    (at any depth); a group of several stays a group (`describe` names each)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
+def describe(error: BaseException) -> tuple[str, str]:
+    """`error`'s type name and message as another process should read them: a group of one
+    as its exception's, a group of several as its type's with each exception named, e.g.
+    ``("ExceptionGroup", "2 errors: ValueError: a; KeyError: 'b'")``."""
+    error = unwrap(error)
+    if not isinstance(error, BaseExceptionGroup):
+        return type(error).__name__, str(error)
+    parts = [": ".join(part for part in describe(e) if part) for e in error.exceptions]
+    return type(error).__name__, f"{len(parts)} errors: {'; '.join(parts)}"

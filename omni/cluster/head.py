@@ -10,7 +10,8 @@ its cluster again within one beat, as members re-register on their own.
   hosts, its KV usage). A beat the head does not recognise (it restarted) makes the member
   register again.
 - The head holds an RPC client to every member, heartbeating the other way: a member silent
-  for `missed` intervals is lost (logged, dropped from placement, shown as lost in status).
+  for `missed` intervals is lost (logged, dropped from placement, shown as lost in status,
+  hosting nothing: its replicas and KV pages went with it).
 - Placement (`cluster.place`) spreads a deployment's replicas over the members with the free
   resources it asks for (anti-affinity: the member hosting the fewest replicas of that
   deployment first), or puts them on the member it names (``where=``). The choice is the
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import trio
 
+from omni.cluster._reclaim import reclaim_dead_owners
 from omni.cluster.errors import ClusterError, NameTaken
 from omni.cluster.protocol import (
     HEARTBEAT_S,
@@ -46,6 +48,7 @@ from omni.cluster.protocol import (
     check_address,
 )
 from omni.transport.credentials import Credentials
+from omni.transport.host import host_id
 from omni.transport.rpc import RPCClient, RPCServer
 
 __all__ = ["Head", "place"]
@@ -204,8 +207,12 @@ class Head:
             return
         del self._members[name]
         current.done.set()
-        if member is not None:  # lost (not a clean leave): keep it visible in the status
-            self._lost[name] = MemberView(current.info, "lost", time.time(), current.load)
+        if member is not None:  # lost (not a clean leave): keep it visible in the status,
+            # with what it served, but none of the replicas or KV pages that went with it
+            load = MemberLoad(requests=current.load.requests, failed=current.load.failed)
+            self._lost[name] = MemberView(current.info, "lost", time.time(), load)
+            if current.info.host_id == host_id():  # what a killed one left here goes now
+                reclaim_dead_owners(f"worker '{name}' lost")
 
 
 # -- placement (synchronous: no I/O) ----------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import trio
 import zmq
 
+from omni.cluster._reclaim import reclaim_dead_owners
 from omni.cluster.errors import ClusterError, HeadUnreachable, NameTaken, TokenRefused
 from omni.cluster.protocol import (
     HEARTBEAT_S,
@@ -36,7 +37,7 @@ from omni.cluster.protocol import (
 )
 from omni.transport.credentials import Credentials
 from omni.transport.errors import PeerGone, RPCError, RPCTimeout, TransportError
-from omni.transport.host import ipc_directory, ipc_enabled
+from omni.transport.host import host_id, ipc_directory, ipc_enabled
 from omni.transport.rpc import RPCClient, RPCServer
 from omni.transport.unix import remove_stale
 
@@ -266,6 +267,7 @@ class Roster:
             except TransportError:
                 members = self.members
             if _identity(members) != _identity(self.members):
+                _reclaim_departed(self.members, members)
                 self.members = members
                 result = on_change(members)
                 if hasattr(result, "__await__"):
@@ -278,6 +280,17 @@ class Roster:
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
+
+
+def _reclaim_departed(before: dict[str, MemberView], now: dict[str, MemberView]) -> None:
+    """A member process of this host gone from the roster (lost, or replaced by a new one
+    of its name): reclaim what it left in shared memory if it died (`reclaim_dead_owners`)."""
+    here = host_id()
+    alive = {(v.info.name, v.info.pid) for v in now.values()}
+    gone = [v.info.name for v in before.values()
+            if v.info.host_id == here and (v.info.name, v.info.pid) not in alive]
+    if gone:
+        reclaim_dead_owners(f"worker(s) {', '.join(gone)} gone")
 
 
 def _identity(members: dict[str, MemberView]) -> set[tuple[str, str, int, str]]:

@@ -4,15 +4,16 @@ the timings everyone shares. Placement and hosting build on these; nothing here 
 from __future__ import annotations
 
 import re
+from traceback import format_exception
 
 import msgspec
 
-from omni.cluster.errors import ClusterError
+from omni.cluster.errors import ClusterError, RemoteNodeError, describe, unwrap
 from omni.transport.host import host_id, ipc_enabled
 
 __all__ = [
     "HEARTBEAT_S", "LOST_KEPT_S", "MISSED_BEATS", "RESERVATION_S", "Beat", "BeatReply",
-    "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Register", "Welcome",
+    "Failure", "MemberInfo", "MemberLoad", "MemberView", "PlaceRequest", "Register", "Welcome",
     "check_address", "endpoint_for", "pick_endpoint",
 ]
 
@@ -20,6 +21,8 @@ HEARTBEAT_S = 0.5  # seconds between heartbeats, both ways
 MISSED_BEATS = 3  # silent intervals before a peer is declared gone
 RESERVATION_S = 10.0  # how long a placement holds resources before a beat must confirm it
 LOST_KEPT_S = 300.0  # lost members stay in the status this long
+_MESSAGE_CHARS = 8192  # a `Failure`'s message is cut to this
+_TRACEBACK_CHARS = 32768  # and its traceback to its last this many characters
 _ADDRESS = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5}|\*)$")
 
 
@@ -119,3 +122,26 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     where: str | None = None
     first_replica: int = 0
     avoid: tuple[str, ...] = ()
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """Why a worker could not do what a driver asked (``node.deploy``): the error's type
+    name, message and traceback text, trio's exception groups unwrapped (`describe`). Why
+    not the RPC's own error reply: it carries a type name and a message only, and whoever
+    debugs a replica that would not start on a worker needs the worker's traceback."""
+
+    remote_type: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        """`error`'s, as raised here (message and traceback cut short)."""
+        remote_type, message = describe(error)
+        text = "".join(format_exception(unwrap(error)))
+        return cls(remote_type, message[:_MESSAGE_CHARS], text[-_TRACEBACK_CHARS:])
+
+    def error(self, member: str) -> RemoteNodeError:
+        """The error the driver raises for it, naming worker `member`."""
+        return RemoteNodeError(member, self.remote_type, self.message,
+                               remote_traceback=self.traceback)

@@ -47,7 +47,8 @@ from typing import Any
 
 import trio
 
-from omni.cluster.errors import ClusterError, NameTaken
+from omni.cluster._reclaim import reclaim_dead_owners
+from omni.cluster.errors import ClusterError, NameTaken, describe
 from omni.cluster.head import Head
 from omni.cluster.protocol import HEARTBEAT_S
 from omni.cluster.worker import KVTiers, Worker
@@ -168,6 +169,8 @@ class OmniWorker:
         # and done at a first deployment it would starve the worker's heartbeats (its peers
         # would take it for dead). `omni cluster join` imports it as it starts, too.
         import torch  # noqa: F401
+        # A restarted actor: what its killed predecessor left in shared memory goes now.
+        reclaim_dead_owners(f"worker '{name}' starting")
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._endpoint = ""
@@ -191,7 +194,8 @@ class OmniWorker:
             raise ClusterError(f"worker '{self.name}' did not join {head} within "
                                f"{START_TIMEOUT_S:g} s")
         if self._error is not None:
-            raise ClusterError(f"worker '{self.name}' could not join {head}: {self._error}")
+            raise ClusterError(f"worker '{self.name}' could not join {head}: "
+                               f"{': '.join(describe(self._error))}")
         return self._endpoint
 
     def state(self) -> tuple[bool, int]:
@@ -232,7 +236,7 @@ class OmniWorker:
             trio.run(self._run, head, token)
         except BaseException as exc:  # reported to the driver by `start`
             self._error = exc
-            log.error("worker '%s' stopped: %s", self.name, exc)
+            log.error("worker '%s' stopped: %s", self.name, ": ".join(describe(exc)))
         finally:
             self._stop = None
             self._started.set()

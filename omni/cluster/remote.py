@@ -42,7 +42,7 @@ import msgspec
 import trio
 
 from omni.cluster._code import CodeRef
-from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
+from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost, describe
 from omni.cluster.protocol import pick_endpoint
 from omni.graph.errors import StageError
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
@@ -75,6 +75,8 @@ class Deploy(msgspec.Struct, frozen=True):
     resources: dict[str, float] = {}
     session: str = ""  # the driver's; its replicas go when it stops renewing (`node.renew`)
     kv_layout: dict[str, Any] | None = None  # a LayoutSpec's fields, when the node uses KV
+    # the `KV_LAYOUT` of the node's module as the driver imported it (`module_kv_layout`)
+    module_kv_layout: dict[str, Any] | None = None
     host_id: str = ""  # the driver's host: on the same one, values move through shared memory
     concurrency: int | None = None  # the node's calls in flight at once (None: unbounded)
     driver: WorkerAddress | None = None  # where the driver's chains end (`ChainEnds`)
@@ -180,7 +182,8 @@ class Broken(msgspec.Struct, array_like=True, frozen=True):
     def of(cls, stage: int, member: str, error: BaseException, *, lost: bool = False
            ) -> Broken:
         """`error`'s, raised by stage `stage` on worker `member` (its message cut short)."""
-        return cls(stage, member, type(error).__name__, str(error)[:_CHAIN_ERROR_CHARS], lost)
+        remote_type, message = describe(error)
+        return cls(stage, member, remote_type, message[:_CHAIN_ERROR_CHARS], lost)
 
     def cause(self) -> Exception:
         """The stage's error as the driver raises it: `WorkerLost` for a lost worker (an

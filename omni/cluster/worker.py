@@ -46,12 +46,12 @@ from typing import Any
 import msgspec
 import trio
 
-from omni.cluster._code import resolve
+from omni.cluster._code import check_kv_layout, resolve
 from omni.cluster.errors import ClusterError, KeptValueLost
 from omni.cluster.gate import Gate
 from omni.cluster.kv import request_holders
 from omni.cluster.membership import ClientSet, HeadLink, Roster, member_servers, unix_endpoint
-from omni.cluster.protocol import HEARTBEAT_S, MemberInfo, MemberLoad
+from omni.cluster.protocol import HEARTBEAT_S, Failure, MemberInfo, MemberLoad
 from omni.cluster.remote import (
     KEEP_MIN,
     STREAM_BATCH,
@@ -328,22 +328,34 @@ class Worker:
 
     # -- deployments -------------------------------------------------------------------------
 
-    async def _deploy(self, body: Deploy) -> bool:
+    async def _deploy(self, body: Deploy) -> Failure | None:
+        """``node.deploy``: None once the replica is hosted, else why it is not: the error
+        as the node raised it (not the nursery's group around it), with its traceback."""
+        try:
+            await self._build(body)
+        except Exception as exc:
+            failure = Failure.of(exc)
+            log.warning("replica %d of %s did not start: %s: %s", body.replica, body.node,
+                        failure.remote_type, failure.message)
+            return failure
+        return None
+
+    async def _build(self, body: Deploy) -> None:
         key = (body.deployment, body.replica)
         if body.driver is not None:
             await self._reach_driver(body.session, body.driver)
         self._sessions[body.session] = trio.current_time()
         if key in self._hosted:
-            return True
+            return
+        target = await trio.to_thread.run_sync(resolve, body.code)
+        check_kv_layout(target, body.module_kv_layout, body.code.path, self.name)
         if body.kv_layout is not None:
             await self._ensure_store(body.kv_layout)
-        target = await trio.to_thread.run_sync(resolve, body.code)
         cls = getattr(target, "cls", target)  # an @omni.node class is a NodeClass
         args, kwargs = decode_value(body.init)
         assert self._nursery is not None
         await self._nursery.start(self._host, key, body, cls, args, kwargs)
         log.info("hosting %s replica %d (%s)", body.node, body.replica, body.deployment)
-        return True
 
     async def _host(self, key: tuple[str, int], body: Deploy, cls: type, args: list,
                     kwargs: dict, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -146,7 +146,7 @@ class ImageGenerator:
 
     async def generate(self, prompt: Any, *, height: int = 16, width: int = 16, steps: int = 20,
                        guidance: float = 3.0, negative_prompt: Any = "", seed: int = 0,
-                       reuse: bool = True) -> DiffusionResult:
+                       reuse: bool = True, cache_salt: str = "") -> DiffusionResult:
         """Generate an image of latents [C, height, width] (pixels [8 height, 8 width, 3]).
 
         Args:
@@ -159,6 +159,8 @@ class ImageGenerator:
             seed: draws the initial noise.
             reuse: look the prompts' KV up in the engine's store and put new full pages back;
                 False computes it from scratch without touching the store (the baseline).
+            cache_salt: mixed into the prompts' page keys (as `TorchEngine.generate`'s): only
+                requests of the same salt share prompt KV.
 
         Raises:
             ValueError: steps < 1, guidance < 0 or not finite, a size that is not a positive
@@ -166,9 +168,10 @@ class ImageGenerator:
                 tokens (each message names the parameter).
         """
         num_image = self._check(height, width, steps, guidance, seed)
-        prepared = [self._prepare(prompt, "prompt", num_image)]
+        prepared = [self._prepare(prompt, "prompt", num_image, cache_salt)]
         if guidance != 1.0:
-            prepared.append(self._prepare(negative_prompt, "negative_prompt", num_image))
+            prepared.append(self._prepare(negative_prompt, "negative_prompt", num_image,
+                                          cache_salt))
         store = self.engine.store if reuse else None
         if store is not None:  # disk reads, and pages other workers hold, come in here
             for p in prepared:
@@ -201,7 +204,8 @@ class ImageGenerator:
             raise ValueError(f"seed must be an int, got {seed!r}")
         return (height // patch) * (width // patch)
 
-    def _prepare(self, prompt: Any, name: str, num_image: int) -> _Prepared:
+    def _prepare(self, prompt: Any, name: str, num_image: int,
+                 cache_salt: str = "") -> _Prepared:
         no_text = prompt is None or (isinstance(prompt, str) and not prompt)
         if name == "negative_prompt" and no_text:
             return _Prepared(None, [])
@@ -214,7 +218,8 @@ class ImageGenerator:
             raise ValueError(f"{name} has {len(tokens)} tokens; with {num_image} image tokens "
                              f"the context of {context} positions leaves {context - num_image}")
         spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        return _Prepared(tokens, self.engine.runner.page_keys(tokens.token_ids, spans))
+        return _Prepared(tokens, self.engine.runner.page_keys(tokens.token_ids, spans,
+                                                              cache_salt))
 
     def _result(self, image: np.ndarray, state: FlowMatchState, prompt_kvs: list[_PromptKV],
                 elapsed: float) -> DiffusionResult:

@@ -15,17 +15,17 @@ order and moves them as the scheduler does when one leaves (checking that they a
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from omni.compute._batch import BatchKV
 from omni.compute._engine_types import _Request
+from omni.compute._item_cache import ItemCache
 from omni.compute._prefix import load_prefix, store_pages
-from omni.compute.encoders import BuiltinEncoders, MediaEncoders
+from omni.compute.encoders import BuiltinEncoders, Encoded, MediaEncoders
 from omni.compute.models import DecoderLM
-from omni.compute.prompt import PromptTokens
+from omni.compute.prompt import Audio, Image, PromptTokens
 from omni.compute.sampling import TokenSampler, TokenSamplingState
 from omni.compute.scheduler import Scheduler, StepPlan
 from omni.compute.tokenizer import Tokenizer
@@ -34,6 +34,7 @@ from omni.kv import KVStore, MediaSpan, block_keys
 __all__ = ["ModelRunner"]
 
 
+ENCODED_KEPT = 16  # media items whose encodings a runner keeps
 MEDIA_HIDDEN_KEPT = 64  # media items whose tapped hidden states a runner keeps
 PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
 STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
@@ -67,11 +68,14 @@ class ModelRunner:
         # the checkpoint's encoders, or the built-in ones (one small projection each, on the
         # CPU in float32); embeddings move to the model's device and dtype (`prompt_inputs`)
         self.media: MediaEncoders = media or BuiltinEncoders(config.hidden_size, seed)
+        # the last ENCODED_KEPT items' encodings, by (cache salt, kind, content digest): an
+        # item sent again under the same salt is not encoded again, under another it is
+        self.encoded: ItemCache[tuple[str, str, bytes], Encoded] = ItemCache(ENCODED_KEPT)
         # a model whose media encoders name a layer (Qwen3-Omni's talker reads the thinker's
         # hidden states there at media positions): those rows are kept from each prefill,
         # the last MEDIA_HIDDEN_KEPT items', keyed by everything before them (`_media_key`)
         self.tap_layer: int | None = getattr(self.media, "tap_layer", None)
-        self._media_hidden: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._media_hidden: ItemCache[bytes, torch.Tensor] = ItemCache(MEDIA_HIDDEN_KEPT)
         self.batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
                              scheduler.max_batch, self.dtype, self.device)
         self._sampler = TokenSampler()
@@ -169,7 +173,7 @@ class ModelRunner:
         past = self.batch.row_kv(r.row, 0, start) if start else None
         positions = self._prompt_positions(r, start)
         began = time.perf_counter()
-        embeds, deepstack = self.prompt_inputs(r.tokens, start)
+        embeds, deepstack = self.prompt_inputs(r.tokens, start, r.cache_salt)
         if self.tap_layer is not None and r.tokens.media:
             taps: dict[int, torch.Tensor | None] = {self.tap_layer: None}
             hidden, new_kv = self.model.forward(embeds, positions, past, deepstack=deepstack,
@@ -247,10 +251,7 @@ class ModelRunner:
                 continue
             key = self._media_key(r.tokens, item.start + item.length, r.cache_salt)
             span = slice(item.start - start, item.start + item.length - start)
-            self._media_hidden[key] = rows[0, span].clone()
-            self._media_hidden.move_to_end(key)
-        while len(self._media_hidden) > MEDIA_HIDDEN_KEPT:
-            self._media_hidden.popitem(last=False)
+            self._media_hidden.put(key, rows[0, span].clone())
 
     def media_hidden(self, tokens: PromptTokens, cache_salt: str = ""
                      ) -> dict[int, torch.Tensor] | None:
@@ -275,11 +276,12 @@ class ModelRunner:
         return block_keys(tokens.token_ids[:end], end, extra=extra, media=spans)[0]
 
     @torch.inference_mode()
-    def hidden_at(self, tokens: PromptTokens, layer: int) -> torch.Tensor:
+    def hidden_at(self, tokens: PromptTokens, layer: int,
+                  cache_salt: str = "") -> torch.Tensor:
         """The prompt's hidden states ``[T, hidden]`` after layer ``layer - 1`` (see
         `DecoderLM.hidden_at`), computed over the whole prompt (no cached KV is read: the
-        store keeps KV, not hidden states)."""
-        embeds, deepstack = self.prompt_inputs(tokens)
+        store keeps KV, not hidden states); `cache_salt` the request's."""
+        embeds, deepstack = self.prompt_inputs(tokens, cache_salt=cache_salt)
         return self.model.hidden_at(layer, embeds, self._positions(tokens), deepstack)[0]
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
@@ -287,10 +289,11 @@ class ModelRunner:
         with each image's and audio clip's embeddings at its placeholder positions."""
         return self.prompt_inputs(tokens, start)[0]
 
-    def prompt_inputs(self, tokens: PromptTokens,
-                      start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prompt_inputs(self, tokens: PromptTokens, start: int = 0,
+                      cache_salt: str = "") -> tuple[torch.Tensor, torch.Tensor | None]:
         """`embed_prompt`, and the deepstack features ``[k, 1, T - start, hidden]`` of its
-        images (None when none has any)."""
+        images (None when none has any); media encodings are reused only from requests of
+        the same `cache_salt` (`encode`)."""
         ids = torch.tensor(tokens.token_ids[start:], device=self.device)[None]
         hidden = self.model.embed(ids)  # [1, T - start, hidden]
         deepstack: torch.Tensor | None = None
@@ -298,7 +301,7 @@ class ModelRunner:
             lo, hi = max(item.start, start), min(item.start + item.length, len(tokens))
             if lo >= hi:
                 continue
-            encoded = self.media.encode(item.segment)
+            encoded = self.encode(item.segment, cache_salt)
             embeds = encoded.embeds.to(hidden.device, hidden.dtype)  # [n, E]
             hidden[0, lo - start: hi - start] = embeds[lo - item.start: hi - item.start]
             if encoded.deepstack is not None:
@@ -307,6 +310,16 @@ class ModelRunner:
                 deepstack[:, 0, lo - start: hi - start] = encoded.deepstack[
                     :, lo - item.start: hi - item.start].to(hidden.device, hidden.dtype)
         return hidden, deepstack
+
+    def encode(self, segment: Image | Audio, cache_salt: str = "") -> Encoded:
+        """A media item's encoding: kept from an earlier request of the same `cache_salt`
+        (`encoded`), else from the model's encoders."""
+        key = (cache_salt, type(segment).__name__, segment.digest)
+        encoded = self.encoded.get(key)
+        if encoded is None:
+            encoded = self.media.encode(segment)
+            self.encoded.put(key, encoded)
+        return encoded
 
     # -- decode -----------------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ from omni.kv import KVStore, MediaSpan, block_keys, media_digest
 __all__ = ["SAMPLE_RATE", "Code2WavStream", "Speech", "SpeechSession", "Talker", "TalkerBatch",
            "TalkerRun", "ThinkerContext", "reply_embeddings", "talker_params", "thinker_context"]
 
+TALKER_KEY = "qwen3-omni-talker"  # the model, in the talker's page keys
+
 
 def _omni_media(engine: TorchEngine) -> Qwen3OmniMedia:
     if not isinstance(engine.media, Qwen3OmniMedia):
@@ -72,8 +74,9 @@ def thinker_context(engine: TorchEngine, tokens: PromptTokens,
                     cache_salt: str = "") -> ThinkerContext:
     """What the talker reads of a prompt the thinker `engine` answers. Its media hidden
     states come from the thinker's prefill of the prompt (call this after it: after the
-    reply's first token; `cache_salt` the request's); should they be gone, the prompt's
-    first layers are computed again (`ModelRunner.hidden_at`: run this in a worker thread)."""
+    reply's first token; `cache_salt` the request's, which the context carries to the
+    talker's page keys); should they be gone, the prompt's first layers are computed again
+    (`ModelRunner.hidden_at`: run this in a worker thread)."""
     media = _omni_media(engine)
     runner = engine.runner
     ids = torch.tensor(tokens.token_ids, device=engine.device)
@@ -81,13 +84,14 @@ def thinker_context(engine: TorchEngine, tokens: PromptTokens,
     if tokens.media:
         kept = runner.media_hidden(tokens, cache_salt)
         if kept is None:
-            hidden = runner.hidden_at(tokens, media.tap_layer)
+            hidden = runner.hidden_at(tokens, media.tap_layer, cache_salt)
             kept = {item.start: hidden[item.start:item.start + item.length]
                     for item in tokens.media}
         for item in tokens.media:
             inputs[item.start:item.start + item.length] = kept[item.start]
     specials = runner.model.embed(torch.tensor(media.tts_token_ids, device=engine.device))
-    return ThinkerContext(tokens.token_ids, media.layout(tokens), inputs.cpu(), specials.cpu())
+    return ThinkerContext(tokens.token_ids, media.layout(tokens), inputs.cpu(), specials.cpu(),
+                          cache_salt)
 
 
 @torch.inference_mode()
@@ -132,8 +136,9 @@ class TalkerRun:
     """
 
     def __init__(self, talker: Qwen3OmniTalker, prompt: TalkerPrompt, eos_ids: tuple[int, ...],
-                 sampling: SamplingParams):
+                 sampling: SamplingParams, cache_salt: str = ""):
         self.talker, self.prompt, self.sampling = talker, prompt, sampling
+        self.cache_salt = cache_salt  # the request's: its prompt pages are keyed by it
         self.eos_ids = frozenset(eos_ids)
         codec_eos = int(talker.talker_hf.codec_eos_token_id)
         self.max_new_tokens = (sampling.max_new_tokens
@@ -239,7 +244,7 @@ class TalkerBatch:
         prompt = run.prompt
         length = len(prompt.embeds)
         row = self.kv.open_row(length)
-        keys = self._keys(prompt)
+        keys = self._keys(prompt, run.cache_salt)
         start = load_prefix(self.store, self.kv, row, keys[: (length - 1) // self.page_size],
                             self.page_size)
         past = self.kv.row_kv(row, 0, start) if start else None
@@ -252,15 +257,16 @@ class TalkerBatch:
         store_pages(self.store, self.kv, row, keys, start // self.page_size, self.page_size)
         self._sample([run], self.model.decoder.logits(hidden[:, -1]))
 
-    def _keys(self, prompt: TalkerPrompt) -> list[bytes]:
+    def _keys(self, prompt: TalkerPrompt, cache_salt: str) -> list[bytes]:
         """The store keys of the prompt's full pages: its ids, and the digests of the rows
-        the ids do not determine."""
+        the ids do not determine; a `cache_salt` gives another set of keys (as the
+        thinker's `ModelRunner.page_keys`): requests of different salts share no page."""
         if self.store is None:
             return []
         spans = [MediaSpan(start, n, media_digest(prompt.embeds[start:start + n].float()))
                  for start, n in prompt.content_spans if n]
-        return block_keys(prompt.ids, self.page_size, extra=("qwen3-omni-talker",),
-                          media=spans)
+        extra = (TALKER_KEY,) if not cache_salt else (TALKER_KEY, "salt", cache_salt)
+        return block_keys(prompt.ids, self.page_size, extra=extra, media=spans)
 
     @torch.inference_mode()
     def step(self) -> int:
@@ -463,7 +469,8 @@ class Talker:
         """A session's run, its prompt prefilled into the batch (its first reply token)."""
         def prefill() -> TalkerRun:
             prompt = self.model.prompt(session.context, token, embed, session.voice)
-            run = TalkerRun(self.model, prompt, self.eos_ids, session.sampling)
+            run = TalkerRun(self.model, prompt, self.eos_ids, session.sampling,
+                            session.context.cache_salt)
             self.batch.add(run)
             return run
 
@@ -508,17 +515,18 @@ class Talker:
         return SpeechSession(self, context, voice, sampling or talker_params())
 
     async def speak(self, engine: TorchEngine, prompt: object, reply: list[int], *,
-                    voice: str | None = None,
-                    sampling: SamplingParams | None = None) -> Speech:
+                    voice: str | None = None, sampling: SamplingParams | None = None,
+                    cache_salt: str = "") -> Speech:
         """Speak a whole `reply`: the tokens `engine` (the thinker) gave for `prompt` (what
-        `engine.chat_prompt` gives). `stream`, collected."""
+        `engine.chat_prompt` gives) under `cache_salt`. `stream`, collected."""
         async def tokens() -> AsyncIterator[int]:
             for token in reply:
                 yield token
 
         frames: list[list[int]] = []
         chunks = [chunk async for chunk in self.stream(engine, prompt, tokens(), voice=voice,
-                                                       sampling=sampling, frames=frames)]
+                                                       sampling=sampling, frames=frames,
+                                                       cache_salt=cache_salt)]
         codes = np.array(frames, dtype=np.int64).T.reshape(
             self.model.talker_hf.num_code_groups, -1)
         waveform = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
@@ -527,10 +535,12 @@ class Talker:
     async def stream(self, engine: TorchEngine, prompt: object,
                      reply: AsyncIterator[int], *, voice: str | None = None,
                      sampling: SamplingParams | None = None,
-                     frames: list[list[int]] | None = None) -> AsyncIterator[np.ndarray]:
+                     frames: list[list[int]] | None = None,
+                     cache_salt: str = "") -> AsyncIterator[np.ndarray]:
         """Speak a reply as the thinker writes it (`reply`: its tokens, say from
-        `engine.stream(prompt, ...)`): audio chunks as soon as they decode; the codec frames
-        go to `frames` when given."""
+        `engine.stream(prompt, ..., cache_salt=cache_salt)`): audio chunks as soon as they
+        decode; the codec frames go to `frames` when given. The talker's pages are keyed by
+        `cache_salt` as the thinker's are."""
         tokens = engine.prepare(prompt)
         self.model.speaker_id(voice)  # an unknown voice fails before any work
         source = aiter(reply)
@@ -538,7 +548,7 @@ class Talker:
         if first is None:
             return  # an empty reply says nothing
         # after the reply's first token: the thinker's prefill kept what the talker reads
-        context = await run_in_worker(thinker_context, engine, tokens)
+        context = await run_in_worker(thinker_context, engine, tokens, cache_salt)
         session = self.session(context, voice=voice, sampling=sampling)
         try:
             for chunk in await session.feed(first, reply_embeddings(engine, [first])[0]):

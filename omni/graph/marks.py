@@ -22,9 +22,10 @@ import pathlib
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["CacheSalt", "FileRole", "InputFile", "OutputFile", "file_role", "is_cache_salt"]
+__all__ = ["CacheSalt", "FileRole", "InputFile", "OutputFile", "cache_salt_mark", "file_role",
+           "is_cache_salt"]
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,20 @@ class CacheSalt:
     """Marks a graph input (``Annotated[str, CacheSalt()]``) as the request's cache salt: a
     string that nodes mix into the keys of what they cache (``TorchEngine.generate(...,
     cache_salt=)``), so that requests of different salts share nothing. A server fills it per
-    tenant (API key) and request; requests with the same salt share their prefixes."""
+    tenant (API key) and request; requests with the same salt share their prefixes.
+
+    ``CacheSalt(per="tenant")`` marks the tenant's own salt instead: the same for each of a
+    tenant's requests whatever their ``cache_salt`` (which a client picks freely), what a node
+    keys per-tenant state by (a session table's quota per tenant)."""
+
+    per: Literal["request", "tenant"] = "request"
 
     def __str__(self) -> str:
-        return "cache salt"
+        return "cache salt" if self.per == "request" else "tenant's cache salt"
+
+    def __post_init__(self) -> None:
+        if self.per not in ("request", "tenant"):
+            raise ValueError(f"CacheSalt's per is 'request' or 'tenant', got {self.per!r}")
 
 
 FileRole = InputFile | OutputFile
@@ -86,8 +97,14 @@ def file_role(annotation: Any) -> FileRole | None:
 
 def is_cache_salt(annotation: Any) -> bool:
     """Whether an input's annotation marks it as the request's `CacheSalt`."""
-    return typing.get_origin(annotation) is typing.Annotated and any(
-        isinstance(m, CacheSalt) for m in typing.get_args(annotation)[1:])
+    return cache_salt_mark(annotation) is not None
+
+
+def cache_salt_mark(annotation: Any) -> CacheSalt | None:
+    """The `CacheSalt` mark in an input's ``Annotated[...]`` annotation, or None."""
+    if typing.get_origin(annotation) is not typing.Annotated:
+        return None
+    return next((m for m in typing.get_args(annotation)[1:] if isinstance(m, CacheSalt)), None)
 
 
 def _is_union(annotation: Any) -> bool:

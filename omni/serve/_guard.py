@@ -1,5 +1,6 @@
 """What every request passes before a route sees it: the API key (which names the request's
-tenant), the body limit, the concurrency limit and the drain. A plain ASGI middleware, so that
+tenant; ``/metrics`` takes the operator's key instead), the body limit, the concurrency limit
+and the drain. A plain ASGI middleware, so that
 it wraps a streaming response to its end (a stream holds its concurrency slot until its last
 event) and refuses a body before the route reads it.
 
@@ -24,7 +25,7 @@ import anyio
 from omni.serve._errors import error_body
 from omni.serve._tenants import TENANT_STATE
 
-__all__ = ["SHUTDOWN_CODE", "Guard", "GuardState"]
+__all__ = ["SHUTDOWN_CODE", "Guard", "GuardState", "until_answered"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -34,8 +35,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/", "/health", "/docs", "/openapi.json", "/playground"})
 UNCOUNTED_PATHS = frozenset({"/metrics"})  # behind the key, but never refused as busy
+# the operator's, not a tenant's: the KV store's page counts tell a prompt's length
+OPERATOR_PATHS = frozenset({"/metrics"})
 SHUTDOWN_CODE = "server_shutdown"  # the error code of a request refused or cut by the drain
 RETRY_SOON = (("retry-after", "1"),)
+HELD_STATE = "omni_held"  # the request's `until_answered` stack, in the ASGI scope's "state"
 
 
 @dataclass
@@ -49,9 +53,11 @@ class GuardState:
 
 
     `api_keys` maps each accepted key to its tenant's name (empty: no key needed, one
-    tenant)."""
+    tenant). `metrics_keys` are the operator's, the only keys `/metrics` takes once the
+    server has any key (without keys, a single user's server, it is open)."""
 
     api_keys: dict[str, str] = field(default_factory=dict)
+    metrics_keys: frozenset[str] = frozenset()
     max_concurrency: int | None = None
     max_body_bytes: int = 32 * 1024 * 1024
     in_flight: int = 0
@@ -94,10 +100,12 @@ class Guard:
     """ASGI middleware: 401 without a key (when keys are set), 413 over the body limit, 429
     when `max_concurrency` requests are in flight, 503 while draining; the key's tenant goes
     into the request's state (`omni.serve._tenants.tenant_of`). `/health`, the playground
-    and the API docs need no key and count toward no limit."""
+    and the API docs need no key and count toward no limit; `/metrics` needs an operator's
+    key (`GuardState.metrics_keys`) when the server has keys: a tenant's gets 403."""
 
     def __init__(self, app: ASGIApp, state: GuardState):
         self.app, self.state = app, state
+        self._operators = dict.fromkeys(state.metrics_keys, "operator")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,9 +115,13 @@ class Guard:
         if scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, response.send)
             return
-        headers = dict(scope["headers"])
+        headers, refusal = dict(scope["headers"]), None
         tenant = _tenant(headers, self.state.api_keys) if self.state.api_keys else ""
-        refusal = self._refusal(scope, headers, tenant)
+        if scope["path"] in OPERATOR_PATHS:
+            refusal = self._operator_refusal(headers, tenant)
+            tenant = ""  # the operator's request, no tenant's
+        if refusal is None:
+            refusal = self._refusal(scope, headers, tenant)
         if refusal is not None:
             await _refuse(response.send, refusal)
             return
@@ -118,6 +130,20 @@ class Guard:
             await self.app(scope, receive, response.send)
             return
         await self._call_counted(scope, receive, response)
+
+    def _operator_refusal(self, headers: dict[bytes, bytes],
+                          tenant: str | None) -> _Refusal | None:
+        """Why an operator's path is refused, or None: a server with keys takes only an
+        operator's key there (401 for no key of the server's, 403 for a tenant's)."""
+        if not self._operators and not self.state.api_keys:
+            return None  # a single user's server: its user is the operator
+        if self._operators and _tenant(headers, self._operators) is not None:
+            return None
+        if tenant is None or not self.state.api_keys:
+            return _Refusal(401, "Incorrect or missing operator key: send 'Authorization: "
+                                 "Bearer KEY' with a key of the server's --metrics-key-file.")
+        return _Refusal(403, "/metrics is the operator's: a tenant's API key cannot read it "
+                             "(the server's --metrics-key-file holds the operator's keys).")
 
     def _refusal(self, scope: Scope, headers: dict[bytes, bytes],
                  tenant: str | None) -> _Refusal | None:
@@ -147,7 +173,9 @@ class Guard:
         state._enter(running)
         try:
             with running:
-                await self._call_limited(scope, receive, response.send)
+                async with contextlib.AsyncExitStack() as held:
+                    scope["state"][HELD_STATE] = held
+                    await self._call_limited(scope, receive, response.send)
             cut = running.cancel_called and not response.complete
             if cut:
                 with contextlib.suppress(Exception):  # the client may be gone: none to tell
@@ -249,3 +277,11 @@ def _tenant(headers: dict[bytes, bytes], keys: dict[str, str]) -> str | None:
 
 def _too_large(limit: int) -> str:
     return f"The request body is larger than the server's limit of {limit} bytes."
+
+
+def until_answered(request: Any) -> contextlib.AsyncExitStack | None:
+    """The request's stack of what it holds until its response has ended, however it ends
+    (sent whole, a stream's last event, a client gone, cut by the drain): a route enters a
+    reservation on it (`omni.serve.openai`'s media budget) that a streamed response must
+    keep past the route's return. None outside the guard's counted requests."""
+    return request.scope.get("state", {}).get(HELD_STATE)

@@ -5,6 +5,7 @@ Why a module of its own: the app (`omni.serve.app`) and the OpenAI endpoints
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,9 @@ __all__ = ["DONE", "LOST_RETRY_AFTER_S", "PARSE_IN_THREAD_BYTES", "graph_error",
 DONE = "[DONE]"  # a server-sent event stream's last data
 # a body larger than this is parsed in a worker thread (1 MiB of JSON: ~5 ms to parse)
 PARSE_IN_THREAD_BYTES = 1 << 20
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the second without the first
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
+                             rb"(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 LOST_RETRY_AFTER_S = 5  # Retry-After of a request its workers' loss failed: time to place anew
 
 
@@ -38,7 +42,9 @@ async def json_body(request: Request) -> dict[str, Any]:
         else:
             body = msgspec.json.decode(raw) if raw else {}
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        fault = ("a \\uD800-\\uDFFF escape without its other half (a lone UTF-16 "
+                 "surrogate is no text)" if _LONE_SURROGATE.search(raw) else exc)
+        raise ApiError(400, f"the body is not valid JSON: {fault}") from None
     except RecursionError:
         raise ApiError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):

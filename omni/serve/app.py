@@ -9,7 +9,8 @@ Routes:
   a server-sent event stream: one event ``{"output": NAME, "item": VALUE}`` per output item
   as it is produced, then ``[DONE]``. File inputs follow the server's `FilePolicy` (output
   files come back under ``"files"``); an `omni.CacheSalt` input gets the request's salt
-  (its tenant's and its ``cache_salt``).
+  (its tenant's and its ``cache_salt``), an ``omni.CacheSalt(per="tenant")`` one its
+  tenant's alone.
 - ``GET /v1/models``: the graphs served, as OpenAI's model list (each with the path its
   requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``);
   ``GET /v1/models/{id}``: one of them (404 for another id).
@@ -17,7 +18,8 @@ Routes:
   them (`omni.serve.openai`).
 - ``GET /health``: ``{"status": "ok", "in_flight": N}`` (``"draining"``, status 503, while
   shutting down).
-- ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them.
+- ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them (the operator's:
+  behind ``GuardState.metrics_keys`` on a server with keys).
 - ``GET /docs``, ``GET /openapi.json``: the API's description.
 - ``GET /``: the playground, a page to chat with a chat graph (text, images, audio in,
   spoken replies out) and to generate images (static HTML and JS, no build step).
@@ -48,12 +50,12 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from omni.graph.dsl import Graph, Ref
 from omni.graph.errors import InputError, NodeError
 from omni.graph.jsonable import to_jsonable
-from omni.graph.marks import OutputFile, file_role, is_cache_salt
+from omni.graph.marks import OutputFile, file_role
 from omni.serve._errors import ApiError, api_error_handler, error_body, error_response
 from omni.serve._files import FILES_KEY, FilePolicy, RequestFiles
 from omni.serve._guard import Guard, GuardState
 from omni.serve._requests import DONE, graph_error, json_body, outputs, until_disconnected
-from omni.serve._tenants import cache_salt, requested_salt, tenant_of
+from omni.serve._tenants import requested_salt, tenant_of, with_cache_salts
 
 if TYPE_CHECKING:
     from omni.serve.openai import ChatPolicy, MediaPolicy
@@ -210,7 +212,7 @@ def _graph_route(runtime: Any, graph: Graph,
                  policy: FilePolicy) -> Callable[[Request], Awaitable[Response]]:
     async def run_graph(request: Request) -> Response:
         raw, stream, salt = await _graph_body(request)
-        raw = _with_cache_salt(graph, raw, cache_salt(tenant_of(request), salt))
+        raw = with_cache_salts(graph, raw, tenant_of(request), salt)
         files = policy.open_request(graph, raw)
         try:
             inputs = _converted(graph, files.inputs)
@@ -251,18 +253,6 @@ async def _graph_body(request: Request) -> tuple[dict[str, Any], bool, str]:
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
     return inputs, stream, requested_salt(body.get("cache_salt"))
-
-
-def _with_cache_salt(graph: Graph, inputs: dict[str, Any], salt: str) -> dict[str, Any]:
-    """`inputs` with the graph's `omni.CacheSalt` inputs set to the request's salt (the
-    server's to give: a client that sets one is refused)."""
-    marked = [i.name for i in graph.inputs if is_cache_salt(i.type)]
-    for name in marked:
-        if name in inputs:
-            raise ApiError(400, f"input '{name}' is the server's (the request's cache salt): "
-                                'leave it out, and send "cache_salt" beside "inputs" to '
-                                "scope the cache further", param=f"inputs.{name}")
-    return {**inputs, **dict.fromkeys(marked, salt)} if marked else inputs
 
 
 def _converted(graph: Graph, inputs: dict[str, Any]) -> dict[str, Any]:

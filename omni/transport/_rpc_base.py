@@ -32,6 +32,8 @@ _MAX_ERROR_CHARS = 16_384  # a remote error's message is truncated to this
 # a few dozen bytes longer than its payload. The limits themselves are enforced by the codec.
 _FRAMING_MARGIN = 4096
 _GRACE = 0.005  # seconds to read replies already received before declaring a peer gone
+# The heartbeat connection carries one small message each way per interval: shallow queues.
+_BEAT_SOCKET: dict[str, Any] = {"sndhwm": 16, "rcvhwm": 16, "send_buffer": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,39 +99,53 @@ class _Service(abc.ABC):
         self._codec = Codec(limits)
         self._ctx = ctx
         self._sock: Socket | UnixSocket | None = None
+        self._beat_sock: Socket | UnixSocket | None = None
         self._nursery: trio.Nursery | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._dropped = 0
 
-    async def _start(self, socket_type: int, **socket_args: Any) -> None:
+    async def _start(self, socket_type: int, *, heartbeats: bool = False,
+                     **socket_args: Any) -> None:
+        """Open the socket and the nursery; with `heartbeats`, a second connection to the
+        same address for heartbeats alone (`_beat_sock`: see `RPCClient._heartbeat`)."""
         if self._stack is not None:
             raise TransportError(f"{self!r} is already running")
         stack = contextlib.AsyncExitStack()
         await stack.__aenter__()
         try:
-            limits = self._codec.limits
-            largest = max(limits.max_payload_bytes, limits.max_control_bytes)
-            address = socket_args.get("bind") or socket_args.get("connect")
-            if is_unix(address):  # processes of one host: no ZeroMQ I/O thread in the way
-                opened = open_unix_socket(on_message=self._guarded_on_message,
-                                          max_frames=limits.max_payload_frames + 2,
-                                          max_frame_bytes=largest, **socket_args)
-            else:
-                opened = open_socket(self._ctx, socket_type,
-                                     on_message=self._guarded_on_message,
-                                     max_msg_size=largest + _FRAMING_MARGIN, **socket_args)
-            self._sock = await stack.enter_async_context(opened)
+            self._sock = await stack.enter_async_context(
+                self._open(socket_type, **socket_args))
+            if heartbeats:
+                self._beat_sock = await stack.enter_async_context(self._open(
+                    socket_type, **{**socket_args, **_BEAT_SOCKET}))
             self._nursery = await stack.enter_async_context(background_nursery())
         except BaseException:
             await stack.aclose()
             raise
         self._stack = stack
 
+    def _open(self, socket_type: int, **socket_args: Any
+              ) -> contextlib.AbstractAsyncContextManager[Socket | UnixSocket]:
+        """A socket of `socket_type` whose messages go to `_on_message`: over a Unix socket
+        for a ``unix://`` address, else ZeroMQ."""
+        limits = self._codec.limits
+        largest = max(limits.max_payload_bytes, limits.max_control_bytes)
+        address = socket_args.get("bind") or socket_args.get("connect")
+        if is_unix(address):  # processes of one host: no ZeroMQ I/O thread in the way
+            return open_unix_socket(on_message=self._guarded_on_message,
+                                    max_frames=limits.max_payload_frames + 2,
+                                    max_frame_bytes=largest, **socket_args)
+        return open_socket(self._ctx, socket_type, on_message=self._guarded_on_message,
+                           max_msg_size=largest + _FRAMING_MARGIN, **socket_args)
+
     async def __aexit__(self, *exc_info: Any) -> bool | None:
         stack, self._stack = self._stack, None
         self._nursery = None
         assert stack is not None
-        return await stack.__aexit__(*exc_info)
+        try:
+            return await stack.__aexit__(*exc_info)
+        finally:  # after the background tasks that use it have ended
+            self._beat_sock = None
 
     def _guarded_on_message(self, frames: list[Buffer]) -> None:
         """The owner task calls this for each message: it must never raise."""

@@ -57,7 +57,9 @@ class RPCClient(_Service):
     Args:
         endpoint: the server's address.
         ctx: the shared ZeroMQ context (``None``: the process-wide instance).
-        heartbeat_interval: seconds between pings; ``None`` disables heartbeats.
+        heartbeat_interval: seconds between pings, which go on a second connection to
+            the server (no large message ahead of them); ``None`` disables heartbeats
+            and opens no second connection.
         missed_heartbeats: intervals without any message from the server before it is
             declared gone (in-flight calls fail with `PeerGone`).
         timeout: the default per-call timeout in seconds (``None``: no limit).
@@ -92,7 +94,8 @@ class RPCClient(_Service):
         self._cancelled = self._gone = self._late = self._pings = self._notices = 0
 
     async def __aenter__(self) -> RPCClient:
-        await self._start(zmq.DEALER, connect=self.endpoint, **self._socket_args)
+        await self._start(zmq.DEALER, connect=self.endpoint, **self._socket_args,
+                          heartbeats=self._interval is not None)
         self._last_seen, self._alive = trio.current_time(), True
         assert self._nursery is not None
         self._timer = trio.CancelScope()
@@ -264,12 +267,23 @@ class RPCClient(_Service):
 
     async def _heartbeat(self) -> None:
         """Ping every interval; declare the peer gone once it has been silent for
-        `missed_heartbeats` intervals *and* left as many pings unanswered.
+        `missed_heartbeats` intervals *and* left as many pings unanswered. Any message from
+        the server is a word from it: a reply as much as a pong.
 
         Why both: when this process stalls (a long copy on the event loop, a loaded machine)
         it sends no pings, so the silence is its own; counting unanswered pings keeps a stall
         here from being taken for a dead peer, while a dead peer is still noticed within
         `missed_heartbeats` intervals of its last word.
+
+        Why pings on a connection of their own (`_beat_sock`): a connection delivers in
+        order, so a ping sent behind a large message reaches the server only after it, and
+        the pong only after the server has received it whole. A frame of the largest size
+        over CURVE is encrypted and decrypted in ZeroMQ's I/O threads and on a loaded machine
+        takes longer than the window; a slow link does the same to a plaintext one. The pings
+        then waited behind the frame, and a server busy receiving it was declared gone. On
+        their own connection, which carries nothing else, no frame is ahead of them either
+        way (a large reply neither): a pong is late only when the server's process, or its
+        I/O thread, is.
         """
         assert self._interval is not None
         interval, next_ping, seq = self._interval, trio.current_time(), 0
@@ -277,7 +291,7 @@ class RPCClient(_Service):
             now = trio.current_time()
             if now >= next_ping:
                 seq += 1
-                if self._send_nowait([self._codec.encode(Heartbeat(seq))]):
+                if self._send_beat(self._codec.encode(Heartbeat(seq))):
                     self._pings += 1
                     self._unanswered += 1
                 next_ping = now + interval
@@ -292,6 +306,15 @@ class RPCClient(_Service):
                 continue
             wake = next_ping if not self._alive or now >= deadline else min(next_ping, deadline)
             await trio.sleep_until(wake)
+
+    def _send_beat(self, ping: bytes) -> bool:
+        """Queue `ping` on the heartbeat connection; False (dropped) if its outbox is full."""
+        assert self._beat_sock is not None
+        try:
+            self._beat_sock.send_multipart_nowait([ping])
+        except (trio.WouldBlock, TransportError):
+            return False
+        return True
 
     def _declare_gone(self, now: float) -> None:
         self._alive = False

@@ -16,7 +16,8 @@ Failure model: a handler that raises fails only its call (`RPCError` with the re
 and message); a malformed message is counted and dropped; a caller that gives up (cancelled
 or timed out) sends `wire.Cancel` and the server cancels that handler; a server that stops
 answering heartbeats is declared gone after `missed_heartbeats` intervals and every call in
-flight fails with `PeerGone`.
+flight fails with `PeerGone`. Heartbeats go on a second connection of the client's, so that no
+large message, however long it takes to cross, is ever ahead of them (`RPCClient._heartbeat`).
 """
 
 from __future__ import annotations

@@ -83,3 +83,20 @@ class OnNodeC:
 @omni.graph
 def on_node_c(i: int) -> str:
     return OnNodeC()(i)
+
+
+@omni.node(resources={"node_b": 1})
+class BadWeights:
+    """A replica that cannot start on its Ray node: its constructor raises, as a model's does
+    for a wrong weights path."""
+
+    def __init__(self) -> None:
+        raise ValueError("bad weights path")
+
+    async def __call__(self, i: int) -> int:
+        return i
+
+
+@omni.graph
+def bad_weights(i: int) -> int:
+    return BadWeights()(i)

@@ -15,6 +15,7 @@ import trio
 import omni
 from tests._wait import CAP_S, wait_until
 from tests.cluster import pipelines as p
+from tests.cluster._local import invoke
 from tests.cluster._status import Rows
 from tests.cluster.conftest import Cluster, LocalCluster
 
@@ -140,6 +141,30 @@ async def test_a_sigkilled_worker_fails_over_and_rejoins(cluster: Cluster) -> No
     async with omni.Runtime(cluster=cluster.address, token_file=str(cluster.token)) as rt:
         await fails_over_and_rejoins(rt, cluster.folder, kill_w1, wait_members, restart_w1)
     assert await trio.to_thread.run_sync(w1.wait, CAP_S) == -9  # SIGKILL: it said nothing
+
+
+async def test_status_lists_no_replicas_on_a_lost_worker(local_cluster: LocalCluster) -> None:
+    """A worker hosting replicas stops answering: once the head has it lost, `omni cluster
+    status` shows it hosting nothing (its replicas went with it), the survivor its own."""
+    await local_cluster.start(heartbeat=0.2)
+    await local_cluster.worker("w1")
+    await local_cluster.worker("w2")
+    async with local_cluster.driver() as rt:
+        await rt.deploy(p.Shout())  # two replicas: one on each worker
+        await local_cluster.wait_members(
+            lambda m: all(m[w]["replicas"] == {"Shout": 1} for w in ("w1", "w2")),
+            "both workers' beats to report their replica")
+        await local_cluster.stop_answering("w1")
+        members = await local_cluster.wait_members(lambda m: m["w1"]["state"] == "lost",
+                                                   "the head to lose w1")
+        assert members["w1"]["replicas"] == {} and members["w1"]["kv"] == {}
+        assert members["w2"]["replicas"]["Shout"] >= 1
+        table = await trio.to_thread.run_sync(invoke, "cluster", "status",
+                                              local_cluster.address, "--token-file",
+                                              str(local_cluster.token))
+    assert table.returncode == 0, table.stderr
+    (w1,) = [line.split() for line in table.stdout.splitlines() if line.startswith("w1 ")]
+    assert w1[1] == "lost" and w1[5:7] == ["-", "-"]  # REPLICAS and KV PAGES
 
 
 async def test_a_node_error_on_a_worker_names_it(local_cluster: LocalCluster) -> None:

@@ -175,6 +175,22 @@ def test_omni_serve_on_cluster_ray_answers_the_openai_client(
                     "the server's OmniWorker actors to end with it")
 
 
+def test_a_node_failing_as_it_starts_on_an_omni_worker_names_its_own_error(
+        ray_address: str) -> None:
+    """The error reaches the user as the node raised it on its actor, with the worker's name
+    (pinned by ``node_b`` to the second Ray node), and its traceback with ``--debug``."""
+    graphs = str(ROOT / "tests" / "cluster" / "ray_graphs.py")
+    done = invoke("run", graphs, "bad_weights", "--input", "i=1", "--cluster", "ray")
+    assert done.returncode == 1, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("error: ")]
+    assert line.startswith("error: node 'BadWeights' failed to start on worker 'ray-")
+    assert line.endswith(": ValueError: bad weights path"), line
+    debug = invoke("run", graphs, "bad_weights", "--input", "i=1", "--cluster", "ray",
+                   "--debug")
+    assert debug.returncode == 1 and "ExceptionGroup" not in debug.stderr, debug.stderr
+    assert 'raise ValueError("bad weights path")' in debug.stderr
+
+
 def test_no_ray_cluster_is_one_line_naming_the_address(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as unused:  # a port nothing listens on

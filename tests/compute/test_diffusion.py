@@ -329,3 +329,15 @@ async def test_a_prompt_that_fits_the_context_with_the_image_tokens_is_accepted(
     result = await ImageGenerator(engine).generate([5] * (4096 - NUM_IMAGE), **SIZE, steps=1,
                                                    guidance=1.0)
     assert result.prompt_tokens == 4096 - NUM_IMAGE
+
+
+async def test_a_prompts_kv_is_reused_under_its_own_cache_salt_only(engine):
+    """Pages a request of one salt cached are not another salt's: a tenant's image prompt
+    tells no other tenant it was seen."""
+    await engine.generate(PROMPT, CACHE_ONLY, cache_salt="alice")
+    gen = ImageGenerator(engine)
+    other = await gen.generate(PROMPT, **SIZE, steps=2, guidance=1.0, cache_salt="bob")
+    assert other.prompt_tokens_reused == 0
+    own = await gen.generate(PROMPT, **SIZE, steps=2, guidance=1.0, cache_salt="alice")
+    assert own.prompt_tokens_reused == full_pages(engine, PROMPT)
+    torch.testing.assert_close(own.latents, other.latents, rtol=0, atol=ATOL)

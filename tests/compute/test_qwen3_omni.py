@@ -368,3 +368,31 @@ def test_a_tower_tensor_missing_is_refused_by_name(tmp_path: Path) -> None:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"thinker\.visual weights .*blocks\.0\.attn\.proj\.bias"):
         TorchEngine.from_pretrained(directory)
+
+
+def test_a_processor_saved_nested_by_transformers_5_is_read_as_the_flat_one(
+        checkpoint: Path, tmp_path: Path) -> None:
+    """transformers 5 saves a processor's parts in one processor_config.json, nested by part;
+    the checkpoint loads from it with the same image processor and feature extractor."""
+    import json
+    import shutil
+
+    from omni.compute.models.qwen3_omni.thinker import Qwen3OmniMedia
+
+    nested = shutil.copytree(checkpoint, tmp_path / "nested")
+    flat = json.loads((nested / "preprocessor_config.json").read_text())
+    (nested / "preprocessor_config.json").unlink()
+    original = Qwen3OmniMedia(checkpoint)
+    image, audio = original.image_processor, original.feature_extractor
+    parts = {"image_processor": image.to_dict(), "feature_extractor": audio.to_dict(),
+             "processor_class": flat["processor_class"]}
+    (nested / "processor_config.json").write_text(json.dumps(parts, default=str))
+    media = Qwen3OmniMedia(nested)
+    assert media.image_processor.to_dict() == image.to_dict()
+    assert media.feature_extractor.to_dict() == audio.to_dict()
+
+    del parts["feature_extractor"]
+    (nested / "processor_config.json").write_text(json.dumps(parts, default=str))
+    with pytest.raises(FileNotFoundError,
+                       match=r"no processor_config\.json holding the feature extractor"):
+        Qwen3OmniMedia(nested)

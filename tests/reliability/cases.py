@@ -46,6 +46,9 @@ CASES: dict[str, Case] = {
         "Processes", "a worker SIGKILLed mid-transfer (serving `kv.fetch`)"),
     "proc.owner_killed": Case(
         "Processes", "KV store owners SIGKILLed: their arenas and lease tables left behind"),
+    "proc.owner_lost": Case(
+        "Processes", "a KV store owner that is a cluster member SIGKILLed: the head finds it "
+        "lost, no store starts after it"),
     "proc.run_signalled": Case(
         "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
     "proc.serve_drained": Case(
@@ -54,6 +57,10 @@ CASES: dict[str, Case] = {
     "proc.worker_killed_mid_run": Case(
         "Processes", "the worker hosting a class node SIGKILLed in the middle of `omni run -c 4 "
         "--cluster`, another worker up"),
+    "serve.worker_killed": Case(
+        "Processes", "the worker hosting a served chat graph's node SIGKILLed with 8 replies "
+        "in flight on it (`omni serve --cluster`): 6 collected whole, 2 streams before their "
+        "first chunk"),
     "proc.no_worker_left": Case(
         "Processes", "the only worker SIGKILLed in the middle of `omni run --cluster "
         "--replace-timeout 2`: nowhere to place its replica again"),
@@ -89,13 +96,37 @@ CASES: dict[str, Case] = {
     "serve.bounded_work": Case(
         "Hostile client", "`omni serve`: a PNG of a few KB holding 12,000 x 12,000 pixels (a "
         "decompression bomb) and a 30 MB message, with /health polled meanwhile"),
+    "serve.media_budget": Case(
+        "Hostile client", "`omni serve`: twenty 4,096 x 4,096 PNGs of 2.8 KiB each (1 GB "
+        "decoded) in one request, with /health polled meanwhile"),
+    "serve.malformed_media": Case(
+        "Hostile client", "`omni serve`: audio clips too short for the encoder, cut "
+        "mid-sample or without a format, a lone surrogate in a text"),
+    "serve.remote_media_ssrf": Case(
+        "Hostile client", "`omni serve --allow-remote-media`: image URLs at the server's own "
+        "machine, private and link-local addresses"),
     "serve.tenant_probe": Case(
         "Hostile client", "`omni serve`: a tenant guessing another's prompt from "
         "`cached_tokens`"),
+    "serve.tenant_sessions": Case(
+        "Hostile client", "`omni serve`: a tenant opening more dialogue sessions than its "
+        "quota, to evict another tenant's conversation"),
+    "serve.tenant_media": Case(
+        "Hostile client", "`omni serve` of a Qwen3-Omni checkpoint: a tenant sending the image "
+        "another just sent, asking for speech (a cache hit would answer faster)"),
+    "serve.tenant_metrics": Case(
+        "Hostile client", "`omni serve`: a tenant reading /metrics, whose KV page counts tell "
+        "another tenant's prompt length"),
     # A user's mistakes at the command line
     "cli.one_line": Case(
         "Command line", "KV flags at files, devices, /proc, /sys, impossible sizes; a node "
         "failing as it starts; a bad or missing token file"),
+    "cli.worker_start_error": Case(
+        "Command line", "a class node failing as it starts on a cluster worker (`omni run "
+        "--cluster`, then with `--debug`)"),
+    "cli.worker_environment": Case(
+        "Command line", "a worker started without the `OMNI_MODEL` the driver has: the graph "
+        "file's KV layout differs there"),
     "docs.readme_files": Case("Command line", "the files the README's commands name"),
     # What the runtime leaves on the machine
     "files.private": Case("Files", "files and shared memory it creates are private to its user"),

@@ -21,7 +21,7 @@ from omni.cluster.kv.peers import FetchReply, FetchRequest, PeerFetcher, serve_k
 from omni.kv import KVLeaseError, open_descriptor
 from omni.transport import RPCClient, RPCServer
 from omni.transport.movers import host_id, unpack
-from tests._wait import CAP_S
+from tests._wait import CAP_S, wait_until
 from tests.reliability._support import (
     LAYOUT,
     check_pages,
@@ -266,3 +266,62 @@ def test_a_store_that_starts_reclaims_the_shared_memory_of_killed_owners(record,
     record("proc.owner_killed", tries=3,
            outcome="2 owners SIGKILLed: the next store to start removed their 6 arenas and "
                    "lease tables and said so in one line; the live owner's 3 were left alone")
+
+
+MEMBER = textwrap.dedent("""
+    import os, trio
+    from omni.transport import RPCServer
+    from tests.reliability._support import make_store
+
+    async def main():
+        store = make_store(4, 4)
+        async with RPCServer("tcp://127.0.0.1:*") as server:  # answers the head's heartbeats
+            print(store.store_id, server.endpoint, flush=True)
+            await trio.sleep_forever()
+
+    trio.run(main)
+""")
+
+
+@pytest.mark.proc  # a store-owning cluster member SIGKILLed
+async def test_a_lost_member_s_shared_memory_is_reclaimed_by_the_head_at_once(record, tmp_path,
+                                                                            monkeypatch):
+    """Two members of a head, on its host, each own a KV store; one is SIGKILLed (and left
+    unreaped, as a supervisor that has not waited yet leaves it). Once the head finds it lost
+    it removes that member's arenas and lease table, with no store starting anywhere; the
+    live member's files stay. In a shared-memory folder of the test's own, as above."""
+    from omni.cluster.head import Head
+    from omni.cluster.protocol import MemberInfo, MemberLoad, Register
+    from omni.transport.credentials import Credentials
+
+    monkeypatch.setenv("OMNI_SHM_DIR", str(tmp_path))
+    members = [child(MEMBER) for _ in range(2)]
+    try:
+        lines = [(await trio.to_thread.run_sync(proc.stdout.readline)).split()
+                 for proc in members]
+        store_ids, endpoints = [line[0] for line in lines], [line[1] for line in lines]
+
+        def files(store_id: str) -> list[str]:
+            return sorted(p.name for p in shm_directory().glob(f"omni-{store_id}-*"))
+
+        kept = files(store_ids[1])
+        assert len(files(store_ids[0])) == len(kept) == 3  # 2 arenas, 1 lease table
+        head = Head(Credentials(None), "tcp://127.0.0.1:*", heartbeat_interval=0.2)
+        with trio.fail_after(CAP_S):
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(head.run)
+                async with RPCClient(address) as client:
+                    for i, proc in enumerate(members):
+                        info = MemberInfo(f"w{i}", endpoints[i], host_id(), proc.pid)
+                        await client.call("cluster.register", Register(info, MemberLoad()))
+                os.kill(members[0].pid, 9)  # SIGKILL, not reaped
+                await wait_until(lambda: [v.state for v in head.members()] == ["up", "lost"])
+                assert files(store_ids[0]) == [] and files(store_ids[1]) == kept
+                nursery.cancel_scope.cancel()
+    finally:
+        for proc in members:
+            proc.kill()
+            proc.wait(10)
+    record("proc.owner_lost", tries=1,
+           outcome="the head found the SIGKILLed member lost and at once removed its 3 arenas "
+                   "and lease table, no store starting; the live member's 3 were left alone")

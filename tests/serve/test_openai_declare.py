@@ -156,10 +156,11 @@ def wav(samples: np.ndarray, rate: int, channels: int) -> str:
 
 
 async def test_audio_is_decoded_to_mono_float_samples() -> None:
-    stereo = np.array([[0.5, -0.5], [0.25, 0.25]], dtype=np.float32).reshape(-1)
+    frames = np.array([[0.5, -0.5], [0.25, 0.25]], dtype=np.float32)
+    stereo = np.tile(frames, (101, 1)).reshape(-1)  # 202 frames: a clip long enough
     part = await decode_audio(wav(stereo, 8000, 2), "wav", "m", MediaPolicy())
     assert part.sample_rate == 8000
-    np.testing.assert_allclose(part.samples, [0.0, 0.25], atol=1e-4)
+    np.testing.assert_allclose(part.samples, np.tile([0.0, 0.25], 101), atol=1e-4)
 
 
 @pytest.mark.parametrize(("data", "fmt", "says"), [

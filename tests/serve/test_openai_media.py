@@ -1,26 +1,31 @@
 """``omni serve --allow-remote-media`` (`MediaPolicy(allow_remote=True)`, the app served in
-process over httpx's ASGI transport): a message's http(s) image URL is fetched (here from a
-loopback server this test runs in a thread) and reads as the same image sent as a data
-URL."""
+process over httpx's ASGI transport): a message's http(s) image URL is fetched (here from
+httpx's mock transport, its host resolved by a stand-in resolver to a public address) and
+reads as the same image sent as a data URL; a failure says only that the URL cannot be
+fetched."""
 
 from __future__ import annotations
 
 import base64
-import http.server
+import functools
 import io
-import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
+import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 from omni.serve import MediaPolicy
+from omni.serve.openai import _media
+from omni.serve.openai._fetch import fetch_public
 from tests.serve._inproc import served
 from tests.serve._server import ROOT
 
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
+IMAGES_URL = "https://images.example"
+PUBLIC = "93.184.216.34"
 
 
 def png_bytes() -> bytes:
@@ -33,41 +38,25 @@ def png_bytes() -> bytes:
 PNG = png_bytes()
 
 
-class _Images(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        found = self.path == "/cat.png"
-        self.send_response(200 if found else 404)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(PNG) if found else 0))
-        self.end_headers()
-        if found:
-            self.wfile.write(PNG)
-
-    def log_message(self, *args: object) -> None:
-        pass
+def images(request: httpx.Request) -> httpx.Response:
+    """The image host: /cat.png, asked of its public address under its own name."""
+    assert request.url.host == PUBLIC and request.headers["host"] == "images.example"
+    if request.url.path == "/cat.png":
+        return httpx.Response(200, content=PNG, headers={"Content-Type": "image/png"})
+    return httpx.Response(404)
 
 
-@pytest.fixture(scope="module")
-def images_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)  # how soon it sees the shutdown
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+async def resolve(host: str, port: int) -> list[str]:
+    return [PUBLIC]
 
 
 @pytest.fixture
-async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(monkeypatch) -> AsyncIterator[openai.AsyncOpenAI]:
+    monkeypatch.setattr(_media, "fetch_public", functools.partial(
+        fetch_public, resolve=resolve, transport=httpx.MockTransport(images)))
     async with served(DIALOGUE, media=MediaPolicy(allow_remote=True)) as app, \
             app.openai() as client:
         yield client
-
-
 async def ask(client: openai.AsyncOpenAI, image_url: str) -> openai.types.chat.ChatCompletion:
     content = [{"type": "image_url", "image_url": {"url": image_url}},
                {"type": "text", "text": "What is it?"}]
@@ -76,9 +65,9 @@ async def ask(client: openai.AsyncOpenAI, image_url: str) -> openai.types.chat.C
 
 
 async def test_a_fetched_image_reads_as_the_same_image_sent_inline(
-        client: openai.AsyncOpenAI, images_url: str) -> None:
+        client: openai.AsyncOpenAI) -> None:
     inline = await ask(client, "data:image/png;base64," + base64.b64encode(PNG).decode())
-    fetched = await ask(client, images_url + "/cat.png")
+    fetched = await ask(client, IMAGES_URL + "/cat.png")
     assert fetched.choices[0].message.content == inline.choices[0].message.content
     assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens
     # The same image digest: its pages are in the store now.
@@ -86,9 +75,10 @@ async def test_a_fetched_image_reads_as_the_same_image_sent_inline(
         inline.usage.prompt_tokens // 16 * 16)
 
 
-async def test_a_url_that_answers_an_error_is_a_400_naming_it(client: openai.AsyncOpenAI,
-                                                              images_url: str) -> None:
+async def test_a_url_that_answers_an_error_is_a_400_saying_only_it_cannot_be_fetched(
+        client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        await ask(client, images_url + "/missing.png")
-    assert "answered 404" in caught.value.message
+        await ask(client, IMAGES_URL + "/missing.png")
+    assert caught.value.body["message"] == (f"messages.0.content.0.image_url.url: cannot fetch "
+                                    f"{IMAGES_URL}/missing.png")  # no status, no address
     assert caught.value.body["param"] == "messages.0.content.0.image_url.url"

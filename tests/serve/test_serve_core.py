@@ -185,12 +185,14 @@ async def wait_until_health(http: httpx.AsyncClient, check) -> None:
 async def test_the_key_the_body_limit_and_the_concurrency_limit(tmp_path: Path,
                                                                 gate: Path) -> None:
     key = tmp_path / "key"
-    key.write_text("s3cret\n")  # read as --api-key-file reads it
+    key.write_text("s3cret-0123456789\n")  # read as --api-key-file reads it
     state = GuardState(api_keys=_read_keys(str(key)), max_concurrency=2,
+                       metrics_keys=frozenset({"operator-0123456789"}),
                        max_body_bytes=1024 * 1024)
     body = {"inputs": {"text": "x"}}
     async with served(GRAPHS, state=state) as app, app.http() as anon, \
-            app.http(Authorization="Bearer s3cret") as ok:
+            app.http(Authorization="Bearer s3cret-0123456789") as ok, \
+            app.http(Authorization="Bearer operator-0123456789") as operator:
         assert_error(await anon.post("/v1/graphs/echo", json=body), 401, "API key")
         wrong = {"Authorization": "Bearer nope"}
         assert_error(await anon.post("/v1/graphs/echo", json=body, headers=wrong), 401)
@@ -215,7 +217,7 @@ async def test_the_key_the_body_limit_and_the_concurrency_limit(tmp_path: Path,
             busy = await ok.post("/v1/graphs/echo", json=body)
             assert_error(busy, 429, "--max-concurrency is 2")
             assert busy.headers["retry-after"] == "1"
-            assert (await ok.get("/metrics")).status_code == 200  # a scrape is never busy
+            assert (await operator.get("/metrics")).status_code == 200  # never busy
             assert_error(await anon.get("/metrics"), 401)
             gate.touch()
         assert (await ok.post("/v1/graphs/echo", json=body)).status_code == 200
@@ -258,16 +260,20 @@ def test_mistakes_at_startup_are_one_line_and_exit_2(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.write_text("\n# only a comment\n")
     wordy = tmp_path / "wordy"
-    wordy.write_text("alice k1\nbob k 2\n")
+    wordy.write_text("alice key-of-alice-0123\nbob k 2\n")
+    short = tmp_path / "short"
+    short.write_text("s3cret #hash\n")
     twice = tmp_path / "twice"
-    twice.write_text("alice k1\nbob k1\n")
+    twice.write_text("alice key-of-alice-0123\nbob key-of-alice-0123\n")
     cases = [
         (in_use, f"cannot listen on 127.0.0.1:{port}"),
         (run_omni("serve", str(GRAPHS), "--api-key-file", str(tmp_path / "none")),
          "cannot read it"),
         (run_omni("serve", str(GRAPHS), "--api-key-file", str(empty)), "no key in it"),
         (run_omni("serve", str(GRAPHS), "--api-key-file", str(wordy)),
-         "wordy:2: expected 'KEY' or"),
+         "wordy:2: expected 'KEY',"),
+        (run_omni("serve", str(GRAPHS), "--api-key-file", str(short)),
+         "short:1: the key is shorter than 16 characters"),
         (run_omni("serve", str(GRAPHS), "--api-key-file", str(twice)),
          "twice:2: this key is listed"),
         (run_omni("serve", str(GRAPHS), "--allow-path", str(tmp_path / "no-dir")),

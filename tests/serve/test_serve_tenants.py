@@ -1,12 +1,15 @@
 """No client learns another's prompts through the KV cache: each API key is a tenant whose
 cache is its own, a request's ``cache_salt`` scopes it further, and a tenant still reuses its
 own turns. In process: the dialogue example's graphs (tiny model) behind `build_app`, driven
-by the official ``openai`` client and httpx through the ASGI transport."""
+by the official ``openai`` client and httpx through the ASGI transport. And the key file
+``--api-key-file`` reads: one key a line, a mistake named by its line, never echoing a key."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,8 +17,13 @@ import openai
 import pytest
 
 import omni
+from cli._errors import CliError
 from cli._load import load_module
+from cli.serve import _metrics_keys, _read_keys
 from omni.serve import GuardState, build_app
+from omni.serve.openai import MediaPolicy
+from omni.serve.openai._chat_models import ChatCompletionRequest
+from omni.serve.openai._chat_request import chat_request
 from tests.serve._server import ROOT
 
 KEYS = {"key-of-alice": "alice", "key-of-bob": "bob"}
@@ -87,9 +95,91 @@ async def test_sessions_and_the_cache_salt_input_of_a_graph_are_the_tenants(
             # the spoken reply comes back as data, its server path named as the file only
             assert outputs[2]["wav"] == "out.wav"
             assert other.json()["files"]["out"]["data"].startswith("UklGR")  # RIFF
-            refused = await http.post("/v1/graphs/dialogue", headers={
-                "authorization": "Bearer key-of-bob"}, json={"inputs": {
-                    "session": "s", "text": "x", "salt": "alice's"}})
-            assert refused.status_code == 400 and "is the server's" in refused.text
+            for name in ("salt", "tenant"):
+                refused = await http.post("/v1/graphs/dialogue", headers={
+                    "authorization": "Bearer key-of-bob"}, json={"inputs": {
+                        "session": "s", "text": "x", name: "alice's"}})
+                assert refused.status_code == 400 and "is the server's" in refused.text
             assert (await turn("key-of-alice", "x", cache_salt=5)).status_code == 400
             assert (await turn("nobody", "x")).status_code == 401
+
+
+async def test_a_chat_request_carries_its_tenant_whatever_its_cache_salt() -> None:
+    async def tenant(name: str, salt: str | None) -> str:
+        body = ChatCompletionRequest.model_validate({
+            "model": "chat", "messages": [{"role": "user", "content": "hi"}],
+            "cache_salt": salt})
+        return (await chat_request(body, MediaPolicy(), name)).tenant
+
+    alice = await tenant("alice", None)
+    assert alice == await tenant("alice", "another salt") != await tenant("bob", None)
+    assert "alice" not in alice and len(alice) == 32  # a digest, not the name
+    assert await tenant("", "x") == ""  # the keyless server's one tenant
+
+
+def keys_in(tmp_path: Path, text: str, option: str = "--api-key-file") -> dict[str, str]:
+    (tmp_path / "keys").write_text(text)
+    return _read_keys(str(tmp_path / "keys"), option)
+
+
+def test_a_key_file_line_is_one_key(tmp_path: Path) -> None:
+    keys = keys_in(tmp_path, "# the tenants\n"
+                             "  # indented comment\n"
+                             "bob #9f8e7d6c5b4a3928\n"  # the older NAME KEY: '#' is the key's
+                             "carol:0123456789abcdef:x\n"  # the first ':' ends the name
+                             "\n"
+                             "ZmFrZS1rZXktZm9yLXRlc3Rz\n")
+    assert keys["#9f8e7d6c5b4a3928"] == "bob"
+    assert keys["0123456789abcdef:x"] == "carol"
+    assert keys["ZmFrZS1rZXktZm9yLXRlc3Rz"].startswith("key-")
+    assert len(keys) == 3
+
+
+@pytest.mark.parametrize(("line", "error"), [
+    ("bob #short", "shorter than 16 characters"),
+    ("s3cret", "shorter than 16 characters"),
+    ("alice 0123456789abcdef extra", "got 3 words"),
+    ("a/b:0123456789abcdef-secret", "a name is 1 to 64"),
+    (":0123456789abcdef-secret", "a name is 1 to 64"),
+    ("dave:0123456789abcdef-sécret", "printable ASCII"),
+])
+def test_a_key_file_mistake_names_its_line_and_never_the_key(tmp_path: Path, line: str,
+                                                             error: str) -> None:
+    with pytest.raises(CliError) as refused:
+        keys_in(tmp_path, f"# comment\n{line}\n")
+    message = str(refused.value)
+    assert message.startswith(f"--api-key-file {tmp_path / 'keys'}:2: ") and error in message
+    secret = line.split()[-1].split(":")[-1]
+    assert secret not in message and "\n" not in message
+
+
+def test_the_operators_keys_are_no_tenants(tmp_path: Path) -> None:
+    (tmp_path / "operator").write_text("operator-key-0123456789\n")
+    tenants = keys_in(tmp_path, "alice:operator-key-0123456789\n")
+    with pytest.raises(CliError, match="a key of it is a tenant's too"):
+        _metrics_keys(str(tmp_path / "operator"), tenants)
+    assert _metrics_keys(str(tmp_path / "operator"), {}) == {"operator-key-0123456789"}
+    assert _metrics_keys(None, tenants) == frozenset()
+
+
+async def test_an_image_request_runs_under_its_tenants_salt() -> None:
+    """The image route fills a graph's cache-salt input as the chat route does: per tenant
+    and per request ``cache_salt``, never from the client's inputs."""
+    module = load_module(str(ROOT / "tests" / "serve" / "salted_images.py"))
+    async with omni.Runtime() as rt:
+        app = build_app(rt, {"salted": module.salted}, GuardState(api_keys=dict(KEYS)))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://omni") as http:
+            async def salt(key: str, **body: Any) -> str:
+                answer = await http.post("/v1/images/generations", headers={
+                    "authorization": f"Bearer {key}"}, json={"prompt": "fox", **body})
+                assert answer.status_code == 200, answer.text
+                png = base64.b64decode(answer.json()["data"][0]["b64_json"]).decode()
+                prompt, _, salt = png.partition("|")
+                assert prompt == "fox"
+                return salt
+
+            alice, bob = await salt("key-of-alice"), await salt("key-of-bob")
+            assert alice and bob and alice != bob
+            assert await salt("key-of-alice") == alice
+            assert await salt("key-of-alice", cache_salt="mine") not in (alice, bob, "")

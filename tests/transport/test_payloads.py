@@ -15,6 +15,7 @@ from omni._shm import shm_directory
 from omni.transport.errors import WireError
 from omni.transport.movers import SHM_MIN, PayloadMover, PayloadTooLarge
 from omni.transport.values import pack_value, unpack_value
+from tests._load import saturated_cpu
 
 
 @pytest.fixture
@@ -226,6 +227,28 @@ def test_close_unlinks_every_segment_and_mapped_arrays_stay_valid(movers) -> Non
     assert not any(name.startswith(producer._prefix) for name in os.listdir(shm_directory()))
 
 
+@pytest.mark.proc  # a child killed and not yet reaped
+def test_a_killed_process_not_yet_reaped_counts_as_dead() -> None:
+    """A SIGKILLed process whose parent has not waited for it (a zombie) still has its pid,
+    but runs no code and will unlink nothing: its segments are a dead owner's."""
+    import signal
+    import subprocess
+    import sys
+
+    from omni._shm import process_alive, process_start_time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        started = process_start_time(proc.pid)
+        assert process_alive(proc.pid, started)
+        os.kill(proc.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, left unreaped
+        assert not process_alive(proc.pid, started)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.proc  # dead owners' shared memory reclaimed
 def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept(tmp_path, monkeypatch
                                                                     ) -> None:
@@ -259,7 +282,8 @@ def test_segments_of_dead_processes_are_reclaimed_and_live_ones_kept(tmp_path, m
             path.unlink(missing_ok=True)
 
 
-async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
+async def cross_a_curve_socket(*, heartbeat_interval: float = 1.0) -> None:
+    """Send one frame of the largest size over a CURVE connection; its size comes back."""
     import trio
 
     from omni.transport.credentials import Credentials
@@ -276,10 +300,26 @@ async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
         server.register("size", size, body_type=object, with_payload=True)
         async with server:
             client = RPCClient(server.endpoint, ctx=creds.ctx, options=creds.client_options(),
-                               timeout=60)
+                               timeout=60, heartbeat_interval=heartbeat_interval)
             async with client:
                 with trio.fail_after(60):
                     assert await client.call("size", None, payload=[frame]) == len(frame)
+                assert client.stats().peer_gone == 0
+
+
+async def test_a_frame_of_the_largest_size_crosses_a_curve_socket() -> None:
+    await cross_a_curve_socket()
+
+
+@pytest.mark.proc  # busy processes beside it
+async def test_the_largest_frame_crosses_a_curve_socket_with_every_core_busy() -> None:
+    """The same with twice as many busy processes as cores. ZeroMQ encrypts and decrypts the
+    frame in its I/O thread, and on a loaded machine that takes longer than the three
+    heartbeats of silence after which a peer counts as gone (heartbeats here come three times
+    as often as by default, so that it does on any machine): the server, busy receiving, is
+    alive all along and must not be declared gone."""
+    with saturated_cpu():
+        await cross_a_curve_socket(heartbeat_interval=0.3)
 
 
 def test_a_full_shared_memory_folder_is_an_error_naming_it_not_a_crash(movers, monkeypatch):

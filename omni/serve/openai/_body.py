@@ -27,7 +27,22 @@ def validated(model: type[M], body: dict[str, Any], endpoint: str) -> M:
         return model.model_validate({k: v for k, v in body.items() if k in served})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = _where(body, first["loc"])
         message = (f"not supported by Omni's {endpoint}" if first["type"] == "extra_forbidden"
                    else first["msg"])
         raise ApiError(400, f"{where}: {message}", param=where) from None
+
+
+def _where(body: Any, loc: tuple[Any, ...]) -> str:
+    """The path of the field an error is about, as the request spells it: `loc` without
+    the names pydantic adds for a union's branch (which are no keys of the body)."""
+    path, value = [], body
+    for i, key in enumerate(loc):
+        if isinstance(value, dict) and key in value:
+            value = value[key]
+        elif isinstance(value, list) and isinstance(key, int) and 0 <= key < len(value):
+            value = value[key]
+        elif not (i == len(loc) - 1 and isinstance(value, dict)):  # a missing field stays
+            continue
+        path.append(str(key))
+    return ".".join(path)

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from omni.graph.errors import NodeError
 from omni.serve._errors import ApiError, error_body
+from omni.serve._guard import until_answered
 from omni.serve._requests import DONE, graph_error, json_body, outputs, until_disconnected
 from omni.serve._tenants import tenant_of
 from omni.serve.openai import _audio
@@ -40,7 +41,8 @@ def chat_route(runtime: Any, graphs: Mapping[str, Any], find: Callable[[str], An
         body = validated(ChatCompletionRequest, await json_body(request),
                          "chat completions")
         graph = find(body.model)
-        chat = await chat_request(body, media, tenant_of(request), policy)
+        chat = await chat_request(body, media, tenant_of(request), policy,
+                                  hold=until_answered(request))
         reply = _Reply(body.model, chat.audio, body.audio.format if body.audio else "wav")
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

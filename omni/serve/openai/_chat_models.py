@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from omni.serve._tenants import MAX_CACHE_SALT_CHARS
 
@@ -42,6 +42,14 @@ class AudioPart(_Strict):
 
 
 Part = Annotated[TextPart | ImagePart | AudioPart, Field(discriminator="type")]
+# A message's content is text or a list of parts, told apart by its JSON type, so that a
+# refusal names the field inside the part, not the union's other branch.
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[Part], Tag("parts")],
+    Discriminator(lambda value: "text" if isinstance(value, str) else
+                  "parts" if isinstance(value, list) else None,
+                  custom_error_type="content_type",
+                  custom_error_message="expected a string or a list of parts")]
 
 
 class Message(_Strict):
@@ -49,7 +57,7 @@ class Message(_Strict):
     and audio, assistant messages are the earlier replies (text)."""
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Part] | None = None
+    content: Content | None = None
 
 
 class StreamOptions(_Strict):

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import trio
 
 from omni.serve._errors import ApiError
-from omni.serve._tenants import cache_salt
+from omni.serve._tenants import cache_salt, tenant_salt
 from omni.serve.openai._chat_models import ChatCompletionRequest, Message
-from omni.serve.openai._declare import ChatMessage, ChatRequest
-from omni.serve.openai._media import MediaPolicy, decode_audio, decode_image
+from omni.serve.openai._declare import AudioPart, ChatMessage, ChatRequest, ImagePart
+from omni.serve.openai._media import MediaPolicy, MediaSource, decode_media
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_SCHEMA_BYTES", "ChatPolicy", "chat_request", "given_sampling",
            "sampling_params"]
@@ -55,11 +57,14 @@ class ChatPolicy:
 
 
 async def chat_request(body: ChatCompletionRequest, media: MediaPolicy, tenant: str = "",
-                       policy: ChatPolicy = ChatPolicy()) -> ChatRequest:
+                       policy: ChatPolicy = ChatPolicy(), *,
+                       hold: AsyncExitStack | None = None) -> ChatRequest:
     """The graph's input for a checked body of `tenant`, its media decoded under `media` (in
-    worker threads), its cache salt the tenant's and the body's, the operator's system prompt
-    first when the conversation has no system message, a JSON reply's whitespace as `policy`
-    says; `ApiError` 400 for values out of range."""
+    worker threads, every item's header checked before any is decoded), its cache salt the
+    tenant's and the body's, the operator's system prompt first when the conversation has
+    no system message, a JSON reply's whitespace as `policy` says; `ApiError` 400 for
+    values out of range, 429 when the media budget in flight has no room. The media's share
+    of that budget is held until `hold` closes (`decode_media`)."""
     audio = "audio" in (body.modalities or ["text"])
     if audio and body.audio is None:
         raise ApiError(400, 'audio: modalities ["text", "audio"] needs audio: {"voice": '
@@ -67,8 +72,8 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy, tenant: 
     if audio and (body.n or 1) > 1:
         raise ApiError(400, "n: a spoken reply has one choice; send n=1 or no audio",
                        param="n")
-    messages = tuple([await _message(m, f"messages.{i}", media)
-                      for i, m in enumerate(body.messages)])
+    decoded = iter(await decode_media(_media_sources(body.messages), media, hold))
+    messages = tuple(_message(m, decoded) for m in body.messages)
     if policy.system_prompt and not any(m.role == "system" for m in messages):
         messages = (ChatMessage("system", (policy.system_prompt,)), *messages)
     given = given_sampling(body)
@@ -77,7 +82,8 @@ async def chat_request(body: ChatCompletionRequest, media: MediaPolicy, tenant: 
     stages = {name: _stage_sampling(name, fields) for name, fields in (body.stages or {}).items()}
     return ChatRequest(body.model, messages, sampling_params(given), audio,
                        cache_salt(tenant, body.cache_salt or ""), given,
-                       voice=_voice(body) if audio else None, stages=stages)
+                       voice=_voice(body) if audio else None, stages=stages,
+                       tenant=tenant_salt(tenant))
 
 
 def _voice(body: ChatCompletionRequest) -> str | None:
@@ -169,24 +175,33 @@ async def _compact_json(schema: str) -> str:
                        param="response_format") from None
 
 
-async def _message(message: Message, where: str, media: MediaPolicy) -> ChatMessage:
+def _media_sources(messages: list[Message]) -> list[MediaSource]:
+    """Every image and clip of the conversation, in order, as the request holds them;
+    `ApiError` 400 for a message without content, and for media outside a user message."""
+    sources = []
+    for i, message in enumerate(messages):
+        where = f"messages.{i}.content"
+        if message.content is None:
+            raise ApiError(400, f"{where}: required", param=where)
+        if isinstance(message.content, str):
+            continue
+        for j, part in enumerate(message.content):
+            at = f"{where}.{j}"
+            if part.type != "text" and message.role != "user":
+                raise ApiError(400, f"{at}: only user messages may hold {part.type} parts",
+                               param=at)
+            if part.type == "image_url":
+                sources.append(MediaSource(f"{at}.image_url.url", "image", part.image_url.url))
+            elif part.type == "input_audio":
+                sources.append(MediaSource(f"{at}.input_audio", "audio",
+                                           part.input_audio.data, part.input_audio.format))
+    return sources
+
+
+def _message(message: Message, media: Iterator[ImagePart | AudioPart]) -> ChatMessage:
+    """A checked message (`_media_sources`), its media parts taken in order from `media`."""
     role = "system" if message.role == "developer" else message.role
-    content = message.content
-    if content is None:
-        raise ApiError(400, f"{where}.content: required", param=f"{where}.content")
-    if isinstance(content, str):
-        return ChatMessage(role, (content,))
-    parts: list[Any] = []
-    for j, part in enumerate(content):
-        at = f"{where}.content.{j}"
-        if part.type == "text":
-            parts.append(part.text)
-        elif role != "user":
-            raise ApiError(400, f"{at}: only user messages may hold {part.type} parts",
-                           param=at)
-        elif part.type == "image_url":
-            parts.append(await decode_image(part.image_url.url, f"{at}.image_url.url", media))
-        else:
-            parts.append(await decode_audio(part.input_audio.data, part.input_audio.format,
-                                            f"{at}.input_audio", media))
-    return ChatMessage(role, tuple(parts))
+    if isinstance(message.content, str):
+        return ChatMessage(role, (message.content,))
+    return ChatMessage(role, tuple(part.text if part.type == "text" else next(media)
+                                   for part in message.content))

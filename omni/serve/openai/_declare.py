@@ -69,17 +69,24 @@ def _mark(graph: Any, endpoint: str, inputs: tuple[str, ...]) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class ImagePart:
-    """An image of a message: RGB pixels, ``uint8 [H, W, 3]`` (a numpy array)."""
+    """An image of a message: RGB pixels, ``uint8 [H, W, 3]`` (a numpy array), and
+    `segment`, the prompt segment of those pixels (an `omni.compute.Image`) that the server
+    built, content digest included, in its decode thread: a graph that puts it in a prompt
+    makes no pass over the pixels on the event loop (None in a part made by hand)."""
 
     pixels: Any
+    segment: Any = None
 
 
 @dataclass(frozen=True, eq=False)
 class AudioPart:
-    """An audio clip of a message: mono float32 samples in [-1, 1] and their rate."""
+    """An audio clip of a message: mono float32 samples in [-1, 1], their rate, and
+    `segment`, the prompt segment of those samples (an `omni.compute.Audio`) built, as an
+    `ImagePart`'s, off the event loop (None in a part made by hand)."""
 
     samples: Any
     sample_rate: int
+    segment: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,6 +116,9 @@ class ChatRequest:
     voice: str | None = None  # the spoken reply's voice (audio.voice)
     # later stages' sampling fields, by stage ("talker"), as the client set them
     stages: Any = None
+    # the tenant's own salt (`omni.CacheSalt(per="tenant")`'s value), the same whatever the
+    # request's cache_salt: what a graph keys per-tenant state by (a quota per tenant)
+    tenant: str = ""
 
     def params_over(self, defaults: Any) -> Any:
         """The request's sampling laid over `defaults` (a model's `SamplingParams`, e.g. its

@@ -3,6 +3,8 @@
 `size` is ``"WxH"`` (each a multiple of 16; the graph's default without it), `n` images are
 made with the seeds ``seed``, ``seed + 1``... (`seed`, an Omni extension as in vLLM-Omni,
 defaults to the graph's), and `response_format` is ``b64_json`` (no URLs: nothing is stored).
+A graph input marked `omni.CacheSalt` gets the request's salt (its tenant's, and its own
+``cache_salt`` as on chat completions): tenants share no prompt KV.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from omni.serve._errors import ApiError
 from omni.serve._requests import json_body, until_disconnected
+from omni.serve._tenants import MAX_CACHE_SALT_CHARS, tenant_of, with_cache_salts
 from omni.serve.openai._body import validated
 
 __all__ = ["MAX_IMAGES", "ImageRequest", "images_route"]
@@ -40,6 +43,7 @@ class ImageRequest(BaseModel):
     seed: int | None = None
     response_format: Literal["b64_json", "url"] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
 
 
 def images_route(runtime: Any, find: Callable[[str | None], Any]
@@ -53,7 +57,8 @@ def images_route(runtime: Any, find: Callable[[str | None], Any]
             raise ApiError(400, "response_format: 'url' is not served (this server keeps no "
                                 "images); use 'b64_json'", param="response_format")
         graph = find(body.model)
-        inputs = _inputs(graph, body)
+        inputs = with_cache_salts(graph, _inputs(graph, body), tenant_of(request),
+                                  body.cache_salt or "")
         images = await until_disconnected(request, lambda: _generate(runtime, graph, inputs,
                                                                      body.n))
         if images is None:

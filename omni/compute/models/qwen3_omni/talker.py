@@ -51,12 +51,14 @@ class ThinkerContext:
     in another process than the thinker): the prompt's ids, where its media are, and per
     position the thinker's input embedding (text) or its hidden state after layer
     `accept_hidden_layer` (media) [T, E]; and the thinker's input embeddings of
-    `<tts_text_bos>`, `<tts_text_eod>` and `<tts_pad>` [3, E]."""
+    `<tts_text_bos>`, `<tts_text_eod>` and `<tts_pad>` [3, E]; and the request's cache
+    salt, which the talker's page keys carry as the thinker's do."""
 
     token_ids: tuple[int, ...]
     media: tuple[MediaLayout, ...]
     inputs: Tensor
     specials: Tensor
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

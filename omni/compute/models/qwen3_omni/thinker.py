@@ -3,7 +3,8 @@ and encoders, and the multimodal rotary positions of a prompt.
 
 The thinker's text decoder is a `DecoderLM` (Qwen3-MoE with M-RoPE, `config.mrope_section`);
 what surrounds it here is transformers' own code, run as it is: the image processor and the
-feature extractor of `preprocessor_config.json` (built one by one: transformers builds the
+feature extractor of `preprocessor_config.json`, or of `processor_config.json` where
+transformers 5 saves them nested (built one by one: transformers builds the
 whole `Qwen3OmniMoeProcessor` only with torchvision installed, for its video processor, which
 images and audio do not need), the vision tower (`thinker.visual.*`, with its deepstack
 features) and the audio encoder (`thinker.audio_tower.*`). Positions follow transformers'
@@ -16,8 +17,7 @@ Video is not served (a `Video` segment does not exist yet); neither is audio ins
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,6 @@ from omni.compute.prompt import Audio, Image, PromptTokens
 __all__ = ["MediaLayout", "Qwen3OmniMedia", "mrope_positions"]
 
 SAMPLE_RATE = 16_000  # the feature extractor's (Whisper's) rate
-ENCODED_KEPT = 16  # media encodings kept (by content digest)
 
 
 class Qwen3OmniMedia:
@@ -41,7 +40,8 @@ class Qwen3OmniMedia:
     `dtype` (see the module docstring).
 
     Raises:
-        FileNotFoundError: no preprocessor_config.json.
+        FileNotFoundError: neither preprocessor_config.json nor a processor_config.json that
+            holds the image processor and the feature extractor.
         ValueError: weights of the towers missing or misshapen.
     """
 
@@ -54,9 +54,7 @@ class Qwen3OmniMedia:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
         root = Path(root)
-        if not (root / "preprocessor_config.json").is_file():
-            raise FileNotFoundError(f"no preprocessor_config.json in {root}: a Qwen3-Omni "
-                                    "checkpoint needs its image processor and feature extractor")
+        _check_processor_files(root)
         whole = load_config(root)
         config = self.config = whole.thinker_config
         # what the talker reads of the thinker (`omni.compute.talker.thinker_context`): the
@@ -74,8 +72,6 @@ class Qwen3OmniMedia:
         self.audio_tower = load_module(hf.Qwen3OmniMoeAudioEncoder, config.audio_config, root,
                                        "thinker.audio_tower.", dtype, self.device)
         self._output_lengths = hf._get_feat_extract_output_lengths
-        self._encoded: OrderedDict[tuple[str, bytes], Encoded] = OrderedDict()
-        self._lock = threading.Lock()  # encode runs in worker threads
 
     # -- how a segment is laid out ----------------------------------------------------------
 
@@ -105,21 +101,10 @@ class Qwen3OmniMedia:
 
     @torch.inference_mode()
     def encode(self, segment: Image | Audio) -> Encoded:
-        """A segment's embeddings (and an image's deepstack features) from the towers; the
-        last `ENCODED_KEPT` items' are kept by content digest (an image or clip sent again,
-        or a prompt computed again, is not encoded again)."""
-        key = (type(segment).__name__, segment.digest)
-        with self._lock:
-            if key in self._encoded:
-                self._encoded.move_to_end(key)
-                return self._encoded[key]
-        encoded = (self._encode_image(segment) if isinstance(segment, Image)
-                   else self._encode_audio(segment))
-        with self._lock:
-            self._encoded[key] = encoded
-            while len(self._encoded) > ENCODED_KEPT:
-                self._encoded.popitem(last=False)
-        return encoded
+        """A segment's embeddings (and an image's deepstack features) from the towers,
+        computed each time: the runner keeps them, per cache salt (`ModelRunner.encode`)."""
+        return (self._encode_image(segment) if isinstance(segment, Image)
+                else self._encode_audio(segment))
 
     def _encode_image(self, image: Image) -> Encoded:
         inputs = self.image_processor(images=[np.asarray(image.pixels)], return_tensors="pt")
@@ -160,6 +145,26 @@ class MediaLayout:
     start: int
     length: int
     grid: tuple[int, int, int] | None = None
+
+
+def _check_processor_files(root: Path) -> None:
+    """Refuse a folder without the processor parts' configs: `preprocessor_config.json` (as
+    Qwen's checkpoints ship it) or `processor_config.json` holding ``image_processor`` and
+    ``feature_extractor`` (as transformers 5 saves a processor); transformers reads either."""
+    if (root / "preprocessor_config.json").is_file():
+        return
+    nested = root / "processor_config.json"
+    try:
+        parts = json.loads(nested.read_text()) if nested.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"cannot read {nested}: {exc}") from None
+    missing = [p for p in ("image_processor", "feature_extractor")
+               if not isinstance(parts.get(p), dict)]
+    if missing:
+        raise FileNotFoundError(
+            f"no preprocessor_config.json in {root}, and no processor_config.json holding "
+            f"the {' and the '.join(m.replace('_', ' ') for m in missing)}: a Qwen3-Omni "
+            "checkpoint needs its image processor and feature extractor")
 
 
 def mrope_positions(length: int, media: Sequence[MediaLayout], merge: int,
