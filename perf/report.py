@@ -537,11 +537,17 @@ KNOWN: tuple[Known, ...] = (
           "—"),
     Known("serve", "hostile",
           lambda k: (f"`omni serve`: GET /health while {k.c['hostile_requests']} hostile chat "
-                     "requests at once (decompression-bomb PNGs, 30 MB messages) are refused"),
-          lambda k: f"p99 ≤ {k.c['target']:g} ms, every one refused",
+                     "requests at once (decompression-bomb PNGs, 30 MB messages"
+                     + (", twenty 4,096 x 4,096 PNGs" if "rss_target_mib" in k.c else "")
+                     + ") are refused"),
+          lambda k: (f"p99 ≤ {k.c['target']:g} ms, every one refused"
+                     + (f", peak RSS +≤ {k.c['rss_target_mib']:g} MiB"
+                        if "rss_target_mib" in k.c else "")),
           lambda k: (f"p99 {fig(k.c['measured']['p99'])} ms (max "
                      f"{fig(k.c['measured']['max'])} ms, {k.c['measured']['polls']} polls); "
-                     f"{k.c['refused']} of {k.c['hostile_requests']} refused (400)"),
+                     f"{k.c['refused']} of {k.c['hostile_requests']} refused (400)"
+                     + (f"; peak RSS +{fig(k.c['peak_rss_growth_mib'])} MiB"
+                        if "peak_rss_growth_mib" in k.c else "")),
           lambda k: (f"/health alone: p99 {fig(k.c['baseline']['p99'])} ms "
                      f"({k.c['baseline']['polls']} polls)")),
     Known("serve", "turns",
@@ -564,6 +570,14 @@ KNOWN: tuple[Known, ...] = (
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} requests/s)",
           lambda k: (f"the same app and server answering a constant: "
                      f"{fig(med(k.c['baseline']))} requests/s")),
+    Known("tenants", "claim",
+          lambda k: (f"`omni serve`, two tenants: time to first token of tenant B with the "
+                     f"{k.d['params']['images']} images and clip tenant A had just sent, "
+                     f"{len(k.c['paired_ratios'])} paired rounds"),
+          lambda k: f"{k.c['low']:g}–{k.c['target']:g}× B's with fresh ones",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} s)",
+          lambda k: (f"fresh images: {fig(med(k.c['baseline']))} s; A sending its own "
+                     f"again: {x(k.c['own_ratio'])}")),
     Known("stop_window", "claims[*]",
           lambda k: (f"a decode step's stop check ({k.c['tokenizer']} tokenizer) at "
                      f"{k.c['cases'][-1]['length']:,} output tokens: SGLang's tail window"),

@@ -16,12 +16,15 @@ the two differ only by what Omni adds per request (the scheduler, the request's 
 node call). One client process (httpx on trio, `concurrency` connections, each sending
 requests back to back) loads each server for `seconds`, the two alternating round by round.
 
-Hostile requests (on the chat server, after the chats): `hostile_requests` at once, half a
-PNG of a few KB holding 12,000 x 12,000 pixels, half a 30 MB message, while a client polls
-``GET /health`` back to back; the same polling with no hostile request first, as the
-baseline. Every hostile request must be refused (400), and /health's p99 latency stay within
-`HEALTH_P99_TARGET_MS` (an absolute target: a load balancer's health check must not time
-out while the server refuses abuse).
+Hostile requests (on the chat server, after the chats): `hostile_requests` at once, a third
+each a PNG of a few KB holding 12,000 x 12,000 pixels, a 30 MB message, and twenty
+4,096 x 4,096 PNGs of 2.8 KB each (each under the per-image cap, a gigabyte decoded
+together), while a client polls ``GET /health`` back to back; the same polling with no
+hostile request first, as the baseline. Every hostile request must be refused (400),
+/health's p99 latency stay within `HEALTH_P99_TARGET_MS` (an absolute target: a load
+balancer's health check must not time out while the server refuses abuse), and the server's
+peak resident memory grow by at most `HOSTILE_RSS_TARGET_MIB` over the attack (its peak is
+reset just before: ``/proc/PID/clear_refs``).
 
 Multi-turn chats (`turns`): ``omni serve`` against ``transformers serve
 --continuous-batching`` on the same ~25 M instruct checkpoint, 6-turn conversations at 1 and
@@ -31,9 +34,9 @@ records Omni's figures only and does not pass.
 
 Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
 rounds of the paired ratio), with 0 errors; /health's p99 under hostile requests <= 100 ms
-with every one refused; multi-turn output tokens/s at 8 sessions >= 1.3 x transformers
-serve's. Both servers and the client share this machine's cores, which bounds
-the absolute figures, not the ratio.
+with every one refused and the server's peak RSS up by <= 100 MiB; multi-turn output
+tokens/s at 8 sessions >= 1.3 x transformers serve's. Both servers and the client share this
+machine's cores, which bounds the absolute figures, not the ratio.
 
 Usage: ``python perf/serve.py [--quick] [--out PATH.json] [--plot PATH.png] [--repeats N]``
 """
@@ -75,6 +78,7 @@ __all__ = ["Params", "main", "measure"]
 
 TARGET = 0.7  # omni requests/s / the constant server's, at least
 HEALTH_P99_TARGET_MS = 100.0  # /health's p99 while hostile requests are refused, at most
+HOSTILE_RSS_TARGET_MIB = 100.0  # the server's peak resident memory growth over them, at most
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = Path(__file__).with_name("_serve_graphs.py")
 DIALOGUE = ROOT / "examples" / "omni_dialogue.py"
@@ -93,7 +97,7 @@ class Params:
     concurrency: int = 16
     chats: int = 64  # streaming chat completions at once
     reply_tokens: int = 32
-    hostile_requests: int = 8  # half decompression bombs, half 30 MB messages, at once
+    hostile_requests: int = 9  # bombs, 30 MB messages and 20-image requests, at once
     health_polls: int = 100  # of the baseline (no hostile request)
     sessions: tuple[int, ...] = (1, 8)  # multi-turn conversations at once
     turns: int = 6
@@ -105,7 +109,7 @@ class Params:
     def small(cls, seed: int = 0) -> Params:
         """Sizes for a smoke run (a few seconds)."""
         return cls(seed=seed, repeats=1, seconds=0.5, concurrency=4, chats=4, reply_tokens=4,
-                   hostile_requests=2, health_polls=20, sessions=(1, 2), turns=2,
+                   hostile_requests=3, health_polls=20, sessions=(1, 2), turns=2,
                    turn_tokens=4, turn_repeats=1, quick=True)
 
 
@@ -192,27 +196,44 @@ async def chat_load(url: str, model: str, params: Params) -> dict[str, Any]:
 
 
 def hostile_bodies() -> list[bytes]:
-    """A chat request with a decompression bomb (a PNG of a few KB, 12,000 x 12,000 pixels)
-    and one with a 30 MB message, as JSON bodies."""
+    """Chat requests as JSON bodies: a decompression bomb (a PNG of a few KB, 12,000 x 12,000
+    pixels), a 30 MB message, and twenty 4,096 x 4,096 one-bit PNGs (2.8 KB each, each under
+    the per-image pixel cap)."""
     import base64
     import io
     import json
 
     from PIL import Image
 
-    png = io.BytesIO()
-    Image.new("1", (12_000, 12_000)).save(png, "PNG")
-    bomb = [{"type": "image_url", "image_url": {
-        "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}]
+    def png_url(size: int) -> dict[str, Any]:
+        png = io.BytesIO()
+        Image.new("1", (size, size)).save(png, "PNG")
+        return {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()}}
+
+    bomb = [png_url(12_000)]
     huge = "tell me more " * (30 * 2**20 // 13)
+    many = [png_url(4096)] * 20
     return [json.dumps({"model": CHAT_MODEL, "max_tokens": 1,
                         "messages": [{"role": "user", "content": content}]}).encode()
-            for content in (bomb, huge)]
+            for content in (bomb, huge, many)]
 
 
-async def hostile_health(url: str, params: Params) -> dict[str, Any]:
+def peak_rss_mib(pid: int, *, reset: bool = False) -> float:
+    """The process's peak resident memory (VmHWM) in MiB; `reset` first makes it the
+    current resident memory (``clear_refs`` 5)."""
+    if reset:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+async def hostile_health(url: str, pid: int, params: Params) -> dict[str, Any]:
     """/health's latency polled back to back: alone (`health_polls` times), then while
-    `hostile_requests` hostile requests are refused; the claim."""
+    `hostile_requests` hostile requests are refused, and the growth of the peak resident
+    memory of the server (process `pid`) over them; the claim."""
     bodies = hostile_bodies()
     statuses: list[int] = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -234,12 +255,14 @@ async def hostile_health(url: str, params: Params) -> dict[str, Any]:
         await poll(alone, None)
         under: list[float] = []
         done = trio.Event()
+        before = peak_rss_mib(pid, reset=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll, under, done)
             async with trio.open_nursery() as attackers:
                 for i in range(params.hostile_requests):
-                    attackers.start_soon(attack, bodies[i % 2])
+                    attackers.start_soon(attack, bodies[i % len(bodies)])
             done.set()
+        growth = round(peak_rss_mib(pid) - before, 1)
     p99 = _percentile_ms(under, 99) or 0.0
     refused = statuses.count(400)
     return {"unit": "ms", "target": HEALTH_P99_TARGET_MS,
@@ -248,10 +271,13 @@ async def hostile_health(url: str, params: Params) -> dict[str, Any]:
             "baseline": {"p50": _percentile_ms(alone, 50), "p99": _percentile_ms(alone, 99),
                          "max": round(max(alone) * 1e3, 1), "polls": len(alone)},
             "refused": refused, "hostile_requests": len(statuses),
-            "pass": p99 <= HEALTH_P99_TARGET_MS and refused == len(statuses),
+            "peak_rss_growth_mib": growth, "rss_target_mib": HOSTILE_RSS_TARGET_MIB,
+            "pass": (p99 <= HEALTH_P99_TARGET_MS and refused == len(statuses)
+                     and growth <= HOSTILE_RSS_TARGET_MIB),
             "note": (f"GET /health polled back to back while {len(statuses)} hostile chat "
-                     "requests (half a PNG of 12,000 x 12,000 pixels, half a 30 MB message) "
-                     "were refused; baseline: the same polling with none")}
+                     "requests (a third each a PNG of 12,000 x 12,000 pixels, a 30 MB "
+                     "message, twenty 4,096 x 4,096 PNGs) were refused; baseline: the same "
+                     "polling with none; the server's peak RSS growth over the attack")}
 
 
 def _percentile_ms(values: list[float], q: float) -> float | None:
@@ -270,7 +296,7 @@ def measure_chat(params: Params, folder: Path) -> tuple[dict[str, Any], dict[str
         warm = dataclasses.replace(params, chats=1)
         asyncio.run(chat_load(url, model, warm))
         result = asyncio.run(chat_load(url, model, params))
-        hostile = trio.run(hostile_health, url, params)
+        hostile = trio.run(hostile_health, url, process.pid, params)
     finally:
         result_code = _stop(process)
     return {**result, "model": model, "exit_code": result_code,

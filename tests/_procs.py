@@ -38,6 +38,7 @@ class CliProcess:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
         self.pid = self.popen.pid
+        self.terminated = False  # a SIGTERM was sent
         self._lines: queue.Queue[str | None] = queue.Queue()  # stdout; None once it ends
         self.out: list[str] = []
         self.err: list[str] = []
@@ -86,6 +87,7 @@ class CliProcess:
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(sig)
+            self.terminated |= sig == signal.SIGTERM
 
     def wait(self, timeout: float = 60.0) -> int:
         """The exit status, once the process has exited and `out` and `err` hold every line."""
@@ -95,8 +97,10 @@ class CliProcess:
         return status
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
-        self.signal(signal.SIGTERM)
+        """SIGTERM (unless it was sent already: a second one ends an Omni command at once,
+        cutting its cleanup short), then SIGKILL if it has not exited within 10 s."""
+        if not self.terminated:
+            self.signal(signal.SIGTERM)
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:

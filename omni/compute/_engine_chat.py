@@ -7,9 +7,12 @@ here leaves engine.py to the batching loop.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import trio
 
 from omni.compute.generation_config import (
     GenerationDefaults,
@@ -132,13 +135,19 @@ class ChatMixin:
                    *, add_generation_prompt: bool = True,
                    **template_kwargs: Any) -> GenerateResult:
         """Answer a conversation (``[{"role": "user", "content": "Hi"}, ...]``): `generate` on
-        its `chat_prompt`. `template_kwargs` reach the template (tools, documents, its own
-        variables). Raises ValueError as `chat_prompt` does."""
-        return await self.generate(self.chat_prompt(
-            messages, add_generation_prompt=add_generation_prompt, **template_kwargs), params)
+        its `chat_prompt`, rendered in a worker thread (a template over a long conversation,
+        the media parts' content digests: passes over every byte, kept off the event loop).
+        `template_kwargs` reach the template (tools, documents, its own variables). Raises
+        ValueError as `chat_prompt` does."""
+        prompt = await trio.to_thread.run_sync(functools.partial(
+            self.chat_prompt, messages, add_generation_prompt=add_generation_prompt,
+            **template_kwargs))
+        return await self.generate(prompt, params)
 
     def chat_stream(self, messages: list[dict[str, Any]], params: SamplingParams | None = None,
                     *, add_generation_prompt: bool = True, **template_kwargs: Any) -> TokenStream:
-        """`chat` as a `TokenStream` of token ids (see `stream`)."""
+        """`chat` as a `TokenStream` of token ids (see `stream`); the conversation is rendered
+        here, in the caller's thread (render it with `chat_prompt` in a worker thread first
+        where the caller is an event loop and the media are large)."""
         return self.stream(self.chat_prompt(
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs), params)

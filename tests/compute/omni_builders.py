@@ -60,10 +60,11 @@ def tokenizer_json() -> str:
     return train_bpe(CORPUS, SPECIALS, 400)
 
 
-def save_processor(directory: Path) -> PreTrainedTokenizerFast:
-    """Tokenizer, chat template, image processor and feature extractor, saved as
-    transformers' Qwen3OmniMoeProcessor saves them (built from its parts: transformers builds
-    the processor itself only with torchvision, for its video processor)."""
+def save_processor(directory: Path, max_pixels: int = 64 * 64) -> PreTrainedTokenizerFast:
+    """Tokenizer, chat template, image processor (images resized to at most `max_pixels`)
+    and feature extractor, saved as transformers' Qwen3OmniMoeProcessor saves them (built
+    from its parts: transformers builds the processor itself only with torchvision, for its
+    video processor)."""
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
     tokenizer = PreTrainedTokenizerFast(
@@ -83,7 +84,7 @@ def save_processor(directory: Path) -> PreTrainedTokenizerFast:
     # 2x2 (a 64x64 image is 8x8 patches, 16 thinker positions); 16 mel bins
     merged: dict[str, Any] = {"processor_class": "Qwen3OmniMoeProcessor"}
     for part in (Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
-                                          min_pixels=32 * 32, max_pixels=64 * 64),
+                                          min_pixels=32 * 32, max_pixels=max_pixels),
                  WhisperFeatureExtractor(feature_size=16, sampling_rate=16_000)):
         with tempfile.TemporaryDirectory() as tmp:
             part.save_pretrained(tmp)
@@ -92,9 +93,10 @@ def save_processor(directory: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def omni_config(vocab_size: int, hidden: int = 32, layers: int = 2) -> Any:
-    """The tiny config (`hidden` and `layers` of the thinker's and the talker's decoders:
-    larger for a benchmark)."""
+def omni_config(vocab_size: int, hidden: int = 32, layers: int = 2,
+                vision: dict[str, Any] | None = None) -> Any:
+    """The tiny config (`hidden` and `layers` of the thinker's and the talker's decoders,
+    `vision` fields over the vision tower's: larger for a benchmark)."""
     from transformers import Qwen3OmniMoeConfig
 
     heads, head_dim = 4, hidden // 4
@@ -112,7 +114,8 @@ def omni_config(vocab_size: int, hidden: int = 32, layers: int = 2) -> Any:
         "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                           "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2,
                           "out_hidden_size": hidden, "num_position_embeddings": 64,
-                          "deepstack_visual_indexes": [0, 1], "initializer_range": 0.1},
+                          "deepstack_visual_indexes": [0, 1], "initializer_range": 0.1,
+                          **(vision or {})},
         "audio_config": {"num_mel_bins": 16, "encoder_layers": 2, "encoder_attention_heads": 4,
                          "encoder_ffn_dim": 64, "d_model": 32, "output_dim": hidden,
                          "n_window": 50, "n_window_infer": 800, "conv_chunksize": 500,
@@ -153,12 +156,14 @@ def omni_config(vocab_size: int, hidden: int = 32, layers: int = 2) -> Any:
 
 
 def save_omni_checkpoint(directory: Path, seed: int = 0, hidden: int = 32,
-                         layers: int = 2) -> Path:
-    """A tiny random Qwen3-Omni (about 0.5 M parameters) and its processor in `directory`."""
+                         layers: int = 2, *, vision: dict[str, Any] | None = None,
+                         max_pixels: int = 64 * 64) -> Path:
+    """A tiny random Qwen3-Omni (about 0.5 M parameters) and its processor in `directory`;
+    `vision` and `max_pixels` make its vision tower and the images it takes larger."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    tokenizer = save_processor(directory)
-    config = omni_config(len(tokenizer), hidden, layers)
+    tokenizer = save_processor(directory, max_pixels)
+    config = omni_config(len(tokenizer), hidden, layers, vision)
     roles = {f"{role}_token_id": tokenizer.convert_tokens_to_ids(role)
              for role in ("system", "user", "assistant")}
     for key, value in roles.items():

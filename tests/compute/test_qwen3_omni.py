@@ -117,6 +117,27 @@ async def test_a_different_image_shares_no_page_from_it_on(checkpoint: Path) -> 
     assert result.cached_tokens <= image_start
 
 
+async def test_a_chat_renders_its_conversation_and_digests_its_media_off_the_event_loop(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`chat` passes over every byte of a conversation's media (the content digests) and
+    renders its template in a worker thread: the event loop keeps answering meanwhile."""
+    import threading
+
+    from omni.compute import prompt
+    from omni.kv.keys import media_digest
+
+    engine = TorchEngine.from_pretrained(checkpoint)
+    threads = []
+
+    def noting(data: Any) -> bytes:
+        threads.append(threading.current_thread())
+        return media_digest(data)
+
+    monkeypatch.setattr(prompt, "media_digest", noting)
+    await engine.chat([user(*CASES["image+audio"])], GREEDY)
+    assert len(threads) == 2 and threading.main_thread() not in threads
+
+
 def test_mrope_equals_transformers_rotary(checkpoint: Path) -> None:
     """cos / sin at [3, B, T] positions equal the thinker's own rotary embedding."""
     from transformers import Qwen3OmniMoeConfig

@@ -3,6 +3,7 @@
 processes (servers, a head and its workers): they start them, and are marked proc."""
 
 import importlib.util
+import statistics
 
 import pytest
 
@@ -153,6 +154,7 @@ def test_serve_benchmark_quick_mode_loads_both_servers_without_errors(
     assert hostile["refused"] == hostile["hostile_requests"] == report["params"][
         "hostile_requests"]
     assert hostile["measured"]["polls"] > 0 and hostile["baseline"]["polls"] > 0
+    assert hostile["peak_rss_growth_mib"] <= hostile["rss_target_mib"]  # 20 images refused
     # multi-turn chats: both servers (transformers serve where its extra is installed)
     turns = report["turns"]
     assert [c["sessions"] for c in turns["cases"]] == list(report["params"]["sessions"])
@@ -185,3 +187,16 @@ def test_omni_model_benchmark_quick_mode_compares_with_transformers(tmp_path, mo
     assert report["decode"]["target"] == 1.0 and report["first_audio"]["target"] == 2.0
     assert report["claim"]["paired_runs"] == 1 and report["claim"]["all_pass"] is False
     assert not any(report[k]["pass"] for k in ("first_audio", "turn_ttft", "decode"))
+
+
+@pytest.mark.proc  # a server process, two tenants' clients
+def test_tenants_benchmark_quick_mode_pairs_each_round(tmp_path, monkeypatch, capsys):
+    """perf/tenants.py --quick: every round times tenant B on A's items and on fresh ones,
+    and A on its own again; the claim's ratio is the median of the paired ratios."""
+    report = run_quick("tenants.py", tmp_path, monkeypatch, capsys, plot=True)
+    claim = report["claim"]
+    rounds = report["params"]["repeats"]
+    assert len(claim["paired_ratios"]) == len(claim["measured"]["runs"]) == rounds
+    assert len(claim["baseline"]["runs"]) == len(claim["own_items"]["runs"]) == rounds
+    assert claim["ratio"] == pytest.approx(statistics.median(claim["paired_ratios"]), abs=1e-3)
+    assert claim["pass"] == (claim["low"] <= claim["ratio"] <= claim["target"])
