@@ -546,8 +546,9 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"p99 {fig(k.c['measured']['p99'])} ms (max "
                      f"{fig(k.c['measured']['max'])} ms, {k.c['measured']['polls']} polls); "
                      f"{k.c['refused']} of {k.c['hostile_requests']} refused (400)"
-                     + (f"; peak RSS +{fig(k.c['peak_rss_growth_mib'])} MiB"
-                        if "peak_rss_growth_mib" in k.c else "")),
+                     + (f"; peak RSS +{fig(k.c['peak_rss_growth_mib'])} MiB while "
+                        f"{k.c['hostile_requests'] // 3} twenty-PNG requests alone were "
+                        "refused" if "peak_rss_growth_mib" in k.c else "")),
           lambda k: (f"/health alone: p99 {fig(k.c['baseline']['p99'])} ms "
                      f"({k.c['baseline']['polls']} polls)")),
     Known("serve", "turns",

@@ -20,11 +20,13 @@ Hostile requests (on the chat server, after the chats): `hostile_requests` at on
 each a PNG of a few KB holding 12,000 x 12,000 pixels, a 30 MB message, and twenty
 4,096 x 4,096 PNGs of 2.8 KB each (each under the per-image cap, a gigabyte decoded
 together), while a client polls ``GET /health`` back to back; the same polling with no
-hostile request first, as the baseline. Every hostile request must be refused (400),
+hostile request first, as the baseline. Every hostile request must be refused (400), and
 /health's p99 latency stay within `HEALTH_P99_TARGET_MS` (an absolute target: a load
-balancer's health check must not time out while the server refuses abuse), and the server's
-peak resident memory grow by at most `HOSTILE_RSS_TARGET_MIB` over the attack (its peak is
-reset just before: ``/proc/PID/clear_refs``).
+balancer's health check must not time out while the server refuses abuse). Before that, the
+twenty-PNG requests alone (a third of `hostile_requests`, at once): the server's peak
+resident memory may grow by at most `HOSTILE_RSS_TARGET_MIB` while they are refused (its
+peak reset just before: ``/proc/PID/clear_refs``; a 30 MB message costs its body's size in
+memory, which `--max-body-mib` and `--max-concurrency` bound, so it is not in that figure).
 
 Multi-turn chats (`turns`): ``omni serve`` against ``transformers serve
 --continuous-batching`` on the same ~25 M instruct checkpoint, 6-turn conversations at 1 and
@@ -34,7 +36,8 @@ records Omni's figures only and does not pass.
 
 Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
 rounds of the paired ratio), with 0 errors; /health's p99 under hostile requests <= 100 ms
-with every one refused and the server's peak RSS up by <= 100 MiB; multi-turn output
+with every one refused, the server's peak RSS up by <= 100 MiB over the twenty-PNG
+requests; multi-turn output
 tokens/s at 8 sessions >= 1.3 x transformers serve's. Both servers and the client share this
 machine's cores, which bounds the absolute figures, not the ratio.
 
@@ -231,9 +234,10 @@ def peak_rss_mib(pid: int, *, reset: bool = False) -> float:
 
 
 async def hostile_health(url: str, pid: int, params: Params) -> dict[str, Any]:
-    """/health's latency polled back to back: alone (`health_polls` times), then while
-    `hostile_requests` hostile requests are refused, and the growth of the peak resident
-    memory of the server (process `pid`) over them; the claim."""
+    """The growth of the peak resident memory of the server (process `pid`) while the
+    twenty-PNG requests alone are refused; then /health's latency polled back to back: alone
+    (`health_polls` times), then while `hostile_requests` hostile requests are refused; the
+    claim."""
     bodies = hostile_bodies()
     statuses: list[int] = []
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -251,33 +255,38 @@ async def hostile_health(url: str, pid: int, params: Params) -> dict[str, Any]:
                                      headers={"content-type": "application/json"})
             statuses.append(answer.status_code)
 
+        before = peak_rss_mib(pid, reset=True)
+        async with trio.open_nursery() as attackers:
+            for _ in range(params.hostile_requests // len(bodies)):
+                attackers.start_soon(attack, bodies[-1])
+        growth = round(peak_rss_mib(pid) - before, 1)
         alone: list[float] = []
         await poll(alone, None)
         under: list[float] = []
         done = trio.Event()
-        before = peak_rss_mib(pid, reset=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poll, under, done)
             async with trio.open_nursery() as attackers:
                 for i in range(params.hostile_requests):
                     attackers.start_soon(attack, bodies[i % len(bodies)])
             done.set()
-        growth = round(peak_rss_mib(pid) - before, 1)
     p99 = _percentile_ms(under, 99) or 0.0
-    refused = statuses.count(400)
+    num_alone = params.hostile_requests // len(bodies)  # the twenty-PNG requests alone
+    refused = statuses.count(400) - num_alone
     return {"unit": "ms", "target": HEALTH_P99_TARGET_MS,
             "measured": {"p50": _percentile_ms(under, 50), "p99": p99,
                          "max": round(max(under) * 1e3, 1), "polls": len(under)},
             "baseline": {"p50": _percentile_ms(alone, 50), "p99": _percentile_ms(alone, 99),
                          "max": round(max(alone) * 1e3, 1), "polls": len(alone)},
-            "refused": refused, "hostile_requests": len(statuses),
+            "refused": refused, "hostile_requests": len(statuses) - num_alone,
             "peak_rss_growth_mib": growth, "rss_target_mib": HOSTILE_RSS_TARGET_MIB,
-            "pass": (p99 <= HEALTH_P99_TARGET_MS and refused == len(statuses)
+            "pass": (p99 <= HEALTH_P99_TARGET_MS and statuses.count(400) == len(statuses)
                      and growth <= HOSTILE_RSS_TARGET_MIB),
             "note": (f"GET /health polled back to back while {len(statuses)} hostile chat "
                      "requests (a third each a PNG of 12,000 x 12,000 pixels, a 30 MB "
                      "message, twenty 4,096 x 4,096 PNGs) were refused; baseline: the same "
-                     "polling with none; the server's peak RSS growth over the attack")}
+                     "polling with none; the server's peak RSS growth while "
+                     f"{num_alone} requests of twenty 4,096 x 4,096 PNGs were refused, before")}
 
 
 def _percentile_ms(values: list[float], q: float) -> float | None:
