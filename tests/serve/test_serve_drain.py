@@ -143,3 +143,44 @@ async def _refused_while_draining(server: Listening, gate: Path) -> None:
             await client.models.retrieve("talk")
     assert caught.value.status_code == 503 and caught.value.code == "server_shutdown"
     assert not (gate.parent / "started-late").exists()  # never reached the graph
+
+
+async def test_a_flood_ignoring_retry_after_cuts_nothing_and_cannot_hold_the_drain_open(
+        gate: Path) -> None:
+    """Clients that send again at once when refused (16, each on new connections, as fast as
+    the server answers) get 503s; the requests in flight finish, and the server ends with
+    its last one."""
+    answers: list[httpx.Response] = []
+    refused: list[int] = []
+    async with listening(GRAPHS, drain_timeout=10 * STOP_CAP_S) as server, \
+            server.http() as pool:
+
+        async def held(i: int) -> None:
+            answers.append(await pool.post("/v1/graphs/waiting",
+                                           json={"inputs": {"text": f"held-{i}"}}))
+
+        async def flood() -> None:
+            while not server.stopped.is_set():
+                try:
+                    async with server.http() as http:
+                        answer = await http.post("/v1/graphs/forever",
+                                                 json={"inputs": {"text": "again"}})
+                    refused.append(answer.status_code)
+                except httpx.TransportError:  # the server left between two requests
+                    await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(held, i)
+            await wait_until(lambda: all((gate.parent / f"started-held-{i}").exists()
+                                         for i in range(4)), "the requests to start")
+            server.stop.set()
+            for _ in range(16):
+                nursery.start_soon(flood)
+            await wait_until(lambda: len(refused) >= 64, "the flood to be refused")
+            gate.touch()
+            with trio.fail_after(STOP_CAP_S):
+                await server.stopped.wait()
+    assert (server.state.num_finished, server.state.num_cut) == (4, 0)
+    assert [a.json() for a in answers] == [{"output": ["before", "after"]}] * 4
+    assert set(refused) == {503}
