@@ -228,6 +228,13 @@ class _Response:
             self.started = True
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True
+            # The server closes a draining connection inside this send, once the response
+            # is whole; a stream's own task group cancels its tasks as its last event goes
+            # (sse_starlette), which would cut that close halfway and leave the connection
+            # open and deaf: a client's next request on it would wait for the drain's end.
+            with anyio.CancelScope(shield=True):
+                await self._send(message)
+            return
         await self._send(message)
 
     async def end_cut(self) -> None:

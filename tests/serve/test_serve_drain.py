@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -184,3 +185,36 @@ async def test_a_flood_ignoring_retry_after_cuts_nothing_and_cannot_hold_the_dra
     assert (server.state.num_finished, server.state.num_cut) == (4, 0)
     assert [a.json() for a in answers] == [{"output": ["before", "after"]}] * 4
     assert set(refused) == {503}
+
+
+async def test_a_stream_ending_during_the_drain_closes_its_connection_at_once(
+        gate: Path) -> None:
+    """A keep-alive connection whose stream began before the drain carries no ``Connection:
+    close``; it is closed as the stream's last event goes, while other requests still hold
+    the drain, so that a client's next request on it fails at once (and goes elsewhere)
+    instead of waiting for the drain's end."""
+    async with listening(GRAPHS, drain_timeout=10 * STOP_CAP_S) as server, \
+            server.http() as other:
+        where = urlsplit(server.url)
+        connection = await trio.open_tcp_stream(where.hostname, where.port)
+        body = json.dumps({"inputs": {"text": "kept"}, "stream": True}).encode()
+        await connection.send_all(
+            b"POST /v1/graphs/waiting HTTP/1.1\r\nHost: omni\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+        async def endless() -> None:  # holds the drain open until the test ends
+            await stream_lines(other, "forever", "holding")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(endless)
+            await wait_until(lambda: all((gate.parent / f"started-{name}").exists()
+                                         for name in ("kept", "holding")), "both to start")
+            server.stop.set()
+            gate.touch()
+            received = b""
+            with trio.fail_after(STOP_CAP_S):
+                while not received.endswith(b"\r\n0\r\n\r\n"):  # the stream's last chunk
+                    received += await connection.receive_some()
+                assert await connection.receive_some() == b""  # closed, not kept deaf
+            assert b"data: [DONE]" in received and not server.stopped.is_set()
+            nursery.cancel_scope.cancel()
