@@ -37,9 +37,9 @@ records Omni's figures only and does not pass.
 Claims: the chats end without an error; omni requests/s >= 0.7 x constant's (median over
 rounds of the paired ratio), with 0 errors; /health's p99 under hostile requests <= 100 ms
 with every one refused, the server's peak RSS up by <= 100 MiB over the twenty-PNG
-requests; multi-turn output
-tokens/s at 8 sessions >= 1.3 x transformers serve's. Both servers and the client share this
-machine's cores, which bounds the absolute figures, not the ratio.
+requests; multi-turn output tokens/s at 8 sessions >= 1.3 x transformers serve's. Both
+servers and the client share this machine's cores, which bounds the absolute figures, not
+the ratio.
 
 Usage: ``python perf/serve.py [--quick] [--out PATH.json] [--plot PATH.png] [--repeats N]``
 """
