@@ -116,6 +116,8 @@ CLIPS = [  # (content, the param named, what the message says)
        f"the clip has {n} samples; at least 201 are needed") for n in (1, 120, 159, 160, 200)],
     (clip(wav_base64(400, cut=1), format="wav"), f"{WHERE}.data", "the clip is cut short"),
     (clip(wav_base64(400)), f"{WHERE}.format", "Field required"),
+    (clip(base64.b64encode(b"RIFF").decode(), format="wav"), f"{WHERE}.data",
+     "is not a PCM WAV file: it ends before its header does"),
 ]
 
 
@@ -140,7 +142,8 @@ async def test_malformed_clips_and_texts_get_a_400_naming_the_field(record) -> N
     assert "truncated" not in surrogate.json()["error"]["message"]
     assert fine.status_code == 200, fine.text  # the shortest clip the encoders take
     record("serve.malformed_media", tries=len(answers) + 2,
-           outcome=f"{len(answers)} clips (1 to 200 samples, cut mid-sample, no format) and "
+           outcome=f"{len(answers)} clips (1 to 200 samples, cut mid-sample, no format, a "
+                   "header cut short) and "
                    "a lone surrogate each refused with a 400 naming the field; a 201-sample "
                    "clip answered")
 

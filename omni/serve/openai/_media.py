@@ -329,7 +329,8 @@ def _wav(raw: bytes, where: str) -> wave.Wave_read:
     try:
         return wave.open(io.BytesIO(raw))
     except (wave.Error, EOFError, ValueError, OverflowError, struct.error) as exc:
-        raise ApiError(400, f"{where} is not a PCM WAV file: {exc}", param=where) from None
+        why = str(exc) or "it ends before its header does"
+        raise ApiError(400, f"{where} is not a PCM WAV file: {why}", param=where) from None
 
 
 def _check_sample_width(width: int, where: str) -> None:
