@@ -4,8 +4,9 @@
 `SamplingParams` speaks SGLang's terms and any `Sampler` turns a forward pass into the next
 input (`TokenSampler` for tokens; a diffusion sampler for latents); `TorchEngine` is the
 reference engine serving a Llama / Qwen2 / Qwen3 decoder from the KV store (and chatting
-through a checkpoint's own chat template: `TorchEngine.chat`). Importing this package imports
-torch.
+through a checkpoint's own chat template: `TorchEngine.chat`). `ZImageText` computes a Z-Image
+folder's text condition on that engine, for diffusers' modules to paint from. Importing this
+package imports torch.
 """
 
 from omni.compute._diffusion_modules import FlowMatchEulerSampler
@@ -14,7 +15,8 @@ from omni.compute.engine import GenerateResult, TokenStream, TorchEngine
 from omni.compute.prompt import Audio, Image, Prompt, Text
 from omni.compute.sampling import Sampler, SamplingParams, TokenSampler
 from omni.compute.tokenizer import ByteTokenizer
+from omni.compute.z_image import ZImageText
 
 __all__ = ["Audio", "ByteTokenizer", "DiffusionResult", "FlowMatchEulerSampler",
            "GenerateResult", "Image", "ImageGenerator", "Prompt", "Sampler", "SamplingParams",
-           "Text", "TokenSampler", "TokenStream", "TorchEngine"]
+           "Text", "TokenSampler", "TokenStream", "TorchEngine", "ZImageText"]

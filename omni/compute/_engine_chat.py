@@ -30,11 +30,13 @@ __all__ = ["ChatMixin", "load_tokenizer_and_defaults"]
 
 
 def load_tokenizer_and_defaults(directory: str | Path, config_eos: tuple[int, ...],
+                                tokenizer_directory: str | Path | None = None,
                                 ) -> tuple[HFTokenizer | None, GenerationDefaults | None]:
-    """A checkpoint's tokenizer (None without tokenizer.json) and generation_config.json (None
-    without one); the tokenizer's EOS ids resolved as `resolve_eos_token_ids` says."""
+    """A checkpoint's tokenizer (None without tokenizer.json; from `tokenizer_directory` when
+    given) and generation_config.json (None without one); the tokenizer's EOS ids resolved
+    as `resolve_eos_token_ids` says."""
     defaults = load_generation_defaults(directory)
-    tokenizer = load_tokenizer(directory)
+    tokenizer = load_tokenizer(tokenizer_directory or directory)
     if tokenizer is not None:
         tokenizer.eos_token_ids = resolve_eos_token_ids(defaults, config_eos,
                                                         tokenizer.eos_token_id)

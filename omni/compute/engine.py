@@ -115,12 +115,15 @@ class TorchEngine(ChatMixin):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, store: StoreOption = "auto",
                         page_size: int = 16, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", **kwargs: Any) -> TorchEngine:
+                        device: str | torch.device = "cpu", tokenizer: str | Path | None = None,
+                        **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
 
         With it come the tokenizer (tokenizer.json, its special tokens and chat template, for
-        `chat`), and generation_config.json: its sampling settings become the default of
-        requests without params (see `omni.compute.generation_config`) and its EOS ids end
+        `chat`; from the folder `tokenizer` when given: a diffusers pipeline keeps its text
+        encoder's in ``tokenizer/`` beside ``text_encoder/``), and generation_config.json:
+        its sampling settings become the default of requests without params (see
+        `omni.compute.generation_config`) and its EOS ids end
         generation (else config.json's, else the tokenizer's `eos_token`). The weights are
         read straight onto `device` ("cuda": the model, its batch KV and its default store
         live on the GPU).
@@ -131,8 +134,9 @@ class TorchEngine(ChatMixin):
                 tokenizer_config.json / generation_config.json, an invalid chat template.
         """
         model, config = load_pretrained(path, dtype=dtype, device=device)
-        tokenizer, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids))
-        engine = cls(model, config, tokenizer=tokenizer, store=store, page_size=page_size,
+        loaded, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids),
+                                                       tokenizer)
+        engine = cls(model, config, tokenizer=loaded, store=store, page_size=page_size,
                      model_id=kwargs.pop("model_id", Path(path).resolve().name),
                      media=load_media(path, dtype, device), **kwargs)
         engine.generation_defaults = defaults

@@ -262,6 +262,19 @@ class DecoderLM(nn.Module):
         Raises:
             ValueError: shapes that do not fit together.
         """
+        x, new_kv = self._run_layers(hidden, positions, past, mask, deepstack, taps,
+                                     self.config.num_layers)
+        out = self.norm(x)
+        if taps is not None and self.config.num_layers in taps:
+            taps[self.config.num_layers] = out
+        return out, new_kv
+
+    def _run_layers(self, hidden: Tensor, positions: Tensor, past: KVList | None,
+                    mask: Tensor | None, deepstack: Tensor | None,
+                    taps: dict[int, Tensor | None] | None, num_layers: int
+                    ) -> tuple[Tensor, KVList]:
+        """The first `num_layers` layers over the new tokens (arguments as `forward`'s): the
+        last one's output, before the final norm, and their new (k, v)."""
         num_past = self._check_inputs(hidden, positions, past, mask)
         cos, sin = self.rotary(positions, hidden.dtype)
         mask = self._attention_mask(mask, hidden.shape[1], num_past, hidden.device)
@@ -269,28 +282,28 @@ class DecoderLM(nn.Module):
         x = hidden
         if taps is not None and 0 in taps:
             taps[0] = x
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x, kv = layer(x, cos, sin, None if past is None else past[i], mask)
             if taps is not None and i + 1 in taps:
                 taps[i + 1] = x  # before deepstack, as transformers records it
             if deepstack is not None and i < len(deepstack):
                 x = x + deepstack[i]
             new_kv.append(kv)
-        out = self.norm(x)
-        if taps is not None and self.config.num_layers in taps:
-            taps[self.config.num_layers] = out
-        return out, new_kv
+        return x, new_kv
 
     def hidden_at(self, layer: int, hidden: Tensor, positions: Tensor,
                   deepstack: Tensor | None = None) -> Tensor:
         """What transformers' ``output_hidden_states[layer]`` holds for a prompt computed
         alone (causal, no past): the input embeddings at 0, what layer ``layer - 1`` outputs
         (before deepstack features are added to it) in between, the final norm's output at
-        `num_layers`. Shapes as `forward`'s."""
+        `num_layers`. Shapes as `forward`'s. Only the layers before it run."""
         if not 0 <= layer <= self.config.num_layers:
             raise ValueError(f"layer must be in 0..{self.config.num_layers}, got {layer}")
         taps: dict[int, Tensor | None] = {layer: None}
-        self.forward(hidden, positions, deepstack=deepstack, taps=taps)
+        if layer == self.config.num_layers:
+            self.forward(hidden, positions, deepstack=deepstack, taps=taps)
+        else:
+            self._run_layers(hidden, positions, None, None, deepstack, taps, layer)
         return taps[layer]  # type: ignore[return-value]
 
     def logits(self, hidden: Tensor) -> Tensor:
