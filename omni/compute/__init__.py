@@ -5,7 +5,8 @@
 input (`TokenSampler` for tokens; a diffusion sampler for latents); `TorchEngine` is the
 reference engine serving a Llama / Qwen2 / Qwen3 decoder from the KV store (and chatting
 through a checkpoint's own chat template: `TorchEngine.chat`). `ZImageText` computes a Z-Image
-folder's text condition on that engine, for diffusers' modules to paint from. Importing this
+folder's text condition on that engine, and `ZImage` paints from it with the folder's own
+diffusers modules. Importing this
 package imports torch.
 """
 
@@ -15,8 +16,9 @@ from omni.compute.engine import GenerateResult, TokenStream, TorchEngine
 from omni.compute.prompt import Audio, Image, Prompt, Text
 from omni.compute.sampling import Sampler, SamplingParams, TokenSampler
 from omni.compute.tokenizer import ByteTokenizer
-from omni.compute.z_image import ZImageText
+from omni.compute.z_image import ZImage, ZImageText
 
 __all__ = ["Audio", "ByteTokenizer", "DiffusionResult", "FlowMatchEulerSampler",
            "GenerateResult", "Image", "ImageGenerator", "Prompt", "Sampler", "SamplingParams",
-           "Text", "TokenSampler", "TokenStream", "TorchEngine", "ZImageText"]
+           "Text", "TokenSampler", "TokenStream", "TorchEngine", "ZImage",
+           "ZImageText"]

@@ -9,22 +9,49 @@ hidden state after the encoder's second-to-last layer (transformers' ``hidden_st
 before any norm); padding is masked out. The negative prompt (``""`` when absent) is encoded
 the same way. Here the encoder is Omni's `TorchEngine`, which runs only the layers that state
 needs, and the prompt is never padded. diffusers' own modules (the DiT, the VAE, the
-scheduler) take the result as ``prompt_embeds`` / ``negative_prompt_embeds``.
+scheduler) take the result as ``prompt_embeds`` / ``negative_prompt_embeds``: `ZImage` is the
+folder's pipeline loaded without its text encoder, fed `ZImageText`'s conditions.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import numbers
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from omni._openmp import run_in_worker
 from omni.compute.engine import TorchEngine
 from omni.compute.prompt import Text
 
-__all__ = ["MAX_SEQUENCE_LENGTH", "ZImageText"]
+__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "ZImage", "ZImageText", "image_family"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
+# model_index.json's _class_name -> the family Omni serves it as
+FAMILIES = {"ZImagePipeline": "z_image"}
+
+
+def image_family(folder: str | Path) -> str:
+    """The image family of a diffusers folder, from its ``model_index.json`` ``_class_name``.
+
+    Raises:
+        ValueError: no readable model_index.json, or a pipeline of a family Omni does not
+            serve (the message names it and the ones served).
+    """
+    index = Path(folder) / "model_index.json"
+    try:
+        name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{folder}: cannot read {index.name} ({exc}); give a diffusers "
+                         "pipeline folder") from None
+    if name not in FAMILIES:
+        raise ValueError(f"{folder}: a {name} (model_index.json's _class_name), which Omni "
+                         f"does not serve; it serves {', '.join(FAMILIES)}")
+    return FAMILIES[name]
 
 
 class ZImageText:
@@ -89,3 +116,83 @@ class ZImageText:
     def __repr__(self) -> str:
         return (f"<ZImageText {self.engine.model_id} layer={self.layer} "
                 f"max_tokens={self.max_sequence_length}>")
+
+
+class ZImage:
+    """A Z-Image folder on Omni: `ZImageText` computes the conditions, the folder's own
+    diffusers pipeline, loaded without its text encoder, paints from them (its DiT, VAE and
+    scheduler, with diffusers' generator semantics: one CPU generator drawn from `seed`, one
+    noise draw for the `n` images).
+
+    Args:
+        text: the text side (`ZImageText`).
+        painter: the folder's ``ZImagePipeline`` without ``text_encoder`` and ``tokenizer``.
+    """
+
+    def __init__(self, text: ZImageText, painter: Any):
+        self.text, self.painter = text, painter
+        self.pixel_step = 2 * int(painter.vae_scale_factor)  # latents are patched 2 x 2
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> ZImage:
+        """The Z-Image folder `folder` (diffusers' layout) on `device` in `dtype`.
+
+        Raises:
+            ValueError: a folder of another family (`image_family`), or as
+                `ZImageText.from_pretrained`.
+        """
+        from diffusers import ZImagePipeline
+
+        image_family(folder)
+        painter = ZImagePipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
+                                                 dtype=dtype).to(device)
+        painter.set_progress_bar_config(disable=True)
+        return cls(ZImageText.from_pretrained(folder, dtype=dtype, device=device), painter)
+
+    def check(self, *, width: Any, height: Any, steps: Any, guidance: Any, seed: Any,
+              n: Any) -> None:
+        """ValueError naming the first setting out of range."""
+        step = self.pixel_step
+        for name, value in (("width", width), ("height", height)):
+            if not _is_int(value) or value < step or value % step:
+                raise ValueError(f"{name} must be a multiple of {step} pixels, got {value!r}")
+        for name, value in (("steps", steps), ("n", n)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if (isinstance(guidance, bool) or not isinstance(guidance, numbers.Real)
+                or not math.isfinite(guidance) or guidance < 0):
+            raise ValueError(f"guidance must be a finite number >= 0, got {guidance!r}")
+        if not _is_int(seed):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+
+    def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
+                 height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
+                 n: int = 1) -> np.ndarray:
+        """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
+        diffusers' pipeline gives for the same arguments (`guidance` is its
+        ``guidance_scale``; the negative prompt is encoded only when it is above 0). Runs in
+        the calling thread (see `agenerate`).
+
+        Raises:
+            ValueError: a setting out of range (`check`), a prompt that is not text.
+        """
+        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
+        negative = [self.text.condition(negative_prompt)] if guidance > 0 else None
+        result = self.painter(
+            prompt_embeds=[self.text.condition(prompt)], negative_prompt_embeds=negative,
+            height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
+            num_images_per_prompt=n, generator=torch.Generator().manual_seed(seed),
+            output_type="np")
+        return result.images
+
+    async def agenerate(self, prompt: str, **settings: Any) -> np.ndarray:
+        """`generate` in a worker thread."""
+        return await run_in_worker(lambda: self.generate(prompt, **settings))
+
+    def __repr__(self) -> str:
+        return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,9 +1,12 @@
 """Z-Image's text condition on Omni's engine equals diffusers' (`ZImagePipeline.encode_prompt`)
-on a tiny random folder in the hub layout, and diffusers' own pipeline fed Omni's condition
-paints the image it paints from the prompt."""
+on a tiny random folder in the hub layout; diffusers' own pipeline fed Omni's condition paints
+the image it paints from the prompt, and `ZImage` (the folder's pipeline without its text
+encoder, fed by Omni's) gives the library pipeline's images."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni.compute.z_image import MAX_SEQUENCE_LENGTH, ZImageText
+from omni.compute.z_image import MAX_SEQUENCE_LENGTH, ZImage, ZImageText, image_family
 from tests.compute.image_builders import save_z_image
 
 PROMPT = "A red fox asleep in fresh snow, watercolour."
@@ -78,3 +81,47 @@ async def test_diffusers_fed_omnis_condition_paints_the_prompts_image(
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
     other = paint(prompt="A blue whale at night.", negative_prompt=negative)
     assert np.abs(other - theirs).max() > 0.05  # the prompt matters to this random DiT
+
+
+@pytest.fixture(scope="module")
+def z_image(folder: Path) -> ZImage:
+    return ZImage.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("guidance", [0.0, 4.0])
+async def test_omnis_images_are_the_pipelines_own(pipeline: Any, z_image: ZImage,
+                                                  guidance: float) -> None:
+    """Two images of one request (one noise draw from the seed, as diffusers draws it):
+    what the library's pipeline paints from the prompt itself."""
+    theirs = pipeline(PROMPT, negative_prompt="blurry", height=32, width=48,
+                      num_inference_steps=3, guidance_scale=guidance,
+                      num_images_per_prompt=2, output_type="np",
+                      generator=torch.Generator().manual_seed(11)).images
+    ours = await z_image.agenerate(PROMPT, negative_prompt="blurry", width=48, height=32,
+                                   steps=3, guidance=guidance, seed=11, n=2)
+    assert ours.shape == (2, 32, 48, 3)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
+    assert np.abs(ours[0] - ours[1]).max() > 0.05  # two draws, not one image twice
+
+
+@pytest.mark.parametrize(("setting", "value", "says"), [
+    ("width", 30, "width must be a multiple of 4 pixels"),
+    ("height", 0, "height must be a multiple of 4 pixels"),
+    ("steps", 0, "steps must be an int >= 1"), ("n", 1.5, "n must be an int >= 1"),
+    ("guidance", float("nan"), "guidance must be a finite number >= 0"),
+    ("seed", "7", "seed must be an int")])
+def test_a_setting_out_of_range_is_refused_by_name_before_any_work(
+        z_image: ZImage, setting: str, value: Any, says: str) -> None:
+    settings = {"width": 32, "height": 32, "steps": 1, "guidance": 0.0, "seed": 0, "n": 1,
+                setting: value}
+    with pytest.raises(ValueError, match=re.escape(says)):
+        z_image.generate(PROMPT, **settings)
+
+
+def test_a_folder_of_another_family_is_refused_naming_it_and_the_served_ones(
+        tmp_path: Path) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ValueError, match=r"a FluxPipeline .* it serves ZImagePipeline"):
+        ZImage.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"cannot read model_index\.json"):
+        image_family(tmp_path / "nowhere")
