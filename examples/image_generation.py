@@ -315,6 +315,9 @@ def write_png(painted: Painted, path: str, png: bool) -> dict:
         "expansion_tokens": understood.expansion_tokens,
         "llm": {"prompt_tokens": understood.llm_prompt_tokens,
                 "cached_tokens": understood.llm_cached_tokens},
+        # what /v1/images/generations reports: the prompt as the LLM role read it
+        "usage": {"input_tokens": understood.llm_prompt_tokens,
+                  "cached_tokens": understood.llm_cached_tokens},
         "timing": {"understand_s": round(understood.seconds, 4),
                    "diffusion_s": round(painted.seconds, 4),
                    "write_s": round(time.perf_counter() - started, 4)},

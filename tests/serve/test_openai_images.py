@@ -79,3 +79,31 @@ async def test_an_unknown_model_is_a_404(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         await client.images.generate(prompt=PROMPT, model="dall-e-3", size="32x32")
     assert "image_generation" in caught.value.message
+
+
+async def test_the_extension_fields_set_the_graphs_inputs_and_usage_counts_the_cache(
+        client: openai.AsyncOpenAI) -> None:
+    """num_inference_steps and guidance_scale reach the graph's steps and guidance (another
+    image than the defaults'); a repeated prompt finds its KV cached (usage)."""
+    first = await client.images.generate(prompt=PROMPT, size="32x32", extra_body={"seed": 1})
+    fewer = await client.images.generate(prompt=PROMPT, size="32x32", extra_body={
+        "seed": 1, "num_inference_steps": 2, "guidance_scale": 1.0})
+    again = await client.images.generate(prompt=PROMPT, size="32x32", extra_body={"seed": 1})
+    assert fewer.data[0].b64_json != first.data[0].b64_json
+    assert again.data[0].b64_json == first.data[0].b64_json
+    assert first.usage.input_tokens == again.usage.input_tokens > 0
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize(("fields", "named", "says"), [
+    ({"size": "8192x16"}, "size", "at most 4096"),
+    ({"num_inference_steps": 100_000}, "num_inference_steps", "less than or equal to 1000"),
+    ({"guidance_scale": -1}, "guidance_scale", "greater than or equal to 0"),
+    ({"negative_prompt": "blurry"}, "negative_prompt", "takes no such setting"),
+    ({"output_format": "jpeg"}, "output_format", "'png'"),
+])
+async def test_settings_out_of_range_are_refused_by_name_before_any_work(
+        client: openai.AsyncOpenAI, fields: dict, named: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.images.generate(prompt=PROMPT, extra_body=fields)
+    assert caught.value.body["param"] == named and says in caught.value.message

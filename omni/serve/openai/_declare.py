@@ -37,8 +37,11 @@ def image_generations(graph: Any) -> Any:
     """Mark `graph` as the one behind ``POST /v1/images/generations`` (model id: its name).
 
     The graph has the inputs ``prompt``, ``out``, ``width``, ``height``, ``seed`` and
-    ``png``; the route passes ``out=""`` and ``png=True``, and the graph's result is a dict
-    whose ``"png"`` holds the image's PNG bytes.
+    ``png`` (and may have ``negative_prompt``, ``steps`` and ``guidance``, which the request's
+    fields of those meanings set); the route passes ``out=""`` and ``png=True``, and the
+    graph's result is a dict whose ``"png"`` holds the image's PNG bytes and, optionally,
+    ``"usage"``: ``{"input_tokens": N, "cached_tokens": M}`` (the prompt's tokens, and how
+    many of them had their KV found cached).
 
     Raises:
         TypeError: `graph` is not an ``@omni.graph`` or lacks one of those inputs.
