@@ -55,6 +55,13 @@ trained weights, so a real LLM gives real expansions and real KV reuse but not a
 picture. The model is chosen per process (an environment variable), not per request (an
 input), because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
 before any request runs.
+
+With `OMNI_MODEL` a diffusers pipeline folder (``model_index.json``; Z-Image's layout), the
+graph is the library's pipeline for that family instead (`omni.pipelines.z_image_graph`):
+Omni's engine computes the text condition, the folder's own diffusers modules paint, and the
+PNG is the one diffusers' pipeline saves for the same request. Its inputs: `prompt`, `out`,
+`width`, `height` (1024), `steps` (50), `guidance` (5.0), `negative_prompt`, `seed`, `png`.
+A folder of another family is refused, naming it and the families served.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ from omni.compute import (
 )
 from omni.compute.diffusion import to_png
 from omni.compute.models import DecoderConfig, tiny_config
+from omni.pipelines import z_image_graph
 from omni.serve.openai import image_generations
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
@@ -111,7 +119,11 @@ def _kv_layout(model: str) -> Any:
     return DecoderConfig.from_hf(hf).kv_layout(PAGE_SIZE, torch.float32)
 
 
-KV_LAYOUT = _kv_layout(MODEL)  # `omni run` builds the runtime's KV store with this layout
+# a diffusers pipeline folder (model_index.json): its family's pipeline from the library
+DIFFUSERS_FOLDER = bool(MODEL) and (Path(MODEL) / "model_index.json").is_file()
+# `omni run` builds the runtime's KV store with this layout (none for a diffusers folder: its
+# text encoder keeps no KV in the runtime's store yet)
+KV_LAYOUT = None if DIFFUSERS_FOLDER else _kv_layout(MODEL)
 
 # One engine per (store, model) in this process, alive while a node holds it.
 _ENGINES: weakref.WeakValueDictionary[tuple[int, str], TorchEngine] = (
@@ -357,3 +369,7 @@ def image_generation(prompt: str, out: Annotated[str, omni.OutputFile(".png")],
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+if DIFFUSERS_FOLDER:  # OMNI_MODEL is a Z-Image folder: the library's pipeline paints instead
+    image_generation = z_image_graph(MODEL, name="image_generation")

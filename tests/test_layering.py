@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("omni.compute",),
     ("omni.graph",),
     ("omni.cluster", "omni.serve"),  # side by side: neither imports the other
+    ("omni.pipelines",),  # each family's graph: the DSL, the engines and the endpoint marks
     ("omni.runtime",),
     ("omni",),
     ("cli",),

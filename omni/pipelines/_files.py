@@ -1,0 +1,50 @@
+"""What an image pipeline writes: the output path checked before any work, the file written
+whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from omni.graph.dsl import node
+
+__all__ = ["check_out", "write_file"]
+
+
+@node
+async def check_out(out: str, png: bool) -> str:
+    """The absolute path to write the PNG to, once it is known to be writable ("" with
+    `png` and no `out`: the result carries the PNG instead of a file)."""
+    if not isinstance(png, bool):
+        raise ValueError(f"png must be true or false, got {png!r}")
+    if png and out == "":
+        return ""
+    if not isinstance(out, str) or not out.strip():
+        raise ValueError(f"out must be the path of the PNG to write, got {out!r}")
+    path = Path(out).expanduser().resolve()
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"out={out!r} must end in .png")
+    if path.is_dir():
+        raise ValueError(f"out={out!r} is a folder, not a file")
+    if not path.parent.is_dir():
+        raise ValueError(f"out={out!r}: the folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"out={out!r}: no permission to write there")
+    return str(path)
+
+
+def write_file(path: str, data: bytes) -> None:
+    """`data` to `path`, whole or not at all (a temporary file renamed over it); ValueError
+    naming the path when it cannot be written."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".omni-", suffix=".png.tmp", dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
