@@ -70,7 +70,6 @@ import json
 import math
 import numbers
 import os
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -94,7 +93,7 @@ from omni.compute import (
 )
 from omni.compute.diffusion import to_png
 from omni.compute.models import DecoderConfig, tiny_config
-from omni.pipelines import z_image_graph
+from omni.pipelines import check_out, write_file, z_image_graph
 from omni.serve.openai import image_generations
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
@@ -235,28 +234,6 @@ def read_reference(image: str) -> list[Image]:
     return [Image(pixels)]
 
 
-@omni.node
-async def check_out(out: str, png: bool) -> str:
-    """The absolute path to write the PNG to, once it is known to be writable ("" with
-    `png` and no `out`: the result carries the PNG instead of a file)."""
-    if not isinstance(png, bool):
-        raise ValueError(f"png must be true or false, got {png!r}")
-    if png and out == "":
-        return ""
-    if not isinstance(out, str) or not out.strip():
-        raise ValueError(f"out must be the path of the PNG to write, got {out!r}")
-    path = Path(out).expanduser().resolve()
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"out={out!r} must end in .png")
-    if path.is_dir():
-        raise ValueError(f"out={out!r} is a folder, not a file")
-    if not path.parent.is_dir():
-        raise ValueError(f"out={out!r}: the folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"out={out!r}: no permission to write there")
-    return str(path)
-
-
 @omni.node(concurrency=8)  # concurrent requests share the engine's decode steps
 class Understand:
     """The LLM role: prefill the prompt (its pages go to the store) and expand it greedily."""
@@ -311,7 +288,7 @@ def write_png(painted: Painted, path: str, png: bool) -> dict:
     started = time.perf_counter()
     data = to_png(painted.result.image)
     if path:
-        _write(path, data)
+        write_file(path, data)
     result, understood = painted.result, painted.understood
     height, width, _ = result.image.shape
     report = {
@@ -335,21 +312,6 @@ def write_png(painted: Painted, path: str, png: bool) -> dict:
                    "write_s": round(time.perf_counter() - started, 4)},
     }
     return {**report, "png": data} if png else report
-
-
-def _write(path: str, data: bytes) -> None:
-    """`data` to `path`, whole or not at all (a temporary file renamed over it)."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".omni-", suffix=".png.tmp", dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as exc:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 @image_generations  # POST /v1/images/generations with `omni serve` (out="", png=true)
