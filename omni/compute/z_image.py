@@ -39,18 +39,25 @@ def image_family(folder: str | Path) -> str:
     """The image family of a diffusers folder, from its ``model_index.json`` ``_class_name``.
 
     Raises:
-        ValueError: no readable model_index.json, or a pipeline of a family Omni does not
-            serve (the message names it and the ones served).
+        ValueError: no readable model_index.json, a pipeline of a family Omni does not serve
+            (the message names it and the ones served), or a component the index names
+            whose folder is missing.
     """
     index = Path(folder) / "model_index.json"
     try:
-        name = json.loads(index.read_text()).get("_class_name")
+        fields = json.loads(index.read_text())
+        name = fields.get("_class_name")
     except (OSError, ValueError, AttributeError) as exc:
         raise ValueError(f"{folder}: cannot read {index.name} ({exc}); give a diffusers "
                          "pipeline folder") from None
     if name not in FAMILIES:
         raise ValueError(f"{folder}: a {name} (model_index.json's _class_name), which Omni "
                          f"does not serve; it serves {', '.join(FAMILIES)}")
+    missing = [part for part, value in fields.items() if isinstance(value, list)
+               and value[0] is not None and not (Path(folder) / part).is_dir()]
+    if missing:
+        raise ValueError(f"{folder}: model_index.json names the component(s) "
+                         f"{', '.join(missing)}, whose folder(s) are missing")
     return FAMILIES[name]
 
 

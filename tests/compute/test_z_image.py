@@ -125,3 +125,12 @@ def test_a_folder_of_another_family_is_refused_naming_it_and_the_served_ones(
         ZImage.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"cannot read model_index\.json"):
         image_family(tmp_path / "nowhere")
+
+
+def test_a_folder_missing_a_component_is_refused_naming_it(folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    broken = shutil.copytree(folder, tmp_path / "broken")
+    shutil.rmtree(broken / "vae")
+    with pytest.raises(ValueError, match=r"names the component\(s\) vae, whose folder"):
+        ZImage.from_pretrained(broken)
