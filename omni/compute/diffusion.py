@@ -19,6 +19,7 @@ import logging
 import math
 import numbers
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
     from omni.compute.engine import TorchEngine
 
 __all__ = ["DiffusionHead", "DiffusionResult", "FlowMatchEulerSampler", "FlowMatchState",
-           "ImageGenerator", "LatentDecoder", "classifier_free_guidance", "to_png"]
+           "ImageGenerator", "LatentDecoder", "check_image_settings", "classifier_free_guidance",
+           "to_png"]
 
 log = logging.getLogger("omni.compute")
 
@@ -191,17 +193,9 @@ class ImageGenerator:
     def _check(self, height: Any, width: Any, steps: Any, guidance: Any, seed: Any) -> int:
         """The number of image tokens; ValueError naming the first bad parameter."""
         patch = self.head.patch
-        for name, value in (("height", height), ("width", width)):
-            if not _is_int(value) or value < patch or value % patch:
-                raise ValueError(f"{name} must be a multiple of the patch ({patch}) and >= it, "
-                                 f"got {value!r}")
-        if not _is_int(steps) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        if (isinstance(guidance, bool) or not isinstance(guidance, numbers.Real)
-                or not math.isfinite(guidance) or guidance < 0):
-            raise ValueError(f"guidance must be a finite number >= 0, got {guidance!r}")
-        if not _is_int(seed):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        check_image_settings((("height", height), ("width", width)), patch,
+                             f"the patch ({patch}) and >= it", steps=steps, guidance=guidance,
+                             seed=seed)
         return (height // patch) * (width // patch)
 
     def _prepare(self, prompt: Any, name: str, num_image: int,
@@ -404,6 +398,25 @@ def _denoise_recompute(model: DecoderLM, head: DiffusionHead, sampler: FlowMatch
                 outputs.append(head.velocity(out[:, num_prompt:], height, width))
             trajectory.append(sampler.step(_guided(torch.cat(outputs), guidance), state))
     return trajectory
+
+
+def check_image_settings(sizes: Sequence[tuple[str, Any]], step: int, multiple: str, *,
+                         steps: Any, guidance: Any, seed: Any, n: Any = 1) -> None:
+    """What an image generator checks before any work; ValueError naming the first setting
+    out of range: each of `sizes` (name, value) a positive multiple of `step` (`multiple`
+    says of what, in the message), `steps` and `n` ints >= 1, `guidance` a finite number
+    >= 0, `seed` an int."""
+    for name, value in sizes:
+        if not _is_int(value) or value < step or value % step:
+            raise ValueError(f"{name} must be a multiple of {multiple}, got {value!r}")
+    for name, value in (("steps", steps), ("n", n)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if (isinstance(guidance, bool) or not isinstance(guidance, numbers.Real)
+            or not math.isfinite(guidance) or guidance < 0):
+        raise ValueError(f"guidance must be a finite number >= 0, got {guidance!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -16,8 +16,6 @@ folder's pipeline loaded without its text encoder, fed `ZImageText`'s conditions
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from omni._openmp import run_in_worker
+from omni.compute.diffusion import check_image_settings
 from omni.compute.engine import TorchEngine
 from omni.compute.prompt import Text
 
@@ -159,19 +158,10 @@ class ZImage:
 
     def check(self, *, width: Any, height: Any, steps: Any, guidance: Any, seed: Any,
               n: Any) -> None:
-        """ValueError naming the first setting out of range."""
+        """ValueError naming the first setting out of range (`check_image_settings`)."""
         step = self.pixel_step
-        for name, value in (("width", width), ("height", height)):
-            if not _is_int(value) or value < step or value % step:
-                raise ValueError(f"{name} must be a multiple of {step} pixels, got {value!r}")
-        for name, value in (("steps", steps), ("n", n)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if (isinstance(guidance, bool) or not isinstance(guidance, numbers.Real)
-                or not math.isfinite(guidance) or guidance < 0):
-            raise ValueError(f"guidance must be a finite number >= 0, got {guidance!r}")
-        if not _is_int(seed):
-            raise ValueError(f"seed must be an int, got {seed!r}")
+        check_image_settings((("width", width), ("height", height)), step, f"{step} pixels",
+                             steps=steps, guidance=guidance, seed=seed, n=n)
 
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
                  height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
@@ -200,6 +190,3 @@ class ZImage:
     def __repr__(self) -> str:
         return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -20,6 +20,7 @@ import numpy as np
 
 from omni.compute import ZImage
 from omni.compute.diffusion import to_png
+from omni.compute.z_image import image_family
 from omni.graph import Graph, OutputFile, graph, node
 from omni.pipelines._files import check_out, write_file
 from omni.serve.openai import image_generations
@@ -66,8 +67,6 @@ def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:
     Raises:
         ValueError: `folder` is not a folder of a family Omni serves (`image_family`).
     """
-    from omni.compute.z_image import image_family
-
     root = str(Path(folder).expanduser().resolve())
     image_family(root)
 
