@@ -1,6 +1,7 @@
-"""A served chat graph's replies held on a worker that is then killed (hand-joined or Ray):
-the scenario both tests/reliability/test_serve_failover.py and tests/cluster/test_ray.py run
-against a real `omni serve --cluster` (`serve_failover_graph.py` is the graph)."""
+"""A served chat graph's replies held on a worker that is then killed: the scenario
+tests/reliability/test_serve_failover.py runs against a real `omni serve --cluster`
+(`serve_failover_graph.py` is the graph; the kill is the caller's, so that a cluster of
+another kind can run it too)."""
 
 from __future__ import annotations
 

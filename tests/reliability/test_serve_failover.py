@@ -2,8 +2,7 @@
 processes (a head, two workers, `omni serve --cluster`, clients over HTTP): each reply whose
 client had been sent nothing yet runs again on the replacement and is answered whole, those
 collected whole and streams before their first chunk alike. The kill lands by condition
-(every call is held on the worker), never by timing. tests/cluster/test_ray.py runs the same
-on `--cluster ray`."""
+(every call is held on the worker), never by timing."""
 
 from __future__ import annotations
 
