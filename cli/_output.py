@@ -12,6 +12,7 @@ import sys
 from typing import Any, Protocol, TextIO
 
 from omni import Graph, NodeError, Ref
+from omni.errors import summary
 from omni.graph.jsonable import to_jsonable
 
 __all__ = ["FLUSH_INTERVAL", "HumanPrinter", "JsonPrinter", "Printer", "describe_cause",
@@ -39,8 +40,7 @@ def human(value: Any) -> str:
 
 def describe_cause(error: NodeError) -> str:
     """``Type: message`` of the exception that failed the node."""
-    cause = error.cause
-    return f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return summary(error.cause)
 
 
 def error_record(error: NodeError) -> dict[str, Any]:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from omni.errors import OmniError
+from omni.errors import OmniError, RemoteError
 from omni.graph.errors import ReplicaLost
 
 __all__ = ["ClusterError", "HeadUnreachable", "KeptValueLost", "LayoutMismatch", "NameTaken",
-           "RemoteNodeError", "TokenRefused", "WorkerLost", "describe", "unwrap"]
+           "RemoteNodeError", "TokenRefused", "WorkerLost"]
 
 
 class ClusterError(OmniError):
@@ -47,11 +47,11 @@ class LayoutMismatch(ClusterError):
     on the worker as the replica is deployed, before it is built."""
 
 
-class RemoteNodeError(ClusterError):
+class RemoteNodeError(ClusterError, RemoteError):
     """A node raised on its worker; `remote_type` is its exception's type name and
-    `remote_message` its message. `remote_traceback`, when the worker sent it (a replica
-    that failed to start), is the worker's traceback text, also added as a note, so that a
-    printed traceback (``--debug``) shows it under this error."""
+    `remote_message` its message. `remote_traceback` is the worker's traceback text (empty
+    when it sent none), also added as a note, so that a printed traceback (``--debug``)
+    shows it under this error."""
 
     def __init__(self, member: str, remote_type: str, message: str, *,
                  remote_traceback: str = ""):
@@ -63,21 +63,3 @@ class RemoteNodeError(ClusterError):
         if remote_traceback:
             self.add_note(f"on worker '{member}':\n{remote_traceback.rstrip()}")
 
-
-def unwrap(error: BaseException) -> BaseException:
-    """`error` without trio's wrapping: a nursery's group of one exception is that exception
-    (at any depth); a group of several stays a group (`describe` names each)."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
-def describe(error: BaseException) -> tuple[str, str]:
-    """`error`'s type name and message as another process should read them: a group of one
-    as its exception's, a group of several as its type's with each exception named, e.g.
-    ``("ExceptionGroup", "2 errors: ValueError: a; KeyError: 'b'")``."""
-    error = unwrap(error)
-    if not isinstance(error, BaseExceptionGroup):
-        return type(error).__name__, str(error)
-    parts = [": ".join(part for part in describe(e) if part) for e in error.exceptions]
-    return type(error).__name__, f"{len(parts)} errors: {'; '.join(parts)}"

@@ -4,11 +4,11 @@ the timings everyone shares. Placement and hosting build on these; nothing here 
 from __future__ import annotations
 
 import re
-from traceback import format_exception
 
 import msgspec
 
-from omni.cluster.errors import ClusterError, RemoteNodeError, describe, unwrap
+from omni.cluster.errors import ClusterError, RemoteNodeError
+from omni.errors import describe, traceback_text
 from omni.transport.host import host_id, ipc_enabled
 
 __all__ = [
@@ -138,8 +138,7 @@ class Failure(msgspec.Struct, frozen=True):
     def of(cls, error: BaseException) -> Failure:
         """`error`'s, as raised here (message and traceback cut short)."""
         remote_type, message = describe(error)
-        text = "".join(format_exception(unwrap(error)))
-        return cls(remote_type, message[:_MESSAGE_CHARS], text[-_TRACEBACK_CHARS:])
+        return cls(remote_type, message[:_MESSAGE_CHARS], traceback_text(error, _TRACEBACK_CHARS))
 
     def error(self, member: str) -> RemoteNodeError:
         """The error the driver raises for it, naming worker `member`."""

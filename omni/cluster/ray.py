@@ -48,10 +48,11 @@ from typing import Any
 import trio
 
 from omni.cluster._reclaim import reclaim_dead_owners
-from omni.cluster.errors import ClusterError, NameTaken, describe
+from omni.cluster.errors import ClusterError, NameTaken
 from omni.cluster.head import Head
 from omni.cluster.protocol import HEARTBEAT_S
 from omni.cluster.worker import KVTiers, Worker
+from omni.errors import describe
 from omni.transport.credentials import Credentials
 from omni.transport.security import ClusterToken
 

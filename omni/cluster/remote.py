@@ -42,8 +42,9 @@ import msgspec
 import trio
 
 from omni.cluster._code import CodeRef
-from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost, describe
+from omni.cluster.errors import KeptValueLost, RemoteNodeError, WorkerLost
 from omni.cluster.protocol import pick_endpoint
+from omni.errors import describe, traceback_text
 from omni.graph.errors import StageError
 from omni.transport.errors import PeerGone, RPCError, TransportError, WireError
 from omni.transport.movers import BufferRef, PayloadMover
@@ -61,6 +62,7 @@ __all__ = ["KEEP_MIN", "Broken", "CallHead", "Chain", "ChainEnd", "Chunk", "Depl
 STREAM_BATCH = 64  # items a stream pull may bring back, or a feed carry, at once
 OFF_LOOP_BYTES = 16 << 20  # shared-memory copies and mappings this large run in a thread
 _CHAIN_ERROR_CHARS = 8192  # a failed chain stage's error message is cut to this
+_CHAIN_TRACEBACK_CHARS = 32768  # and its traceback to its last this many characters
 KEEP_MIN = 1 << 20  # a result only class nodes take stays on its worker from this size
 
 
@@ -170,27 +172,32 @@ class Chain(msgspec.Struct, array_like=True, frozen=True):
 
 class Broken(msgspec.Struct, array_like=True, frozen=True):
     """How a chain broke: its stage `stage` failed on worker `member` with an error of type
-    `remote_type`, or (`lost`) that worker stopped answering."""
+    `remote_type` (`traceback`: as the worker printed it), or (`lost`) that worker stopped
+    answering."""
 
     stage: int
     member: str
     remote_type: str
     message: str
     lost: bool = False
+    traceback: str = ""
 
     @classmethod
     def of(cls, stage: int, member: str, error: BaseException, *, lost: bool = False
            ) -> Broken:
-        """`error`'s, raised by stage `stage` on worker `member` (its message cut short)."""
+        """`error`'s, raised by stage `stage` on worker `member` (message and traceback cut
+        short; a lost worker's error was raised here, so its traceback is of no use)."""
         remote_type, message = describe(error)
-        return cls(stage, member, remote_type, message[:_CHAIN_ERROR_CHARS], lost)
+        text = "" if lost else traceback_text(error, _CHAIN_TRACEBACK_CHARS)
+        return cls(stage, member, remote_type, message[:_CHAIN_ERROR_CHARS], lost, text)
 
     def cause(self) -> Exception:
         """The stage's error as the driver raises it: `WorkerLost` for a lost worker (an
         earlier stage's value went on: `_lost_midway`), else `RemoteNodeError`."""
         if self.lost:
             return _lost_midway(self.member, self.message)
-        return RemoteNodeError(self.member, self.remote_type, self.message)
+        return RemoteNodeError(self.member, self.remote_type, self.message,
+                               remote_traceback=self.traceback)
 
 
 class ChainEnd(msgspec.Struct, frozen=True):
@@ -527,7 +534,8 @@ class RemoteReplica:
                 raise StageError(broken.stage, broken.cause())
             if broken.lost:  # this replica's own worker: as a plain call's
                 raise self._lost(broken.message)
-            raise _call_failure(self.member, broken.remote_type, broken.message, kept)
+            raise _call_failure(self.member, broken.remote_type, broken.message, kept,
+                                broken.traceback)
         self._served(request_id, *later)
         last = later[-1]
         assert end.value is not None
@@ -658,7 +666,7 @@ class RemoteReplica:
             raise self._lost(f"no heartbeat for {exc.silent_for:.1f} s") from None
         except RPCError as exc:
             raise _call_failure(self.member, exc.remote_type, exc.remote_message,
-                                kept) from None
+                                kept, exc.remote_traceback) from None
 
     def _lost(self, why: str) -> WorkerLost:
         """This replica's worker stopped answering: mark it lost; the error to raise."""
@@ -671,12 +679,12 @@ class RemoteReplica:
         return f"<RemoteReplica {self.deployment}#{self.replica} on {self.member} {state}>"
 
 
-def _call_failure(member: str, remote_type: str, message: str, kept: Sequence[KeptArg]
-                  ) -> Exception:
-    """What a call that failed on worker `member` raises here."""
+def _call_failure(member: str, remote_type: str, message: str, kept: Sequence[KeptArg],
+                  traceback: str) -> Exception:
+    """What a call that failed on worker `member` raises here (`traceback`: the worker's)."""
     if remote_type == KeptValueLost.__name__ and kept:  # went with the worker that kept it
         return _lost_midway(kept[0].holder.name, message)
-    return RemoteNodeError(member, remote_type, message)
+    return RemoteNodeError(member, remote_type, message, remote_traceback=traceback)
 
 
 def _lost_midway(member: str, detail: str) -> WorkerLost:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omni.errors import OmniError
+from omni.errors import OmniError, summary
 
 __all__ = ["GraphError", "InputError", "NodeError", "ReplicaLost", "RouteError", "StageError",
            "lost_midway"]
@@ -40,9 +40,7 @@ class NodeError(OmniError):
         self.node = node
         self.request_id = request_id
         self.cause = cause
-        detail = str(cause) or type(cause).__name__
-        super().__init__(f"node '{node}' failed in request {request_id}: "
-                         f"{type(cause).__name__}: {detail}")
+        super().__init__(f"node '{node}' failed in request {request_id}: {summary(cause)}")
         self.__cause__ = cause
 
     def __reduce__(self):  # keep the error picklable for logging and multiprocessing
@@ -81,7 +79,7 @@ class StageError(OmniError):
     def __init__(self, stage: int, cause: BaseException):
         self.stage = stage
         self.cause = cause
-        super().__init__(f"stage {stage} of a chain failed: {type(cause).__name__}: {cause}")
+        super().__init__(f"stage {stage} of a chain failed: {summary(cause)}")
 
     def __reduce__(self):
         return (type(self), (self.stage, self.cause))

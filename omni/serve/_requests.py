@@ -13,6 +13,7 @@ import anyio
 import msgspec
 from starlette.requests import Request
 
+from omni.errors import RemoteError, summary
 from omni.graph.balance import NoLiveReplica
 from omni.graph.errors import NodeError, ReplicaLost, RouteError, lost_midway
 from omni.serve._errors import ApiError
@@ -102,12 +103,13 @@ async def outputs(runtime: Any, graph: Any, inputs: dict[str, Any], *,
 
 
 def graph_error(exc: NodeError) -> ApiError:
-    """A failed request as an API error: a node refusing its input (a ValueError, a switch
-    without the route) is the client's 400, a node with no live replica left (its workers
-    gone, none placed again within the replace timeout) or lost with its worker where it
-    could not run again a 503 to retry later, anything else the server's 500."""
+    """A failed request as an API error: a node refusing its input (a ValueError, raised here
+    or on a worker; a switch without the route) is the client's 400, a node with no live
+    replica left (its workers gone, none placed again within the replace timeout) or lost
+    with its worker where it could not run again a 503 to retry later, anything else the
+    server's 500."""
     cause = exc.cause
-    text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    text = summary(cause)
     retry = {"retry-after": str(LOST_RETRY_AFTER_S)}
     if isinstance(cause, NoLiveReplica):
         return ApiError(503, f"node '{exc.node}' failed: {text}", code="no_live_replica",
@@ -115,6 +117,7 @@ def graph_error(exc: NodeError) -> ApiError:
     if isinstance(cause, ReplicaLost):
         return ApiError(503, f"node '{exc.node}' failed: {text}", code="worker_lost",
                         headers=retry)
-    client = isinstance(cause, ValueError) or isinstance(exc, RouteError)
+    client = (isinstance(cause, ValueError) or isinstance(exc, RouteError)
+              or (isinstance(cause, RemoteError) and cause.is_builtin(ValueError)))
     return ApiError(400 if client else 500, f"node '{exc.node}' failed: {text}",
                     code="node_failed")

@@ -28,6 +28,7 @@ log = logging.getLogger("omni.transport.rpc")
 
 Handler = Callable[..., Awaitable[Any]]
 _MAX_ERROR_CHARS = 16_384  # a remote error's message is truncated to this
+_MAX_TRACEBACK_CHARS = 32_768  # and its traceback text to its last this many characters
 # ZeroMQ applies its message size limit to what arrives on the wire: a CURVE-encrypted frame is
 # a few dozen bytes longer than its payload. The limits themselves are enforced by the codec.
 _FRAMING_MARGIN = 4096

@@ -212,7 +212,7 @@ class RPCClient(_Service):
             self._timeouts += 1
             raise RPCTimeout(method, math.inf if timeout is None else timeout)
         self._failed += 1
-        raise RPCError(method, response.type, response.message)
+        raise RPCError(method, response.type, response.message, response.traceback)
 
     # -- in the socket's owner task ----------------------------------------------------------
 

@@ -37,17 +37,22 @@ class RPCError(TransportError):
     or the request did not decode into the handler's body type.
 
     `remote_type` is the name of the remote exception's type (e.g. ``"ValueError"``,
-    ``"UnknownMethod"``) and `remote_message` its message; `method` is the method called.
+    ``"UnknownMethod"``), `remote_message` its message and `remote_traceback` the traceback
+    text of a handler's error as the server printed it (empty for the server's own refusals);
+    `method` is the method called.
     """
 
-    def __init__(self, method: str, remote_type: str, remote_message: str):
+    def __init__(self, method: str, remote_type: str, remote_message: str,
+                 remote_traceback: str = ""):
         self.method = method
         self.remote_type = remote_type
         self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
         super().__init__(f"'{method}' failed remotely: {remote_type}: {remote_message}")
 
     def __reduce__(self):
-        return (type(self), (self.method, self.remote_type, self.remote_message))
+        return (type(self), (self.method, self.remote_type, self.remote_message,
+                             self.remote_traceback))
 
 
 class WireError(TransportError):

@@ -35,8 +35,10 @@ import msgspec
 import trio
 import zmq
 
+from omni.errors import describe, traceback_text
 from omni.transport._rpc_base import (
     _MAX_ERROR_CHARS,
+    _MAX_TRACEBACK_CHARS,
     Handler,
     Reply,
     RPCClientStats,
@@ -460,13 +462,16 @@ class RPCServer(_Service):
         return frames
 
     def _failure(self, request_id: int, exc: Exception) -> list[Buffer]:
-        """The `Error` frame of a failed request: the caller gets the type name and the
-        message, never the object (none for a notice)."""
+        """The `Error` frame of a failed request: the caller gets the type name, the message
+        and the traceback text (trio's groups of one unwrapped: `omni.errors.describe`), never
+        the object (none for a notice)."""
         self._failed += 1
         if request_id == 0:
             return []
-        text = str(exc)[:_MAX_ERROR_CHARS]
-        return [self._codec.encode(Error(request_id, type(exc).__name__, text))]
+        kind, message = describe(exc)
+        error = Error(request_id, kind, message[:_MAX_ERROR_CHARS],
+                      traceback_text(exc, _MAX_TRACEBACK_CHARS))
+        return [self._codec.encode(error)]
 
     def stats(self) -> RPCServerStats:
         """Counters of requests by outcome, of dropped messages, and the codec's."""

@@ -57,11 +57,13 @@ class Response(Message, tag="res"):
 
 
 class Error(Message, tag="err"):
-    """The failed reply to request `id`: the remote error's type name and message."""
+    """The failed reply to request `id`: the remote error's type name, message and (a
+    handler's error) traceback text."""
 
     id: int
     type: str
     message: str
+    traceback: str = ""
 
 
 class Heartbeat(Message, tag="hb"):

@@ -100,6 +100,8 @@ async def test_a_later_stage_that_fails_fails_its_own_node(
         assert caught.value.cause.member == "w2"
         assert caught.value.cause.remote_type == "ValueError"
         assert "13 is not doubled here" in str(caught.value)
+        # the worker's traceback, down to the stage's raising line
+        assert 'raise ValueError("13 is not doubled here")' in caught.value.cause.remote_traceback
         assert await rt.run(graph, x=1) == -4  # the next request is not affected
         # each stage's pool counted both calls (the failed chain as failed at every stage it
         # was queued on, the one after the failure included) and holds none

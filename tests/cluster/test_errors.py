@@ -7,9 +7,13 @@ from __future__ import annotations
 import traceback
 
 import msgspec
+import pytest
 
-from omni.cluster.errors import RemoteNodeError, describe
+from omni.cluster.errors import RemoteNodeError
 from omni.cluster.protocol import Failure
+from omni.errors import describe
+from omni.graph.errors import NodeError
+from omni.serve._requests import graph_error
 
 
 def raised(error: BaseException) -> BaseException:
@@ -53,3 +57,18 @@ def test_the_driver_raises_it_naming_the_worker_with_its_traceback_as_a_note() -
     assert str(error) == "ValueError: bad weights path (on worker 'w1')"
     printed = "".join(traceback.format_exception(error))
     assert "on worker 'w1':\nTraceback" in printed and "raise error" in printed
+
+
+@pytest.mark.parametrize("remote_type, status", [
+    ("ValueError", 400), ("UnicodeDecodeError", 400), ("KeyError", 500), ("BadWeights", 500)])
+def test_a_nodes_error_on_a_worker_reads_and_answers_as_it_would_here(remote_type: str,
+                                                                       status: int) -> None:
+    """The user reads the remote error's own type, once (not `RemoteNodeError: ValueError`),
+    and a served client gets the status the same error gets without a cluster."""
+    cause = RemoteNodeError("w1", remote_type, "no such voice")
+    failed = NodeError("Speak", "req-1", cause)
+    assert str(failed) == (f"node 'Speak' failed in request req-1: {remote_type}: no such "
+                           "voice (on worker 'w1')")
+    answer = graph_error(failed)
+    assert answer.status == status
+    assert answer.message == f"node 'Speak' failed: {remote_type}: no such voice (on worker 'w1')"

@@ -18,6 +18,7 @@ from tests.cluster.conftest import Cluster
 GRAPH = textwrap.dedent('''
     import os
     import torch
+    import trio
     import omni
     from omni.kv import KVLayout
 
@@ -46,9 +47,33 @@ GRAPH = textwrap.dedent('''
         async def __call__(self, x: int) -> int:
             return x
 
+    @omni.node
+    class Divider:
+        async def __call__(self, x: int) -> float:
+            async with trio.open_nursery() as nursery:  # its error is a group of one
+                nursery.start_soon(self.divide, x)
+            return 1.0
+
+        async def divide(self, x: int) -> None:
+            raise ZeroDivisionError(f"cannot divide {x} by zero")
+
+    @omni.node
+    class Counter:
+        async def __call__(self, x: int):
+            yield x
+            raise RuntimeError("the counter broke after one item")
+
     @omni.graph
     def loads(x: int):
         return Loader()(x)
+
+    @omni.graph
+    def divides(x: int):
+        return Divider()(x)
+
+    @omni.graph
+    def counts(x: int):
+        return Counter()(x)
 
     @omni.graph
     def answers(x: int):
@@ -89,6 +114,28 @@ def test_a_node_failing_as_it_starts_on_a_worker_names_its_own_error(cluster: Cl
            outcome="2/2 exit 1 with one `error:` line naming the node, the worker and "
                    "`ValueError: bad weights path` (no ExceptionGroup); with --debug the "
                    "worker's traceback down to the raising line too")
+
+
+@pytest.mark.proc  # the worker is a process of its own: its error crosses the wire
+@pytest.mark.parametrize("graph, node, raised", [
+    ("divides", "Divider", 'raise ZeroDivisionError(f"cannot divide {x} by zero")'),
+    ("counts", "Counter", 'raise RuntimeError("the counter broke after one item")')],
+    ids=["call", "stream"])
+def test_a_node_failing_in_a_call_on_a_worker_names_its_own_error(
+        cluster: Cluster, graph: str, node: str, raised: str) -> None:
+    (cluster.folder / "graph.py").write_text(GRAPH)
+    cluster.head()
+    cluster.worker("w1")
+    done = run_on(cluster, graph)
+    assert done.returncode == 1, done
+    (line,) = error_lines(done)
+    assert line.startswith(f"error: node '{node}' failed") and "on worker 'w1'" in line, line
+    assert "ExceptionGroup" not in line and "Traceback" not in done.stderr, done.stderr
+    debug = run_on(cluster, graph, "--debug")
+    assert debug.returncode == 1 and "ExceptionGroup" not in debug.stderr, debug.stderr
+    worker_side = debug.stderr.split("on worker 'w1':\nTraceback", 1)
+    assert len(worker_side) == 2, debug.stderr
+    assert raised in worker_side[1], debug.stderr
 
 
 @pytest.mark.proc  # the worker's environment is its process's own
