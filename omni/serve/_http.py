@@ -12,10 +12,18 @@ that wait for a next request and makes the busy ones close after their response 
 own); leaving the `http_server` block closes every connection at once. The parts used
 (``TCPServer``, ``WorkerContext``) are hypercorn's trio worker's own, as its ``worker_serve``
 wires them, minus the ASGI lifespan (the app has no startup or shutdown hooks).
+
+A connection's keep-alive timer (``keep_alive_timeout``, which also runs from the accept to
+the first request) closes it only when it is still idle with nothing unread: hypercorn's
+closes it whenever the timer fires, and when the event loop stalls past that moment (a busy
+host) a request that arrived meanwhile is dropped unanswered, the client told only that the
+server disconnected.
 """
 
 from __future__ import annotations
 
+import fcntl
+import termios
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -23,11 +31,44 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import repr_socket_addr, wrap_app
 
 __all__ = ["HttpServer", "http_server"]
+
+RECHECK_S = 0.01  # how soon an expired keep-alive timer looks again while a request arrives
+
+
+class _Connection(TCPServer):
+    """Hypercorn's connection, whose keep-alive timer never drops a request that arrived as
+    it expired (see the module docstring)."""
+
+    _idle = True  # no request in flight (hypercorn's `Updated` events say when that changes)
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated):
+            self._idle = event.idle  # before the timer is stopped: that waits for a lock
+        await super().protocol_send(event)
+
+    async def _idle_timeout(self) -> None:
+        with trio.move_on_after(self.config.keep_alive_timeout):
+            await self.context.terminated.wait()
+        # The reader stops this task once it has parsed a request; until then a request whose
+        # bytes are here (or parsed, in this same scheduling batch) keeps the connection open.
+        while not (self._idle and _unread_bytes(self.stream.socket.fileno()) == 0):
+            await trio.sleep(RECHECK_S)
+        with trio.CancelScope(shield=True):
+            await self._initiate_server_close()
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes received on socket `fd` that nothing has read yet (0 once it is closed)."""
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4), "little")
+    except OSError:
+        return 0
 
 
 class HttpServer:
@@ -48,7 +89,7 @@ class HttpServer:
     async def _handle(self, stream: trio.SocketStream) -> None:
         self.num_connections += 1
         try:
-            await TCPServer(self._app, self._config, self._context, {}, stream).run()
+            await _Connection(self._app, self._config, self._context, {}, stream).run()
         finally:
             self.num_connections -= 1
 

@@ -28,6 +28,8 @@ from tests.cluster._local import invoke
 from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes
 from tests.cluster.conftest import ROOT
 from tests.cluster.test_showcase_cluster import DIALOGUE, check_showcase_pipelines
+from tests.reliability._serve_failover import GRAPH as FAILOVER_GRAPH
+from tests.reliability._serve_failover import replies_survive_a_killed_worker
 from tests.serve._server import Server
 
 pytestmark = pytest.mark.proc
@@ -171,6 +173,30 @@ def test_omni_serve_on_cluster_ray_answers_the_openai_client(
     assert base64.b64decode(message.audio.data)[:4] == b"RIFF"
     assert status == 0, server.stderr()
     assert "SIGTERM received" not in server.stderr()  # Ray's C++ handler was not in the way
+    wait_until_sync(lambda: not ray_nodes.omni_worker_pids(),
+                    "the server's OmniWorker actors to end with it")
+
+
+def test_served_replies_in_flight_on_a_killed_omni_worker_are_answered(
+        ray_nodes: RayNodes, ray_address: str, tmp_path: Path) -> None:
+    """`omni serve --cluster ray`: the OmniWorker hosting the chat graph's node SIGKILLed with
+    replies in flight on it; each ran again on the other and came back whole
+    (tests/reliability/test_serve_failover.py on a hand-joined cluster)."""
+    server = Server(FAILOVER_GRAPH, ("--cluster", "ray"), tmp_path)
+    try:
+        server.url = server.wait_url()
+
+        def kill(worker: str, pid: int) -> None:
+            assert pid in ray_nodes.omni_worker_pids()
+            os.kill(pid, signal.SIGKILL)
+
+        try:
+            replies_survive_a_killed_worker(server.url, tmp_path, kill)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe server said:\n{server.stderr()}") from None
+    finally:
+        status = server.stop()
+    assert status == 0, server.stderr()
     wait_until_sync(lambda: not ray_nodes.omni_worker_pids(),
                     "the server's OmniWorker actors to end with it")
 

@@ -27,6 +27,13 @@ def ask(url: str, folder: Path, name: str, stream: bool) -> tuple[int, str]:
     error event's data instead, if one came)."""
     body = {"model": "talk", "messages": [{"role": "user", "content": f"{folder} {name}"}],
             "stream": stream}
+    try:
+        return _ask(url, body, stream)
+    except httpx.TransportError as exc:  # what the assertion shows, instead of a dead thread
+        return 0, f"{type(exc).__name__}: {exc}"
+
+
+def _ask(url: str, body: dict[str, object], stream: bool) -> tuple[int, str]:
     with httpx.Client(timeout=CAP_S * 2) as client:
         if not stream:
             answer = client.post(f"{url}/v1/chat/completions", json=body)
