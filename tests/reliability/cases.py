@@ -46,9 +46,12 @@ CASES: dict[str, Case] = {
         "Processes", "a worker SIGKILLed mid-transfer (serving `kv.fetch`)"),
     "proc.owner_killed": Case(
         "Processes", "KV store owners SIGKILLed: their arenas and lease tables left behind"),
-    "proc.owner_lost": Case(
+    "proc.owner_lost_head": Case(
         "Processes", "a KV store owner that is a cluster member SIGKILLed: the head finds it "
         "lost, no store starts after it"),
+    "proc.owner_lost_roster": Case(
+        "Processes", "a KV store owner that is a cluster member SIGKILLed, the head on another "
+        "host: a roster (driver or worker) on its host sees it leave, no store starts after it"),
     "proc.run_signalled": Case(
         "Processes", "Ctrl-C or SIGTERM in the middle of `omni run` with a KV store"),
     "proc.serve_drained": Case(

@@ -284,17 +284,24 @@ MEMBER = textwrap.dedent("""
 
 
 @pytest.mark.proc  # a store-owning cluster member SIGKILLed
-async def test_a_lost_member_s_shared_memory_is_reclaimed_by_the_head_at_once(record, tmp_path,
-                                                                            monkeypatch):
+@pytest.mark.parametrize("finder", ["head", "roster"])
+async def test_a_lost_member_s_shared_memory_is_reclaimed_at_once(finder, record, tmp_path,
+                                                                monkeypatch):
     """Two members of a head, on its host, each own a KV store; one is SIGKILLed (and left
     unreaped, as a supervisor that has not waited yet leaves it). Once the head finds it lost
     it removes that member's arenas and lease table, with no store starting anywhere; the
-    live member's files stay. In a shared-memory folder of the test's own, as above."""
+    live member's files stay. With ``roster``, the head takes no part (as one on another
+    host): a driver's or worker's roster of this host sees the member leave and removes them.
+    In a shared-memory folder of the test's own, as above."""
+    from omni.cluster import head as head_module
     from omni.cluster.head import Head
+    from omni.cluster.membership import Roster
     from omni.cluster.protocol import MemberInfo, MemberLoad, Register
     from omni.transport.credentials import Credentials
 
     monkeypatch.setenv("OMNI_SHM_DIR", str(tmp_path))
+    if finder == "roster":
+        monkeypatch.setattr(head_module, "reclaim_dead_owners", lambda why: 0)
     members = [child(MEMBER) for _ in range(2)]
     try:
         lines = [(await trio.to_thread.run_sync(proc.stdout.readline)).split()
@@ -314,14 +321,20 @@ async def test_a_lost_member_s_shared_memory_is_reclaimed_by_the_head_at_once(re
                     for i, proc in enumerate(members):
                         info = MemberInfo(f"w{i}", endpoints[i], host_id(), proc.pid)
                         await client.call("cluster.register", Register(info, MemberLoad()))
-                os.kill(members[0].pid, 9)  # SIGKILL, not reaped
-                await wait_until(lambda: [v.state for v in head.members()] == ["up", "lost"])
-                assert files(store_ids[0]) == [] and files(store_ids[1]) == kept
-                nursery.cancel_scope.cancel()
+                    roster = Roster(client, interval=0.2)
+                    seen: list[list[str]] = []
+                    nursery.start_soon(roster.run, lambda now: seen.append(sorted(now)))
+                    await wait_until(lambda: seen == [["w0", "w1"]])
+                    os.kill(members[0].pid, 9)  # SIGKILL, not reaped
+                    await wait_until(lambda: seen[-1] == ["w1"])
+                    assert [v.state for v in head.members()] == ["up", "lost"]
+                    assert files(store_ids[0]) == [] and files(store_ids[1]) == kept
+                    nursery.cancel_scope.cancel()
     finally:
         for proc in members:
             proc.kill()
             proc.wait(10)
-    record("proc.owner_lost", tries=1,
-           outcome="the head found the SIGKILLed member lost and at once removed its 3 arenas "
-                   "and lease table, no store starting; the live member's 3 were left alone")
+    record(f"proc.owner_lost_{finder}", tries=1,
+           outcome=f"the {finder} found the SIGKILLed member gone and at once removed its 3 "
+                   "arenas and lease table, no store starting; the live member's 3 were left "
+                   "alone")
