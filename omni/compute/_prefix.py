@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from omni.compute._batch import BatchKV
 from omni.compute.models import DecoderLM
 from omni.kv import KVCapacityError, KVStore
 
-__all__ = ["load_prefix", "store_pages"]
+__all__ = ["load_prefix", "put_pages", "store_pages"]
 
 log = logging.getLogger("omni.compute")
 
@@ -40,8 +42,13 @@ def store_pages(store: KVStore | None, batch: BatchKV, row: int, keys: list[byte
     if store is None or len(keys) <= first:
         return
     kv = batch.row_kv(row, 0, len(keys) * page_size)
-    pages = DecoderLM.kv_to_pages(kv, first * page_size, page_size)
+    put_pages(store, keys[first:], DecoderLM.kv_to_pages(kv, first * page_size, page_size))
+
+
+def put_pages(store: KVStore, keys: list[bytes], pages: torch.Tensor) -> None:
+    """Put `pages` under `keys` into the store (best effort: a full store keeps them out,
+    said in the log)."""
     try:
-        store.put(keys[first:], pages.contiguous())
+        store.put(keys, pages.contiguous())
     except KVCapacityError as exc:
         log.warning("KV pages not cached: %s", exc)

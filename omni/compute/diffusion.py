@@ -38,7 +38,7 @@ from omni.compute._diffusion_modules import (
 )
 from omni.compute.models import DecoderLM, KVList
 from omni.compute.prompt import PromptTokens
-from omni.kv import KVCapacityError, KVStore, MediaSpan
+from omni.kv import KVCapacityError, KVStore
 
 if TYPE_CHECKING:
     from omni.compute.engine import TorchEngine
@@ -211,8 +211,7 @@ class ImageGenerator:
         if len(tokens) + num_image > context:
             raise ValueError(f"{name} has {len(tokens)} tokens; with {num_image} image tokens "
                              f"the context of {context} positions leaves {context - num_image}")
-        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
-        return _Prepared(tokens, self.engine.runner.page_keys(tokens.token_ids, spans,
+        return _Prepared(tokens, self.engine.runner.page_keys(tokens.token_ids, tokens.spans(),
                                                               cache_salt))
 
     def _result(self, image: np.ndarray, state: FlowMatchState, prompt_kvs: list[_PromptKV],

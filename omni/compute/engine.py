@@ -40,7 +40,7 @@ from omni.compute.runner import ModelRunner
 from omni.compute.sampling import RequestSamplingState, SamplingParams
 from omni.compute.scheduler import Scheduler
 from omni.compute.tokenizer import ByteTokenizer, Tokenizer
-from omni.kv import KVStore, MediaSpan
+from omni.kv import KVStore
 
 __all__ = ["EngineStats", "GenerateResult", "TokenStream", "TorchEngine"]
 
@@ -116,7 +116,7 @@ class TorchEngine(ChatMixin):
     def from_pretrained(cls, path: str | Path, *, store: StoreOption = "auto",
                         page_size: int = 16, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", tokenizer: str | Path | None = None,
-                        **kwargs: Any) -> TorchEngine:
+                        layers: int | None = None, **kwargs: Any) -> TorchEngine:
         """Load a Hugging Face directory (config.json + safetensors, sharded or not).
 
         With it come the tokenizer (tokenizer.json, its special tokens and chat template, for
@@ -126,14 +126,16 @@ class TorchEngine(ChatMixin):
         `omni.compute.generation_config`) and its EOS ids end
         generation (else config.json's, else the tokenizer's `eos_token`). The weights are
         read straight onto `device` ("cuda": the model, its batch KV and its default store
-        live on the GPU).
+        live on the GPU). `layers`: only the first that many decoder layers (a negative number:
+        all but that many last ones), for a model whose output is read at an inner layer
+        (`omni.compute.models.load_pretrained`).
 
         Raises:
             ValueError: no such directory, no config.json or weights, an unsupported
                 architecture, weights that do not fit the config, an unreadable
                 tokenizer_config.json / generation_config.json, an invalid chat template.
         """
-        model, config = load_pretrained(path, dtype=dtype, device=device)
+        model, config = load_pretrained(path, dtype=dtype, device=device, layers=layers)
         loaded, defaults = load_tokenizer_and_defaults(path, tuple(config.eos_token_ids),
                                                        tokenizer)
         engine = cls(model, config, tokenizer=loaded, store=store, page_size=page_size,
@@ -242,7 +244,7 @@ class TorchEngine(ChatMixin):
             raise ValueError("stop and stop_regex need a tokenizer to read the output's text; "
                              "this engine has none (stop_token_ids work without one)")
         grammar = await self._compile_grammar(params)
-        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media]
+        spans = tokens.spans()
         keys = self.runner.page_keys(tokens.token_ids, spans, cache_salt)
         started = time.perf_counter()
         samples = [_Request(tokens, sample_params(params, i), keys, spans, started=started,

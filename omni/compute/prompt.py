@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from omni.kv.keys import media_digest
+from omni.kv.keys import MediaSpan, media_digest
 
 __all__ = ["Audio", "Image", "MediaItem", "Prompt", "PromptTokens", "Text", "as_prompt",
            "check_length", "tokenize", "tokenize_for_model"]
@@ -148,6 +148,10 @@ class PromptTokens:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def spans(self) -> list[MediaSpan]:
+        """Where each media item sits, with its digest: what a page key holds of it."""
+        return [MediaSpan(m.start, m.length, m.segment.digest) for m in self.media]
 
 
 def _to_pixels(data: Any) -> np.ndarray:

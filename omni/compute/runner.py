@@ -22,7 +22,7 @@ import torch
 from omni.compute._batch import BatchKV
 from omni.compute._engine_types import _Request
 from omni.compute._item_cache import ItemCache
-from omni.compute._prefix import load_prefix, store_pages
+from omni.compute._prefix import load_prefix, put_pages, store_pages
 from omni.compute.encoders import BuiltinEncoders, Encoded, MediaEncoders
 from omni.compute.models import DecoderLM
 from omni.compute.prompt import Audio, Image, PromptTokens
@@ -36,6 +36,7 @@ __all__ = ["ModelRunner"]
 
 ENCODED_KEPT = 16  # media items whose encodings a runner keeps
 MEDIA_HIDDEN_KEPT = 64  # media items whose tapped hidden states a runner keeps
+ROWS_KEPT = 1024  # pages whose last-layer hidden states (`last_hidden`) a runner keeps
 PREFILL_EWMA = 0.2  # weight of the newest prefill in the estimate of a page's recompute cost
 STEP_BUDGET = 0.002  # seconds of decoding one worker-thread hop may run when no one waits
 
@@ -76,6 +77,9 @@ class ModelRunner:
         # the last MEDIA_HIDDEN_KEPT items', keyed by everything before them (`_media_key`)
         self.tap_layer: int | None = getattr(self.media, "tap_layer", None)
         self._media_hidden: ItemCache[bytes, torch.Tensor] = ItemCache(MEDIA_HIDDEN_KEPT)
+        # the rows `last_hidden` computed for each full page it put into the store, by the
+        # page's key: a cached prefix is read only as far as both its KV and its rows go
+        self._rows: ItemCache[bytes, torch.Tensor] = ItemCache(ROWS_KEPT)
         self.batch = BatchKV(config.num_layers, config.num_kv_heads, config.head_dim,
                              scheduler.max_batch, self.dtype, self.device)
         self._sampler = TokenSampler()
@@ -270,8 +274,7 @@ class ModelRunner:
     def _media_key(self, tokens: PromptTokens, end: int, cache_salt: str) -> bytes:
         """What determines the hidden states of positions before `end`: the model, the salt,
         the ids and the media up to there (one page key of `end` tokens)."""
-        spans = [MediaSpan(m.start, m.length, m.segment.digest) for m in tokens.media
-                 if m.start < end]
+        spans = [span for span in tokens.spans() if span.start < end]
         extra = (self.model_id, "hidden", cache_salt)
         return block_keys(tokens.token_ids[:end], end, extra=extra, media=spans)[0]
 
@@ -283,6 +286,63 @@ class ModelRunner:
         store keeps KV, not hidden states); `cache_salt` the request's."""
         embeds, deepstack = self.prompt_inputs(tokens, cache_salt=cache_salt)
         return self.model.hidden_at(layer, embeds, self._positions(tokens), deepstack)[0]
+
+    @torch.inference_mode()
+    def last_hidden(self, tokens: PromptTokens, cache_salt: str = ""
+                    ) -> tuple[torch.Tensor, int]:
+        """Every prompt token's hidden state after the model's last layer, before its final
+        norm (``[T, hidden]``: a text encoder's output, the model loaded with only the layers
+        read), and how many of them came from cache.
+
+        A cached prefix of full pages (under the request's `cache_salt`, at least one token
+        left to compute) gives both its KV, from the store, and its rows, kept here by page
+        key when they were computed: only the tokens after it run, attending to that KV.
+        The new full pages go into the store, their rows beside them."""
+        ids, size = tokens.token_ids, self.page_size
+        keys = self.page_keys(ids, tokens.spans(), cache_salt)
+        cached, rows = self._cached_rows(keys[: (len(ids) - 1) // size])
+        past = None
+        if cached:
+            with self.store.acquire(keys[:cached]) as lease:  # type: ignore[union-attr]
+                cached = len(lease)  # a page may have gone since the match
+                if cached:
+                    past = DecoderLM.kv_from_pages(lease.pages())
+        start = cached * size
+        embeds, deepstack = self.prompt_inputs(tokens, start, cache_salt)
+        hidden, new_kv = self.model._run_layers(
+            embeds, self._positions(tokens)[..., start:], past, None, deepstack, None,
+            self.config.num_layers)
+        self.counts["prefills"] += 1
+        self.counts["prefill_tokens"] += len(ids) - start
+        rows = torch.cat([*rows[:cached], hidden[0]])
+        self._keep_pages(keys, cached, past, new_kv, rows)
+        return rows, start
+
+    def _cached_rows(self, keys: list[bytes]) -> tuple[int, list[torch.Tensor]]:
+        """How many pages of `keys`' prefix both the store and the kept rows hold, and those
+        pages' rows."""
+        held = 0 if self.store is None or not keys else self.store.match(keys)
+        rows = []
+        for key in keys[:held]:
+            kept = self._rows.get(key)
+            if kept is None:
+                break
+            rows.append(kept)
+        return len(rows), rows
+
+    def _keep_pages(self, keys: list[bytes], cached: int, past: Any, new_kv: Any,
+                    rows: torch.Tensor) -> None:
+        """Put the full pages after the first `cached` into the store, and keep their rows
+        (best effort: a full store keeps them out, said in the log)."""
+        if self.store is None or len(keys) <= cached:
+            return
+        kv = new_kv if past is None else [
+            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+            for (pk, pv), (k, v) in zip(past, new_kv, strict=True)]
+        size = self.page_size
+        put_pages(self.store, keys[cached:], DecoderLM.kv_to_pages(kv, cached * size, size))
+        for i in range(cached, len(keys)):
+            self._rows.put(keys[i], rows[i * size:(i + 1) * size].clone())
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,

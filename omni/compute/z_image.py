@@ -7,15 +7,19 @@ own chat template (``enable_thinking=True``, the generation prompt added), keeps
 `MAX_SEQUENCE_LENGTH` tokens (the template's counted), and conditions the DiT on every token's
 hidden state after the encoder's second-to-last layer (transformers' ``hidden_states[-2]``,
 before any norm); padding is masked out. The negative prompt (``""`` when absent) is encoded
-the same way. Here the encoder is Omni's `TorchEngine`, which runs only the layers that state
-needs, and the prompt is never padded. diffusers' own modules (the DiT, the VAE, the
-scheduler) take the result as ``prompt_embeds`` / ``negative_prompt_embeds``: `ZImage` is the
-folder's pipeline loaded without its text encoder, fed `ZImageText`'s conditions.
+the same way. Here the encoder is Omni's `TorchEngine`, loaded with only the layers that state
+needs, and the prompt is never padded. A prompt that starts as an earlier one did (a shared
+style preamble, the constant negative prompt) reads that prefix's KV from the engine's store
+and its hidden states from beside it (`ModelRunner.last_hidden`): only the rest is computed.
+diffusers' own modules (the DiT, the VAE, the scheduler) take the result as ``prompt_embeds``
+/ ``negative_prompt_embeds``: `ZImage` is the folder's pipeline loaded without its text
+encoder, fed `ZImageText`'s conditions.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,8 @@ from omni.compute.diffusion import check_image_settings
 from omni.compute.engine import TorchEngine
 from omni.compute.prompt import Text
 
-__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "ZImage", "ZImageText", "image_family"]
+__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "Condition", "ZImage", "ZImageText",
+           "image_family"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
 # model_index.json's _class_name -> the family Omni serves it as
@@ -60,12 +65,24 @@ def image_family(folder: str | Path) -> str:
     return FAMILIES[name]
 
 
+@dataclass(frozen=True)
+class Condition:
+    """A prompt's condition and what it cost: `embeds` ``[T, hidden]``, its `tokens`, and how
+    many of them came from cache (`cached_tokens`)."""
+
+    embeds: torch.Tensor
+    tokens: int
+    cached_tokens: int
+
+
 class ZImageText:
     """The text side of a Z-Image folder: its tokenizer's rendering and its text encoder's
     condition.
 
     Args:
-        engine: the text encoder, with the folder's tokenizer (`from_pretrained` loads both).
+        engine: the text encoder without its last decoder layer, whose output is the condition,
+            with the folder's tokenizer and a KV store for prefixes (`from_pretrained` loads
+            it so).
         max_sequence_length: how many tokens of a rendered prompt are kept.
     """
 
@@ -73,9 +90,6 @@ class ZImageText:
         if engine.tokenizer is None or engine.tokenizer.chat_template is None:
             raise ValueError(f"{engine.model_id}: Z-Image's text encoder needs a tokenizer "
                              "with a chat template (tokenizer/ of the folder)")
-        if engine.config.num_layers < 2:
-            raise ValueError(f"{engine.model_id}: Z-Image reads the second-to-last layer of "
-                             f"its text encoder, which has {engine.config.num_layers}")
         self.engine = engine
         self.max_sequence_length = max_sequence_length
 
@@ -89,15 +103,10 @@ class ZImageText:
             ValueError: as `TorchEngine.from_pretrained`, or no tokenizer with a template.
         """
         root = Path(folder)
-        engine = TorchEngine.from_pretrained(root / "text_encoder", tokenizer=root / "tokenizer",
-                                             store=None, dtype=dtype, device=device,
-                                             model_id=f"{root.resolve().name}/text_encoder")
+        engine = TorchEngine.from_pretrained(
+            root / "text_encoder", tokenizer=root / "tokenizer", layers=-1, dtype=dtype,
+            device=device, model_id=f"{root.resolve().name}/text_encoder")
         return cls(engine)
-
-    @property
-    def layer(self) -> int:
-        """The hidden states read: transformers' ``hidden_states[-2]``."""
-        return self.engine.config.num_layers - 1
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The token ids the encoder reads for `prompt` (rendered, cut to the kept length)."""
@@ -108,19 +117,20 @@ class ZImageText:
             enable_thinking=True)
         return list(ids)[: self.max_sequence_length]
 
-    def condition(self, prompt: str) -> torch.Tensor:
-        """`prompt`'s condition ``[T, hidden]``: every token's hidden state after the text
-        encoder's second-to-last layer. Runs the encoder in the calling thread (see
-        `encode`)."""
+    def encode(self, prompt: str, cache_salt: str = "") -> Condition:
+        """`prompt`'s condition: every token's hidden state after the text encoder's
+        second-to-last layer, a prefix cached under the same `cache_salt` read from the store.
+        Runs the encoder in the calling thread."""
         tokens = self.engine.prepare(Text(self.prompt_ids(prompt)))
-        return self.engine.runner.hidden_at(tokens, self.layer)
+        embeds, cached = self.engine.runner.last_hidden(tokens, cache_salt)
+        return Condition(embeds, len(tokens), cached)
 
-    async def encode(self, prompt: str) -> torch.Tensor:
-        """`condition`, computed in a worker thread."""
-        return await run_in_worker(self.condition, prompt)
+    def condition(self, prompt: str, cache_salt: str = "") -> torch.Tensor:
+        """`encode`'s embeddings alone."""
+        return self.encode(prompt, cache_salt).embeds
 
     def __repr__(self) -> str:
-        return (f"<ZImageText {self.engine.model_id} layer={self.layer} "
+        return (f"<ZImageText {self.engine.model_id} layers={self.engine.config.num_layers} "
                 f"max_tokens={self.max_sequence_length}>")
 
 
@@ -128,7 +138,8 @@ class ZImage:
     """A Z-Image folder on Omni: `ZImageText` computes the conditions, the folder's own
     diffusers pipeline, loaded without its text encoder, paints from them (its DiT, VAE and
     scheduler, with diffusers' generator semantics: one CPU generator drawn from `seed`, one
-    noise draw for the `n` images).
+    noise draw for the `n` images), and edits an image with them (`edit`: diffusers'
+    ``ZImageImg2ImgPipeline`` on the same modules).
 
     Args:
         text: the text side (`ZImageText`).
@@ -136,8 +147,14 @@ class ZImage:
     """
 
     def __init__(self, text: ZImageText, painter: Any):
+        from diffusers import ZImageImg2ImgPipeline
+
         self.text, self.painter = text, painter
         self.pixel_step = 2 * int(painter.vae_scale_factor)  # latents are patched 2 x 2
+        # the painter's modules, scheduler included (one call at a time: each call sets the
+        # scheduler's timesteps anew), not a second copy of the weights
+        self.editor = ZImageImg2ImgPipeline.from_pipe(painter)
+        self.editor.set_progress_bar_config(disable=True)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -175,17 +192,75 @@ class ZImage:
             ValueError: a setting out of range (`check`), a prompt that is not text.
         """
         self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
-        negative = [self.text.condition(negative_prompt)] if guidance > 0 else None
-        result = self.painter(
-            prompt_embeds=[self.text.condition(prompt)], negative_prompt_embeds=negative,
-            height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
-            num_images_per_prompt=n, generator=torch.Generator().manual_seed(seed),
-            output_type="np")
-        return result.images
+        return self._paint(self.painter, prompt, negative_prompt, guidance=guidance, seed=seed,
+                           n=n, height=height, width=width, num_inference_steps=steps)
 
     async def agenerate(self, prompt: str, **settings: Any) -> np.ndarray:
         """`generate` in a worker thread."""
         return await run_in_worker(lambda: self.generate(prompt, **settings))
+
+    def edit(self, prompt: str, image: np.ndarray, *, strength: float = 0.6,
+             negative_prompt: str = "", width: int | None = None, height: int | None = None,
+             steps: int = 50, guidance: float = 5.0, seed: int = 0, n: int = 1) -> np.ndarray:
+        """`n` edits of `image` (RGB pixels, uint8 ``[H, W, 3]``) following `prompt`, as float
+        pixels ``[n, height, width, 3]`` in [0, 1]: what diffusers' ``ZImageImg2ImgPipeline``
+        gives for the same arguments with the image as a PIL image. `strength` (diffusers'
+        default; 0 < strength <= 1) is how far the image is noised: the last
+        ``steps * strength`` of the `steps` run. Without `width` and `height` the edit has the
+        image's size rounded down to a multiple of `pixel_step` (diffusers' own default); with
+        them, the image is resized to them first, as diffusers' image processor resizes
+        (Lanczos). Runs in the calling thread (see `aedit`).
+
+        Raises:
+            ValueError: a setting out of range (`check`), a strength outside (0, 1], an image
+                that is not uint8 RGB pixels or is smaller than `pixel_step` without a size,
+                one of `width` and `height` without the other, a prompt that is not text.
+        """
+        width, height = self._edit_size(image, width, height)
+        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
+        if isinstance(strength, bool) or not isinstance(strength, int | float) or not (
+                0 < strength <= 1):
+            raise ValueError(f"strength must be a number in (0, 1], got {strength!r}")
+        from PIL import Image
+
+        picture = self.editor.image_processor.resize(Image.fromarray(image), height, width)
+        return self._paint(self.editor, prompt, negative_prompt, guidance=guidance, seed=seed,
+                           n=n, image=picture, strength=strength, num_inference_steps=steps)
+
+    async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> np.ndarray:
+        """`edit` in a worker thread."""
+        return await run_in_worker(lambda: self.edit(prompt, image, **settings))
+
+    def _edit_size(self, image: Any, width: Any, height: Any) -> tuple[Any, Any]:
+        """The edit's size: `width` x `height`, or the image's rounded down to `pixel_step`."""
+        if not (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.ndim == 3
+                and image.shape[2] == 3):
+            shape = getattr(image, "shape", None)
+            raise ValueError(f"image must be RGB pixels, uint8 [H, W, 3], got "
+                             f"{type(image).__name__} {shape or ''}".rstrip())
+        if (width is None) != (height is None):
+            raise ValueError("give an edit both width and height, or neither (the image's size)")
+        if width is not None:
+            return width, height
+        rows, columns, _ = image.shape
+        step = self.pixel_step
+        if min(rows, columns) < step:
+            raise ValueError(f"the image is {columns} x {rows} pixels: an edit without a width "
+                             f"and height keeps its size rounded down to a multiple of {step} "
+                             "pixels, which leaves nothing; give a width and height")
+        return columns - columns % step, rows - rows % step
+
+    def _paint(self, pipeline: Any, prompt: str, negative_prompt: str, *, guidance: float,
+               seed: int, n: int, **settings: Any) -> np.ndarray:
+        """`pipeline` (the painter or the editor) run on the prompt's condition (and the
+        negative prompt's, encoded only when `guidance` is above 0), with one CPU generator
+        drawn from `seed` for the `n` images; float pixels ``[n, H, W, 3]``."""
+        negative = [self.text.condition(negative_prompt)] if guidance > 0 else None
+        result = pipeline(
+            prompt_embeds=[self.text.condition(prompt)], negative_prompt_embeds=negative,
+            guidance_scale=guidance, num_images_per_prompt=n,
+            generator=torch.Generator().manual_seed(seed), output_type="np", **settings)
+        return result.images
 
     def __repr__(self) -> str:
         return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"

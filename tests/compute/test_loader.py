@@ -186,3 +186,27 @@ def test_qwen3_checkpoint_without_qk_norms_names_them(tmp_path: Path) -> None:
         load_pretrained(tmp_path)
     with pytest.raises(ValueError, match="qwen3 has no MLP bias"):
         DecoderConfig("qwen3", 10, 32, 8, 1, 4, 2, mlp_bias=True)
+
+
+@pytest.mark.parametrize("layers", [1, -1])
+def test_the_first_layers_alone_are_read_and_give_the_full_models_inner_states(
+        checkpoint: Path, layers: int) -> None:
+    """A model read at an inner layer loads only the layers before it: what they compute is
+    the full model's hidden state there (transformers' ``hidden_states[k]``)."""
+    full, config = load_pretrained(checkpoint)
+    part, part_config = load_pretrained(checkpoint, layers=layers)
+    keep = layers % config.num_layers
+    assert part_config.num_layers == len(part.layers) == keep
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    positions = torch.arange(ids.shape[1])[None]
+    want = full.hidden_at(keep, full.embed(ids), positions)
+    got, _ = part._run_layers(part.embed(ids), positions, None, None, None, None, keep)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layers", [0, -2, 3])
+def test_layers_keeping_none_or_more_than_the_checkpoint_has_is_refused(
+        checkpoint: Path, layers: int) -> None:
+    with pytest.raises(ValueError, match=rf"layers={layers} keeps -?\d+ of the checkpoint's 2 "
+                                         r"decoder layers \(1 to 2 can\)"):
+        load_pretrained(checkpoint, layers=layers)

@@ -52,21 +52,54 @@ def test_a_long_prompt_keeps_the_tokens_diffusers_keeps(text: ZImageText) -> Non
     assert len(text.prompt_ids(PROMPT)) < MAX_SEQUENCE_LENGTH
 
 
-def test_only_the_layers_before_the_one_read_run(text: ZImageText) -> None:
-    """The condition is the second-to-last layer's output: the last layer never runs."""
+def test_only_the_layers_before_the_one_read_are_loaded(folder: Path, text: ZImageText
+                                                         ) -> None:
+    """The condition is the second-to-last layer's output: the last layer is neither read
+    from the checkpoint nor run."""
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    assert len(text.engine.model.layers) == config["num_hidden_layers"] - 1
     calls: list[int] = []
     hooks = [layer.register_forward_hook(lambda *_, i=i: calls.append(i))
              for i, layer in enumerate(text.engine.model.layers)]
     try:
-        text.condition(PROMPT)
+        text.condition(PROMPT + " Unseen.")
     finally:
         for hook in hooks:
             hook.remove()
-    assert calls == list(range(text.engine.config.num_layers - 1))
+    assert calls == list(range(config["num_hidden_layers"] - 1))
+
+
+STYLE = ("In the style of a nineteenth-century botanical plate: fine ink lines, soft "
+         "watercolour washes, a cream paper ground, labelled in copperplate. ")
+
+
+def test_a_prompt_sharing_a_preamble_reads_it_cached_and_equals_diffusers(
+        pipeline: Any, folder: Path) -> None:
+    """The second prompt's preamble pages come from the store (KV) and from beside it (the
+    rows read): only its own tokens run, and its condition is diffusers' all the same. The
+    same prompt again reads every full page but the last token's; another salt reads none."""
+    text = ZImageText.from_pretrained(folder)  # a store of its own: nothing cached yet
+    size = text.engine.runner.page_size
+    first = text.encode(STYLE + "A fern.")
+    assert first.cached_tokens == 0
+    second = text.encode(STYLE + "A thistle.")
+    fern, thistle = text.prompt_ids(STYLE + "A fern."), text.prompt_ids(STYLE + "A thistle.")
+    shared = next(i for i, (a, b) in enumerate(zip(fern, thistle, strict=False)) if a != b)
+    assert second.cached_tokens == shared // size * size > 0
+    (theirs,), _ = pipeline.encode_prompt(STYLE + "A thistle.", do_classifier_free_guidance=False)
+    torch.testing.assert_close(second.embeds, theirs.detach(), rtol=0, atol=1e-4)
+    computed = text.engine.stats().num_prefill_tokens
+    again = text.encode(STYLE + "A thistle.")
+    assert again.cached_tokens == (again.tokens - 1) // size * size
+    assert text.engine.stats().num_prefill_tokens - computed == again.tokens - again.cached_tokens
+    torch.testing.assert_close(again.embeds, theirs.detach(), rtol=0, atol=1e-4)
+    other = text.encode(STYLE + "A thistle.", cache_salt="tenant-b")
+    assert other.cached_tokens == 0
+    torch.testing.assert_close(other.embeds, theirs.detach(), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("guidance", [0.0, 4.0])
-async def test_diffusers_fed_omnis_condition_paints_the_prompts_image(
+def test_diffusers_fed_omnis_condition_paints_the_prompts_image(
         pipeline: Any, text: ZImageText, guidance: float) -> None:
     negative = "blurry, dark"
 
@@ -76,8 +109,8 @@ async def test_diffusers_fed_omnis_condition_paints_the_prompts_image(
                         generator=torch.Generator().manual_seed(7)).images[0]
 
     theirs = paint(prompt=PROMPT, negative_prompt=negative)
-    ours = paint(prompt_embeds=[await text.encode(PROMPT)],
-                 negative_prompt_embeds=[await text.encode(negative)])
+    ours = paint(prompt_embeds=[text.condition(PROMPT)],
+                 negative_prompt_embeds=[text.condition(negative)])
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
     other = paint(prompt="A blue whale at night.", negative_prompt=negative)
     assert np.abs(other - theirs).max() > 0.05  # the prompt matters to this random DiT

@@ -8,8 +8,9 @@ tensors) before any weight is read, so a bad one fails with one ValueError that 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,36 +36,43 @@ _MAX_NAMED = 5  # names listed per kind of problem in an error message
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu") -> tuple[DecoderLM, DecoderConfig]:
+                    device: str | torch.device = "cpu", *, layers: int | None = None
+                    ) -> tuple[DecoderLM, DecoderConfig]:
     """The model and config of a HF checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, or
     the thinker's text decoder of a Qwen3-Omni checkpoint; safetensors only).
 
     Reads `config.json`, then `model.safetensors` or the shards listed by
     `model.safetensors.index.json`. The model is in eval mode, without gradients, in `dtype` on
-    `device` (tensors are read straight onto the device).
+    `device` (tensors are read straight onto the device). `layers`: only the first that many
+    decoder layers are built and read (a negative number: all but that many last ones), for a
+    model whose output is read at an inner layer; the config says so (its `num_layers`).
 
     Raises:
         FileNotFoundError: no such directory, no config.json, or no safetensors weights.
-        ValueError: unreadable config.json, an unsupported architecture or option, or weights that
-            do not match the config (missing, unexpected or misshapen tensors, listed by name).
+        ValueError: unreadable config.json, an unsupported architecture or option, weights that
+            do not match the config (missing, unexpected or misshapen tensors, listed by name),
+            `layers` keeping none of the checkpoint's layers or more than it has.
     """
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"no such directory: {root}")
     hf = read_json(root / "config.json")
     config = DecoderConfig.from_hf(hf)
-    return load_decoder(root, config, weights_prefix(hf), dtype=dtype, device=device), config
+    model = load_decoder(root, config, weights_prefix(hf), dtype=dtype, device=device,
+                         layers=layers)
+    return model, model.config
 
 
 def load_decoder(path: str | Path, config: DecoderConfig, prefix: str = "",
                  parts: tuple[str, ...] = ("model.", "lm_head."),
                  renamed: Mapping[str, str] | None = None, *,
                  dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> DecoderLM:
+                 device: str | torch.device = "cpu", layers: int | None = None) -> DecoderLM:
     """A `DecoderLM` of `config` from the tensors of a checkpoint directory under `prefix` +
     one of `parts` (a decoder inside a larger model: Qwen3-Omni's talker under "talker.").
     `renamed` maps a transformers decoder's tensor names to the names this one stores them
     under (the talker's "model.codec_embedding.weight" for "model.embed_tokens.weight").
+    `layers`: as `load_pretrained`'s (the checkpoint is checked whole all the same).
 
     Raises: as `load_pretrained`.
     """
@@ -72,6 +80,8 @@ def load_decoder(path: str | Path, config: DecoderConfig, prefix: str = "",
     stored = {name: standard for standard, name in (renamed or {}).items()}
     files = under(weight_files(root), prefix, parts)
     _check_tensors(root, config, files, prefix, stored)
+    if layers is not None:
+        config, files = _first_layers(config, files, layers)
     tensors = read_named(files, dtype, torch.device(device), prefix)
     return _build(config, {stored.get(n, n): t for n, t in tensors.items()},
                   torch.device(device))
@@ -148,6 +158,24 @@ def _check_tensors(root: Path, config: DecoderConfig, files: dict[Path, list[str
     if problems:
         raise ValueError(f"weights in {root} do not match config.json ({config.architecture}, "
                          f"{config.num_layers} layers): " + "; ".join(problems))
+
+
+def _first_layers(config: DecoderConfig, files: dict[Path, list[str]], layers: int
+                  ) -> tuple[DecoderConfig, dict[Path, list[str]]]:
+    """The config of the first `layers` layers (negative: all but that many last ones) and
+    the tensor names of `files` that model reads (no later layer's)."""
+    keep = layers if layers >= 0 else config.num_layers + layers
+    if not 1 <= keep <= config.num_layers:
+        raise ValueError(f"layers={layers} keeps {keep} of the checkpoint's "
+                         f"{config.num_layers} decoder layers (1 to {config.num_layers} can)")
+    later = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
+
+    def read(name: str) -> bool:
+        match = later.match(name)
+        return match is None or int(match[1]) < keep
+
+    return (replace(config, num_layers=keep),
+            {file: [name for name in names if read(name)] for file, names in files.items()})
 
 
 def _some(items: list[str]) -> str:
