@@ -912,23 +912,25 @@ class Worker:
         if self.kv is not None:
             _set_request_holders(head)
         try:
-            async with send:
-                with stream.scope:
-                    agen = hosted.instance(*args, **kwargs)
-                    del args, kwargs
-                    try:
-                        async for item in agen:
-                            await send.send(await pack_for(
-                                self.mover, item, peer=hosted.session,
-                                same_host=hosted.same_host))
-                    finally:
-                        await agen.aclose()
+            with stream.scope:
+                agen = hosted.instance(*args, **kwargs)
+                del args, kwargs
+                try:
+                    async for item in agen:
+                        await send.send(await pack_for(
+                            self.mover, item, peer=hosted.session,
+                            same_host=hosted.same_host))
+                finally:
+                    await agen.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the driver closed the stream
         except Exception as exc:
             self._failed += 1
             stream.error.append(exc)
         finally:
+            # Only now, the error recorded: `_next` takes the channel's end for the stream's,
+            # and a failure noted after it would never reach the driver.
+            send.close()
             current.reset(token)
             self._drop_inboxes(hosted.session, feeds)
 

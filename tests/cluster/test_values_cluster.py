@@ -62,6 +62,19 @@ async def test_a_stream_item_that_cannot_travel_fails_its_request_only(
             assert await rt.run(v.count, bad=False) == 2  # the runtime and worker go on
 
 
+async def test_a_stream_failing_after_its_items_fails_its_request_every_time(
+        local_cluster: LocalCluster) -> None:
+    """The worker records the failure before the stream's end is seen: the driver never
+    takes the end for a clean one (20 runs: the two used to race)."""
+    await local_cluster.start()
+    await local_cluster.worker("w1")
+    async with local_cluster.driver() as rt:
+        for x in range(20):
+            with trio.fail_after(CAP_S), pytest.raises(omni.NodeError,
+                                                       match="broke after one item"):
+                await rt.run(v.BreaksAfterOne(), x=x)
+
+
 async def test_values_past_the_old_frame_limit_cross_both_ways(local_cluster: LocalCluster,
                                                             monkeypatch) -> None:
     await local_cluster.start()

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import trio
 
 import omni
 from omni.transport.movers import payload_mover
@@ -107,3 +108,13 @@ async def big_arrays(count: int, nbytes: int) -> AsyncIterator[np.ndarray]:
 @omni.graph
 def bounce(count: int, nbytes: int):
     return Bounce()(big_arrays(count, nbytes))
+
+
+@omni.node
+class BreaksAfterOne:
+    """Streams `x`, then fails (a moment later: the driver is then waiting for more)."""
+
+    async def __call__(self, x: int) -> AsyncIterator[int]:
+        yield x
+        await trio.sleep(0.01)
+        raise RuntimeError("broke after one item")

@@ -284,15 +284,33 @@ MEMBER = textwrap.dedent("""
 
 
 @pytest.mark.proc  # a store-owning cluster member SIGKILLed
-@pytest.mark.parametrize("finder", ["head", "roster"])
-async def test_a_lost_member_s_shared_memory_is_reclaimed_at_once(finder, record, tmp_path,
-                                                                monkeypatch):
+async def test_a_lost_member_s_shared_memory_is_reclaimed_by_the_head_at_once(
+        record, tmp_path, monkeypatch):
     """Two members of a head, on its host, each own a KV store; one is SIGKILLed (and left
     unreaped, as a supervisor that has not waited yet leaves it). Once the head finds it lost
     it removes that member's arenas and lease table, with no store starting anywhere; the
-    live member's files stay. With ``roster``, the head takes no part (as one on another
-    host): a driver's or worker's roster of this host sees the member leave and removes them.
-    In a shared-memory folder of the test's own, as above."""
+    live member's files stay. In a shared-memory folder of the test's own, as above."""
+    await lost_member_reclaimed("head", tmp_path, monkeypatch)
+    record("proc.owner_lost_head", tries=1,
+           outcome="the head found the SIGKILLed member lost and at once removed its 3 arenas "
+                   "and lease table, no store starting; the live member's 3 were left alone")
+
+
+@pytest.mark.proc  # a store-owning cluster member SIGKILLed
+async def test_a_lost_member_s_shared_memory_is_reclaimed_by_a_roster_of_its_host(
+        record, tmp_path, monkeypatch):
+    """As above, the head taking no part (as one on another host does): a driver's or
+    worker's roster on the member's host sees it leave and removes its files."""
+    await lost_member_reclaimed("roster", tmp_path, monkeypatch)
+    record("proc.owner_lost_roster", tries=1,
+           outcome="the head elsewhere, a roster of the host saw the SIGKILLed member leave "
+                   "and at once removed its 3 arenas and lease table, no store starting; the "
+                   "live member's 3 were left alone")
+
+
+async def lost_member_reclaimed(finder: str, tmp_path, monkeypatch) -> None:
+    """Two store-owning members of a head, one SIGKILLed: its files go once the `finder`
+    ("head", or a "roster" with the head's own reclaim off) knows, the other's stay."""
     from omni.cluster import head as head_module
     from omni.cluster.head import Head
     from omni.cluster.membership import Roster
@@ -334,7 +352,3 @@ async def test_a_lost_member_s_shared_memory_is_reclaimed_at_once(finder, record
         for proc in members:
             proc.kill()
             proc.wait(10)
-    record(f"proc.owner_lost_{finder}", tries=1,
-           outcome=f"the {finder} found the SIGKILLed member gone and at once removed its 3 "
-                   "arenas and lease table, no store starting; the live member's 3 were left "
-                   "alone")
