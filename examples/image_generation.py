@@ -58,10 +58,12 @@ before any request runs.
 
 With `OMNI_MODEL` a diffusers pipeline folder (``model_index.json``; Z-Image's layout), the
 graph is the library's pipeline for that family instead (`omni.pipelines.z_image_graph`):
-Omni's engine computes the text condition, the folder's own diffusers modules paint, and the
-PNG is the one diffusers' pipeline saves for the same request. Its inputs: `prompt`, `out`,
-`width`, `height` (1024), `steps` (50), `guidance` (5.0), `negative_prompt`, `seed`, `png`.
-A folder of another family is refused, naming it and the families served.
+Omni's engine computes the text condition (a prompt's cached prefix read from the store), the
+folder's own diffusers modules paint, and the PNG is the one diffusers' pipeline saves for the
+same request. Its inputs: `prompt`, `out`, `image` (a file to edit, as diffusers'
+image-to-image pipeline does) with `strength` (0.6), `width`, `height` (1024, or the image's),
+`steps` (50), `guidance` (5.0), `negative_prompt`, `seed`, `png`. A folder of another family
+is refused, naming it and the families served.
 """
 
 from __future__ import annotations

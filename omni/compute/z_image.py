@@ -31,7 +31,7 @@ from omni.compute.diffusion import check_image_settings
 from omni.compute.engine import TorchEngine
 from omni.compute.prompt import Text
 
-__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "Condition", "ZImage", "ZImageText",
+__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "Condition", "Painted", "ZImage", "ZImageText",
            "image_family"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
@@ -73,6 +73,21 @@ class Condition:
     embeds: torch.Tensor
     tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Painted:
+    """A request's images, float pixels ``[n, H, W, 3]`` in [0, 1], and its prompts' cost:
+    `input_tokens` of the prompt and the negative prompt (when encoded), `cached_tokens` of
+    them read from cache."""
+
+    images: np.ndarray
+    input_tokens: int
+    cached_tokens: int
+
+    def usage(self) -> dict[str, int]:
+        """``{"input_tokens", "cached_tokens"}``: what ``omni serve`` reports as ``usage``."""
+        return {"input_tokens": self.input_tokens, "cached_tokens": self.cached_tokens}
 
 
 class ZImageText:
@@ -182,28 +197,31 @@ class ZImage:
 
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
                  height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
-                 n: int = 1) -> np.ndarray:
+                 n: int = 1, cache_salt: str = "") -> Painted:
         """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
         diffusers' pipeline gives for the same arguments (`guidance` is its
-        ``guidance_scale``; the negative prompt is encoded only when it is above 0). Runs in
-        the calling thread (see `agenerate`).
+        ``guidance_scale``; the negative prompt is encoded only when it is above 0). The
+        prompts' cached prefixes are read only from requests of the same `cache_salt`. Runs
+        in the calling thread (see `agenerate`).
 
         Raises:
             ValueError: a setting out of range (`check`), a prompt that is not text.
         """
         self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
-        return self._paint(self.painter, prompt, negative_prompt, guidance=guidance, seed=seed,
-                           n=n, height=height, width=width, num_inference_steps=steps)
+        return self._paint(self.painter, prompt, negative_prompt, cache_salt, guidance=guidance,
+                           seed=seed, n=n, height=height, width=width, num_inference_steps=steps)
 
-    async def agenerate(self, prompt: str, **settings: Any) -> np.ndarray:
+    async def agenerate(self, prompt: str, **settings: Any) -> Painted:
         """`generate` in a worker thread."""
         return await run_in_worker(lambda: self.generate(prompt, **settings))
 
     def edit(self, prompt: str, image: np.ndarray, *, strength: float = 0.6,
              negative_prompt: str = "", width: int | None = None, height: int | None = None,
-             steps: int = 50, guidance: float = 5.0, seed: int = 0, n: int = 1) -> np.ndarray:
+             steps: int = 50, guidance: float = 5.0, seed: int = 0, n: int = 1,
+             cache_salt: str = "") -> Painted:
         """`n` edits of `image` (RGB pixels, uint8 ``[H, W, 3]``) following `prompt`, as float
-        pixels ``[n, height, width, 3]`` in [0, 1]: what diffusers' ``ZImageImg2ImgPipeline``
+        pixels ``[n, height, width, 3]`` in [0, 1] (`cache_salt` as `generate`'s): what
+        diffusers' ``ZImageImg2ImgPipeline``
         gives for the same arguments with the image as a PIL image. `strength` (diffusers'
         default; 0 < strength <= 1) is how far the image is noised: the last
         ``steps * strength`` of the `steps` run. Without `width` and `height` the edit has the
@@ -224,10 +242,11 @@ class ZImage:
         from PIL import Image
 
         picture = self.editor.image_processor.resize(Image.fromarray(image), height, width)
-        return self._paint(self.editor, prompt, negative_prompt, guidance=guidance, seed=seed,
-                           n=n, image=picture, strength=strength, num_inference_steps=steps)
+        return self._paint(self.editor, prompt, negative_prompt, cache_salt, guidance=guidance,
+                           seed=seed, n=n, image=picture, strength=strength,
+                           num_inference_steps=steps)
 
-    async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> np.ndarray:
+    async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> Painted:
         """`edit` in a worker thread."""
         return await run_in_worker(lambda: self.edit(prompt, image, **settings))
 
@@ -250,17 +269,21 @@ class ZImage:
                              "pixels, which leaves nothing; give a width and height")
         return columns - columns % step, rows - rows % step
 
-    def _paint(self, pipeline: Any, prompt: str, negative_prompt: str, *, guidance: float,
-               seed: int, n: int, **settings: Any) -> np.ndarray:
+    def _paint(self, pipeline: Any, prompt: str, negative_prompt: str, cache_salt: str, *,
+               guidance: float, seed: int, n: int, **settings: Any) -> Painted:
         """`pipeline` (the painter or the editor) run on the prompt's condition (and the
         negative prompt's, encoded only when `guidance` is above 0), with one CPU generator
-        drawn from `seed` for the `n` images; float pixels ``[n, H, W, 3]``."""
-        negative = [self.text.condition(negative_prompt)] if guidance > 0 else None
+        drawn from `seed` for the `n` images."""
+        conditions = [self.text.encode(prompt, cache_salt)]
+        if guidance > 0:
+            conditions.append(self.text.encode(negative_prompt, cache_salt))
         result = pipeline(
-            prompt_embeds=[self.text.condition(prompt)], negative_prompt_embeds=negative,
+            prompt_embeds=[conditions[0].embeds],
+            negative_prompt_embeds=[c.embeds for c in conditions[1:]] or None,
             guidance_scale=guidance, num_images_per_prompt=n,
             generator=torch.Generator().manual_seed(seed), output_type="np", **settings)
-        return result.images
+        return Painted(result.images, sum(c.tokens for c in conditions),
+                       sum(c.cached_tokens for c in conditions))
 
     def __repr__(self) -> str:
         return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"

@@ -1,14 +1,18 @@
-"""The image pipeline of a Z-Image folder (diffusers' layout): a prompt in, a PNG out.
+"""The image pipeline of a Z-Image folder (diffusers' layout): a prompt, and optionally an image
+to edit, in; a PNG out.
 
-    check_out ───────────────────────────► save_png ─► the result
-    ZImagePaint (Omni's engine: the text condition; diffusers: DiT, VAE, scheduler) ─┘
+    check_out ────────────────────────────────────────────► save_png ─► the result
+    read_image ─► ZImagePaint (Omni's engine: the text condition;  ─┘
+                               diffusers: DiT, VAE, scheduler)
 
 `ZImagePaint` holds the folder's `omni.compute.ZImage`: Omni's engine computes the prompt's
 and the negative prompt's conditions, the folder's own diffusers pipeline (loaded without its
 text encoder) paints from them, with diffusers' defaults and generator semantics, so the PNG
-is the one diffusers' ``ZImagePipeline`` saves for the same request. One call at a time per
-replica: a diffusers pipeline keeps its scheduler's state while it runs. The graph answers
-``POST /v1/images/generations`` under ``omni serve``.
+is the one diffusers' ``ZImagePipeline`` saves for the same request; given an image, it is the
+one diffusers' ``ZImageImg2ImgPipeline`` saves (the same modules, `strength` its). One call at
+a time per replica: a diffusers pipeline keeps its scheduler's state while it runs. The graph
+answers ``POST /v1/images/generations`` under ``omni serve``, and ``POST /v1/images/edits``
+(its `image` input takes the uploaded image, decoded: an `ImagePart`).
 """
 
 from __future__ import annotations
@@ -17,52 +21,93 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from omni.compute import ZImage
 from omni.compute.diffusion import to_png
 from omni.compute.z_image import image_family
-from omni.graph import Graph, OutputFile, graph, node
+from omni.graph import CacheSalt, Graph, InputFile, OutputFile, graph, node
 from omni.pipelines._files import check_out, write_file
-from omni.serve.openai import image_generations
+from omni.serve.openai import ImagePart, image_generations
 
-__all__ = ["ZImagePaint", "save_png", "z_image_graph"]
+__all__ = ["ZImagePaint", "read_image", "save_png", "z_image_graph"]
+
+
+@node(thread=True)
+def read_image(image: str | ImagePart) -> np.ndarray | None:
+    """The pixels to edit, uint8 RGB ``[H, W, 3]``: an `ImagePart`'s (the edits route decoded
+    the upload), the image file's at the path `image` (PNG, JPEG or another Pillow reads), or
+    None for "" (paint from the prompt alone)."""
+    if isinstance(image, ImagePart):
+        return image.pixels
+    if not isinstance(image, str):
+        raise ValueError(f"image must be the path of an image file, got {type(image).__name__}")
+    if image == "":
+        return None
+    try:
+        with Image.open(image) as picture:
+            return np.asarray(picture.convert("RGB"))
+    except FileNotFoundError:
+        raise ValueError(f"image={image!r}: no such file") from None
+    except UnidentifiedImageError:
+        raise ValueError(f"image={image!r} is not an image Pillow reads") from None
+    except OSError as exc:  # a folder, no permission, a truncated file
+        raise ValueError(f"image={image!r} cannot be read: {exc.strerror or exc}") from None
 
 
 @node
 class ZImagePaint:
-    """The folder's model, built once per replica; a call paints one image."""
+    """The folder's model, built once per replica; a call paints one image, or edits one."""
 
     def __init__(self, folder: str = "") -> None:
         self.model = ZImage.from_pretrained(folder)
 
-    async def __call__(self, prompt: str, negative_prompt: str, width: int, height: int,
-                       steps: int, guidance: float, seed: int) -> np.ndarray:
-        """The image ``[height, width, 3]`` uint8, as diffusers' PIL output rounds it."""
-        images = await self.model.agenerate(prompt, negative_prompt=negative_prompt,
-                                            width=width, height=height, steps=steps,
-                                            guidance=guidance, seed=seed)
-        return (images[0] * 255).round().astype(np.uint8)
+    async def __call__(self, prompt: str, image: np.ndarray | None, strength: float,
+                       negative_prompt: str, width: int | None, height: int | None,
+                       steps: int, guidance: float, seed: int, cache_salt: str
+                       ) -> dict[str, Any]:
+        """``{"image", "usage"}``: the image ``[height, width, 3]`` uint8, as diffusers' PIL
+        output rounds it, `image` edited (`ZImage.edit`), or, without one, the prompt painted
+        (`ZImage.generate`; 1024 pixels a side unless given); and its prompts' tokens
+        (`Painted.usage`), prefixes read only from requests of the same `cache_salt`."""
+        settings: dict[str, Any] = {"negative_prompt": negative_prompt, "steps": steps,
+                                    "guidance": guidance, "seed": seed,
+                                    "cache_salt": cache_salt}
+        if image is not None:
+            painted = await self.model.aedit(prompt, image, strength=strength, width=width,
+                                            height=height, **settings)
+        else:
+            sizes = {k: v for k, v in (("width", width), ("height", height)) if v is not None}
+            painted = await self.model.agenerate(prompt, **sizes, **settings)
+        return {"image": (painted.images[0] * 255).round().astype(np.uint8),
+                "usage": painted.usage()}
 
 
 @node(thread=True)
-def save_png(image: np.ndarray, path: str, png: bool) -> dict[str, Any]:
-    """Encode `image` as PNG, write it to `path` (nothing for ""), report it (with the PNG's
-    bytes under "png" when `png`)."""
+def save_png(painted: dict[str, Any], path: str, png: bool) -> dict[str, Any]:
+    """Encode the painted image as PNG, write it to `path` (nothing for ""), report it with
+    its prompts' usage (and the PNG's bytes under "png" when `png`)."""
+    image = painted["image"]
     data = to_png(image)
     if path:
         write_file(path, data)
     height, width, _ = image.shape
     report: dict[str, Any] = {"out": path or None, "width": width, "height": height,
-                              "png_bytes": len(data)}
+                              "png_bytes": len(data), "usage": painted["usage"]}
     return {**report, "png": data} if png else report
 
 
 def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:
     """The graph `name` painting with the Z-Image folder `folder`, marked for
-    ``/v1/images/generations``. Inputs: `prompt`, `out` (the PNG to write), and optionally
-    `width` and `height` (pixels; 1024), `steps` (50), `guidance` (5.0; 0 skips the negative
-    prompt), `negative_prompt` (""), `seed` (0) and `png` (false; true with ``out=""``: the
-    result carries the PNG's bytes).
+    ``/v1/images/generations`` (and so ``/v1/images/edits``). Inputs: `prompt`, `out` (the PNG
+    to write), and optionally `image` (an image to edit: a file's path, or an `ImagePart`;
+    "": paint from the prompt), `strength` (0.6: how far an edited image is noised),
+    `width` and `height` (pixels; 1024, or for an edit the image's size rounded down to the
+    model's pixel step), `steps` (50), `guidance` (5.0; 0 skips the negative prompt),
+    `negative_prompt` (""), `seed` (0), `png` (false; true with ``out=""``: the result
+    carries the PNG's bytes) and `cache_salt` (the request's: ``omni serve`` sets it, so
+    tenants share no cached prompt). The result reports the prompts' `usage`
+    (``input_tokens``, ``cached_tokens``).
 
     Raises:
         ValueError: `folder` is not a folder of a family Omni serves (`image_family`).
@@ -70,12 +115,15 @@ def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:
     root = str(Path(folder).expanduser().resolve())
     image_family(root)
 
-    def z_image(prompt: str, out: Annotated[str, OutputFile(".png")], width: int = 1024,
-                height: int = 1024, steps: int = 50, guidance: float = 5.0,
-                negative_prompt: str = "", seed: int = 0, png: bool = False):
+    def z_image(prompt: str, out: Annotated[str, OutputFile(".png")],
+                image: Annotated[str | ImagePart, InputFile()] = "", strength: float = 0.6,
+                width: int | None = None, height: int | None = None, steps: int = 50,
+                guidance: float = 5.0, negative_prompt: str = "", seed: int = 0,
+                png: bool = False, cache_salt: Annotated[str, CacheSalt()] = ""):
         path = check_out(out, png)
-        image = ZImagePaint(folder=root)(prompt, negative_prompt, width, height, steps,
-                                         guidance, seed)
-        return save_png(image, path, png)
+        pixels = read_image(image)
+        painted = ZImagePaint(folder=root)(prompt, pixels, strength, negative_prompt, width,
+                                           height, steps, guidance, seed, cache_salt)
+        return save_png(painted, path, png)
 
     return image_generations(graph(z_image, name=name))

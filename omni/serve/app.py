@@ -15,7 +15,8 @@ Routes:
   requests go to, an Omni field: ``"omni": {"endpoint": "/v1/chat/completions"}``);
   ``GET /v1/models/{id}``: one of them (404 for another id).
 - ``POST /v1/chat/completions``, ``POST /v1/images/generations``: for graphs marked with
-  them (`omni.serve.openai`).
+  them (`omni.serve.openai`); ``POST /v1/images/edits`` (multipart/form-data) for image graphs
+  that take an image.
 - ``GET /health``: ``{"status": "ok", "in_flight": N}`` (``"draining"``, status 503, while
   shutting down).
 - ``GET /metrics``: the runtime's Prometheus metrics, when it keeps them (the operator's:

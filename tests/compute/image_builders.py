@@ -31,10 +31,12 @@ def redraw(module: torch.nn.Module, std: float = 0.15) -> None:
                         + (1.0 if is_norm_weight else 0.0))
 
 
-def save_z_image(directory: Path, seed: int = 0, text_layers: int = 3) -> Path:
+def save_z_image(directory: Path, seed: int = 0, text_layers: int = 3, *,
+                 text_hidden: int = 32, dit_dim: int = 32, dit_layers: int = 2) -> Path:
     """A tiny random Z-Image (`ZImagePipeline`: a Qwen3 text encoder of `text_layers`
-    layers, its tokenizer, the DiT, a 4-channel VAE, the flow-matching scheduler) saved by
-    diffusers in `directory`."""
+    layers of width `text_hidden`, its tokenizer, the DiT of `dit_layers` layers of width
+    `dit_dim`, a 4-channel VAE, the flow-matching scheduler) saved by diffusers in
+    `directory`."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -47,12 +49,13 @@ def save_z_image(directory: Path, seed: int = 0, text_layers: int = 3) -> Path:
         tokenizer_object=Tokenizer.from_str(trained_tokenizer_json()),
         chat_template=QWEN3_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=1024, eos_token_id=2))
+        vocab_size=384, hidden_size=text_hidden, intermediate_size=2 * text_hidden,
+        num_hidden_layers=text_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=text_hidden // 2, max_position_embeddings=1024, eos_token_id=2))
     transformer = ZImageTransformer2DModel(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
-        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 4, 4],
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=dit_dim,
+        n_layers=dit_layers, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+        cap_feat_dim=text_hidden, axes_dims=[dit_dim // 4, dit_dim // 8, dit_dim // 8],
         axes_lens=[1024, 32, 32])
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),

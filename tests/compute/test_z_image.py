@@ -130,8 +130,9 @@ async def test_omnis_images_are_the_pipelines_own(pipeline: Any, z_image: ZImage
                       num_inference_steps=3, guidance_scale=guidance,
                       num_images_per_prompt=2, output_type="np",
                       generator=torch.Generator().manual_seed(11)).images
-    ours = await z_image.agenerate(PROMPT, negative_prompt="blurry", width=48, height=32,
-                                   steps=3, guidance=guidance, seed=11, n=2)
+    painted = await z_image.agenerate(PROMPT, negative_prompt="blurry", width=48, height=32,
+                                      steps=3, guidance=guidance, seed=11, n=2)
+    ours = painted.images
     assert ours.shape == (2, 32, 48, 3)
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
     assert np.abs(ours[0] - ours[1]).max() > 0.05  # two draws, not one image twice
@@ -167,3 +168,107 @@ def test_a_folder_missing_a_component_is_refused_naming_it(folder: Path, tmp_pat
     shutil.rmtree(broken / "vae")
     with pytest.raises(ValueError, match=r"names the component\(s\) vae, whose folder"):
         ZImage.from_pretrained(broken)
+
+
+# -- image to image: diffusers' ZImageImg2ImgPipeline is the oracle ---------------------------
+
+
+@pytest.fixture(scope="module")
+def img2img(folder: Path) -> Any:
+    from diffusers import ZImageImg2ImgPipeline
+
+    pipeline = ZImageImg2ImgPipeline.from_pretrained(folder)
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def photo(width: int, height: int, seed: int = 0) -> Any:
+    """A PIL image: smooth colour ramps with noise on them."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 1, width)[None, :, None] * np.linspace(1, 0, height)[:, None, None]
+    pixels = 255 * (0.7 * ramp * rng.random(3) + 0.3 * rng.random((height, width, 3)))
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+@pytest.mark.parametrize(("guidance", "strength"), [(0.0, None), (4.0, 0.4)])
+def test_omnis_edits_are_diffusers_img2img_own(img2img: Any, z_image: ZImage, guidance: float,
+                                               strength: float | None) -> None:
+    """Two edits of one request of a 50 x 37 image (its size rounded down to the pixel step,
+    as diffusers rounds it; strength diffusers' default, then another): the library's
+    img2img pipeline's own, prompt read by diffusers itself."""
+    picture = photo(50, 37)
+    chosen = {} if strength is None else {"strength": strength}
+    theirs = img2img(PROMPT, image=picture, negative_prompt="blurry", num_inference_steps=5,
+                     guidance_scale=guidance, num_images_per_prompt=2, output_type="np",
+                     generator=torch.Generator().manual_seed(5), **chosen).images
+    ours = z_image.edit(PROMPT, np.asarray(picture), negative_prompt="blurry", steps=5,
+                        guidance=guidance, seed=5, n=2, **chosen).images
+    assert ours.shape == (2, 36, 48, 3)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
+    assert np.abs(ours[0] - ours[1]).max() > 0.05  # two draws, not one edit twice
+    other = z_image.edit(PROMPT, np.asarray(photo(50, 37, seed=1)), negative_prompt="blurry",
+                         steps=5, guidance=guidance, seed=5, n=2, **chosen).images
+    assert np.abs(other - ours).max() > 0.05  # the image matters
+
+
+def test_an_edit_of_another_size_is_diffusers_on_the_image_resized(img2img: Any,
+                                                                   z_image: ZImage) -> None:
+    from PIL import Image
+
+    picture = photo(50, 37)
+    resized = picture.resize((24, 32), Image.Resampling.LANCZOS)
+    theirs = img2img(PROMPT, image=resized, num_inference_steps=3, guidance_scale=0.0,
+                     output_type="np", generator=torch.Generator().manual_seed(2)).images
+    ours = z_image.edit(PROMPT, np.asarray(picture), width=24, height=32, steps=3,
+                        guidance=0.0, seed=2).images
+    assert ours.shape == (1, 32, 24, 3)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
+
+
+def test_the_editor_paints_with_the_painters_modules_and_leaves_it_as_it_was(
+        pipeline: Any, z_image: ZImage) -> None:
+    """No second copy of the weights; a text-to-image call after an edit (the scheduler
+    shared) is still the library pipeline's own."""
+    for part in ("transformer", "vae", "scheduler"):
+        assert getattr(z_image.editor, part) is getattr(z_image.painter, part)
+    z_image.edit(PROMPT, np.asarray(photo(32, 32)), steps=5, strength=0.5, guidance=0.0)
+    theirs = pipeline(PROMPT, height=32, width=32, num_inference_steps=3, guidance_scale=0.0,
+                      output_type="np", generator=torch.Generator().manual_seed(4)).images
+    ours = z_image.generate(PROMPT, width=32, height=32, steps=3, guidance=0.0, seed=4)
+    np.testing.assert_allclose(ours.images, theirs, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize(("image", "settings", "says"), [
+    (np.zeros((32, 32, 3), np.uint8), {"strength": 0}, "strength must be a number in (0, 1]"),
+    (np.zeros((32, 32, 3), np.uint8), {"strength": float("nan")}, "strength must be"),
+    (np.zeros((32, 32, 3), np.uint8), {"strength": 1.5}, "strength must be"),
+    (np.zeros((32, 32, 3), np.uint8), {"width": 32}, "both width and height, or neither"),
+    (np.zeros((32, 32, 3), np.uint8), {"width": 30, "height": 32}, "width must be a multiple"),
+    (np.zeros((3, 40, 3), np.uint8), {}, "the image is 40 x 3 pixels"),
+    (np.zeros((32, 32, 3), np.float32), {}, "image must be RGB pixels, uint8 [H, W, 3]"),
+    (np.zeros((32, 32), np.uint8), {}, "image must be RGB pixels, uint8 [H, W, 3]")])
+def test_an_edit_out_of_range_is_refused_by_name_before_any_work(
+        z_image: ZImage, image: np.ndarray, settings: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        z_image.edit(PROMPT, image, steps=1, guidance=0.0, **settings)
+
+
+def test_a_requests_usage_counts_its_prompts_and_what_of_them_was_cached(
+        folder: Path) -> None:
+    """Both prompts are counted when guidance encodes the negative one; a repeated request
+    reads all but each prompt's last page's worth from cache, under its own salt only."""
+    model = ZImage.from_pretrained(folder)  # a store of its own
+    settings = {"width": 32, "height": 32, "steps": 1, "guidance": 4.0, "seed": 0}
+    ids = [model.text.prompt_ids(STYLE + "A fern."), model.text.prompt_ids("")]
+    first = model.generate(STYLE + "A fern.", **settings)
+    assert (first.input_tokens, first.cached_tokens) == (sum(map(len, ids)), 0)
+    again = model.generate(STYLE + "A fern.", **settings)
+    size = model.text.engine.runner.page_size
+    assert again.cached_tokens == sum((len(i) - 1) // size * size for i in ids) > 0
+    np.testing.assert_allclose(again.images, first.images, rtol=0, atol=1e-5)
+    elsewhere = model.generate(STYLE + "A fern.", **settings, cache_salt="tenant-b")
+    assert elsewhere.cached_tokens == 0
+    unguided = model.generate(STYLE + "A fern.", **{**settings, "guidance": 0.0})
+    assert unguided.input_tokens == len(ids[0])

@@ -68,6 +68,33 @@ async def test_the_openai_client_gets_the_png_diffusers_paints(
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1
 
 
+STYLE = ("In the style of a nineteenth-century botanical plate: fine ink lines, soft "
+         "watercolour washes, a cream paper ground, labelled in copperplate. ")
+
+
+async def test_served_usage_counts_the_cached_style_preamble_of_the_callers_own_tenant(
+        folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``usage.input_tokens_details.cached_tokens``: 0 for a first request, the shared
+    preamble's full pages for a second prompt sharing it, none for another cache salt (a
+    tenant's salt goes into every key the same way)."""
+    monkeypatch.setenv("OMNI_MODEL", str(folder))
+    settings = {"seed": 1, "num_inference_steps": 1, "guidance_scale": 0.0}
+
+    async def usage(prompt: str, **extra: str) -> tuple[int, int]:
+        reply = await client.images.generate(prompt=prompt, size="32x32",
+                                             extra_body={**settings, **extra})
+        assert reply.usage is not None
+        return reply.usage.input_tokens, reply.usage.input_tokens_details.cached_tokens
+
+    async with served(EXAMPLE) as app, app.openai() as client:
+        tokens, cached = await usage(STYLE + "A fern.")
+        assert tokens > 64 and cached == 0
+        _, cached = await usage(STYLE + "A thistle.")
+        assert 16 <= cached < tokens
+        _, cached = await usage(STYLE + "A thistle.", cache_salt="another")
+        assert cached == 0
+
+
 def test_a_folder_of_another_family_is_refused_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     done = run_omni("run", str(EXAMPLE), "--input=prompt=x", "--input=out=x.png",
@@ -75,3 +102,28 @@ def test_a_folder_of_another_family_is_refused_in_one_line(tmp_path: Path) -> No
     assert done.returncode == 2, done.stdout
     (line,) = done.stderr.strip().splitlines()
     assert "FluxPipeline" in line and "it serves ZImagePipeline" in line
+
+
+def test_omni_run_edits_the_image_as_diffusers_img2img_does(folder: Path,
+                                                            tmp_path: Path) -> None:
+    """With `image` (a file's path) the library's pipeline edits it: the PNG diffusers' own
+    ``ZImageImg2ImgPipeline`` saves for the same request (`strength` its)."""
+    from diffusers import ZImageImg2ImgPipeline
+
+    rng = np.random.default_rng(0)
+    picture = Image.fromarray(rng.integers(0, 256, (36, 44, 3), dtype=np.uint8))
+    picture.save(tmp_path / "fox.png")
+    out = tmp_path / "dusk.png"
+    done = run_omni("run", str(EXAMPLE), f"--input=prompt={PROMPT}", f"--input=out={out}",
+                    f"--input=image={tmp_path / 'fox.png'}", "--input=strength=0.8",
+                    "--input=steps=4", "--input=guidance=4.0", "--input=seed=3", "--json",
+                    env={"OMNI_MODEL": str(folder)})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["output"]["width"] == 44
+    pipeline = ZImageImg2ImgPipeline.from_pretrained(folder)
+    theirs = np.asarray(pipeline(PROMPT, image=picture, strength=0.8, num_inference_steps=4,
+                                 guidance_scale=4.0,
+                                 generator=torch.Generator().manual_seed(3)).images[0])
+    ours = np.asarray(Image.open(out))
+    assert ours.shape == (36, 44, 3)
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1

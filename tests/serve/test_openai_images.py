@@ -107,3 +107,13 @@ async def test_settings_out_of_range_are_refused_by_name_before_any_work(
     with pytest.raises(openai.BadRequestError) as caught:
         await client.images.generate(prompt=PROMPT, extra_body=fields)
     assert caught.value.body["param"] == named and says in caught.value.message
+
+
+async def test_a_graph_that_takes_no_image_answers_edits_with_a_400_naming_the_model(
+        client: openai.AsyncOpenAI) -> None:
+    """The built-in model's graph reads its ``image`` input as a path only: it edits no
+    upload, and says so before any work."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.images.edit(image=("fox.png", b"\x89PNG", "image/png"), prompt=PROMPT)
+    assert caught.value.body["param"] == "model"
+    assert "'image_generation' edits no uploaded image" in caught.value.message

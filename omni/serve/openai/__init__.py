@@ -3,8 +3,9 @@
 A graph file marks a graph with `chat_completions` or `image_generations` above
 ``@omni.graph``; ``omni serve`` then answers ``POST /v1/chat/completions`` or
 ``POST /v1/images/generations`` with it (the request's ``model`` is the graph's name), so
-applications reach it with the official ``openai`` client. Importing this package does not
-import torch.
+applications reach it with the official ``openai`` client; an image graph whose ``image``
+input takes an `ImagePart` answers ``POST /v1/images/edits`` too. Importing this package does
+not import torch.
 """
 
 from omni.serve.openai._chat_request import ChatPolicy

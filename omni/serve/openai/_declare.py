@@ -8,16 +8,19 @@ imports neither torch nor the web stack, so a graph file pays nothing for it.
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHAT_COMPLETIONS", "IMAGE_GENERATIONS", "AudioPart", "ChatAudio", "ChatEnd",
            "ChatMessage", "ChatRequest", "ChatStart", "ChatText", "ImagePart",
-           "chat_completions", "endpoint_of", "image_generations"]
+           "chat_completions", "edits_images", "endpoint_of", "image_generations"]
 
 CHAT_COMPLETIONS = "chat.completions"
 IMAGE_GENERATIONS = "images.generations"
 IMAGE_INPUTS = ("prompt", "out", "width", "height", "seed", "png")
+EDIT_INPUT = "image"  # the input an image graph takes an edit's image on
 _ATTRIBUTE = "openai_endpoint"
 
 
@@ -43,10 +46,26 @@ def image_generations(graph: Any) -> Any:
     ``"usage"``: ``{"input_tokens": N, "cached_tokens": M}`` (the prompt's tokens, and how
     many of them had their KV found cached).
 
+    A graph whose input ``image`` takes an `ImagePart` answers ``POST /v1/images/edits`` too
+    (`edits_images`): the route passes the uploaded image, decoded, there (and a graph's
+    ``strength`` input, if it has one, gets the request's).
+
     Raises:
         TypeError: `graph` is not an ``@omni.graph`` or lacks one of those inputs.
     """
     return _mark(graph, IMAGE_GENERATIONS, IMAGE_INPUTS)
+
+
+def edits_images(graph: Any) -> bool:
+    """Whether the image graph `graph` answers ``POST /v1/images/edits``: its input ``image``
+    takes an `ImagePart` (``Annotated[str | ImagePart, omni.InputFile()]``, say, which takes a
+    file's path from ``omni run`` as well)."""
+    annotation = next((i.type for i in getattr(graph, "inputs", None) or ()
+                       if i.name == EDIT_INPUT), None)
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    return ImagePart in (typing.get_args(annotation) if union else (annotation,))
 
 
 def endpoint_of(graph: Any) -> str | None:

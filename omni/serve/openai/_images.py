@@ -10,7 +10,9 @@ setting is checked before any work. The answer's ``usage`` (``input_tokens``,
 ``input_tokens_details.cached_tokens``, summed over the `n` runs) comes from the graph's
 results when they carry one (`image_generations`).
 A graph input marked `omni.CacheSalt` gets the request's salt (its tenant's, and its own
-``cache_salt`` as on chat completions): tenants share no prompt KV.
+``cache_salt`` as on chat completions): tenants share no prompt KV. ``POST /v1/images/edits``
+(`omni.serve.openai._edits`) checks its fields and answers with the same functions
+(`checked_inputs`, `answer_images`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ from omni.serve._requests import json_body, until_disconnected
 from omni.serve._tenants import MAX_CACHE_SALT_CHARS, tenant_of, with_cache_salts
 from omni.serve.openai._body import validated
 
-__all__ = ["MAX_IMAGES", "MAX_SIDE", "MAX_STEPS", "ImageRequest", "images_route"]
+__all__ = ["MAX_IMAGES", "MAX_SIDE", "MAX_STEPS", "ImageRequest", "answer_images",
+           "checked_inputs", "images_route"]
 
 MAX_IMAGES = 10
 MAX_SIDE = 4096  # pixels of an image side the route takes (a graph may take fewer)
 MAX_STEPS = 1000  # denoising steps the route takes
 PIXEL_STEP = 16
-# the extension fields and the graph inputs they set
+# the extension fields and the graph inputs they set (`strength`: an edit's alone)
 _SETTINGS = {"negative_prompt": "negative_prompt", "num_inference_steps": "steps",
-             "guidance_scale": "guidance"}
+             "guidance_scale": "guidance", "strength": "strength"}
 _SIZE = re.compile(r"(\d+)x(\d+)")
 
 
@@ -68,25 +71,37 @@ def images_route(runtime: Any, find: Callable[[str | None], Any]
 
     async def image_generations(request: Request) -> Response:
         body = validated(ImageRequest, await json_body(request), "image generations")
-        if body.response_format == "url":
-            raise ApiError(400, "response_format: 'url' is not served (this server keeps no "
-                                "images); use 'b64_json'", param="response_format")
         graph = find(body.model)
-        inputs = with_cache_salts(graph, _inputs(graph, body), tenant_of(request),
-                                  body.cache_salt or "")
-        images = await until_disconnected(request, lambda: _generate(runtime, graph, inputs,
-                                                                     body.n))
-        if images is None:
-            return Response(status_code=499)  # nobody is there to read it
-        answer: dict[str, Any] = {"created": int(time.time()), "data": [
-            {"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None}
-            for png, _ in images]}
-        usage = _usage([used for _, used in images])
-        if usage is not None:
-            answer["usage"] = usage
-        return JSONResponse(answer)
+        inputs = checked_inputs(request, graph, body)
+        return await answer_images(request, runtime, graph, inputs, body.n)
 
     return image_generations
+
+
+def checked_inputs(request: Request, graph: Any, body: ImageRequest) -> dict[str, Any]:
+    """The graph's inputs for `body` (its cache salts included), every setting checked;
+    `ApiError` 400 naming the first field the route or `graph` does not take."""
+    if body.response_format == "url":
+        raise ApiError(400, "response_format: 'url' is not served (this server keeps no "
+                            "images); use 'b64_json'", param="response_format")
+    return with_cache_salts(graph, _inputs(graph, body), tenant_of(request),
+                            body.cache_salt or "")
+
+
+async def answer_images(request: Request, runtime: Any, graph: Any, inputs: dict[str, Any],
+                        n: int) -> Response:
+    """`graph` run `n` times on `inputs` (seeds ``seed``, ``seed + 1``...), their PNGs as
+    OpenAI's images answer; 499 once the client is gone (the runs cancelled)."""
+    images = await until_disconnected(request, lambda: _generate(runtime, graph, inputs, n))
+    if images is None:
+        return Response(status_code=499)  # nobody is there to read it
+    answer: dict[str, Any] = {"created": int(time.time()), "data": [
+        {"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None}
+        for png, _ in images]}
+    usage = _usage([used for _, used in images])
+    if usage is not None:
+        answer["usage"] = usage
+    return JSONResponse(answer)
 
 
 def _inputs(graph: Any, body: ImageRequest) -> dict[str, Any]:
@@ -95,7 +110,7 @@ def _inputs(graph: Any, body: ImageRequest) -> dict[str, Any]:
         inputs["width"], inputs["height"] = _size(body.size)
     takes = {i.name for i in graph.inputs}
     for field, name in _SETTINGS.items():
-        value = getattr(body, field)
+        value = getattr(body, field, None)
         if value is None:
             continue
         if name not in takes:

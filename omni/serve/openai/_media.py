@@ -274,8 +274,10 @@ def _opened_image(raw: bytes, where: str, policy: MediaPolicy) -> PILImage:
                             f"pixels, more than the {policy.max_image_pixels:,} this server "
                             "takes per image (set by --max-image-pixels)", param=where) from None
     except (UnidentifiedImageError, OSError) as exc:
+        # PIL's "cannot identify image file" names the buffer object (its address): not said
+        detail = "" if isinstance(exc, UnidentifiedImageError) else f": {exc}"
         raise ApiError(400, f"{where}: not an image this server reads "
-                            f"({', '.join(IMAGE_FORMATS)}): {exc}", param=where) from None
+                            f"({', '.join(IMAGE_FORMATS)}){detail}", param=where) from None
 
 
 def _check_image_size(width: int, height: int, where: str, policy: MediaPolicy) -> None:
