@@ -11,6 +11,7 @@ package imports torch.
 """
 
 from omni.compute._diffusion_modules import FlowMatchEulerSampler
+from omni.compute.cosmos3 import Cosmos3
 from omni.compute.diffusion import DiffusionResult, ImageGenerator
 from omni.compute.engine import GenerateResult, TokenStream, TorchEngine
 from omni.compute.prompt import Audio, Image, Prompt, Text
@@ -18,7 +19,7 @@ from omni.compute.sampling import Sampler, SamplingParams, TokenSampler
 from omni.compute.tokenizer import ByteTokenizer
 from omni.compute.z_image import ZImage, ZImageText
 
-__all__ = ["Audio", "ByteTokenizer", "DiffusionResult", "FlowMatchEulerSampler",
+__all__ = ["Audio", "ByteTokenizer", "Cosmos3", "DiffusionResult", "FlowMatchEulerSampler",
            "GenerateResult", "Image", "ImageGenerator", "Prompt", "Sampler", "SamplingParams",
            "Text", "TokenSampler", "TokenStream", "TorchEngine", "ZImage",
            "ZImageText"]

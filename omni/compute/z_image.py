@@ -18,7 +18,6 @@ encoder, fed `ZImageText`'s conditions.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,40 +28,12 @@ import torch
 from omni._openmp import run_in_worker
 from omni.compute.diffusion import check_image_settings
 from omni.compute.engine import TorchEngine
+from omni.compute.image_families import check_family
 from omni.compute.prompt import Text
 
-__all__ = ["FAMILIES", "MAX_SEQUENCE_LENGTH", "Condition", "Painted", "ZImage", "ZImageText",
-           "image_family"]
+__all__ = ["MAX_SEQUENCE_LENGTH", "Condition", "Painted", "ZImage", "ZImageText"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
-# model_index.json's _class_name -> the family Omni serves it as
-FAMILIES = {"ZImagePipeline": "z_image"}
-
-
-def image_family(folder: str | Path) -> str:
-    """The image family of a diffusers folder, from its ``model_index.json`` ``_class_name``.
-
-    Raises:
-        ValueError: no readable model_index.json, a pipeline of a family Omni does not serve
-            (the message names it and the ones served), or a component the index names
-            whose folder is missing.
-    """
-    index = Path(folder) / "model_index.json"
-    try:
-        fields = json.loads(index.read_text())
-        name = fields.get("_class_name")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{folder}: cannot read {index.name} ({exc}); give a diffusers "
-                         "pipeline folder") from None
-    if name not in FAMILIES:
-        raise ValueError(f"{folder}: a {name} (model_index.json's _class_name), which Omni "
-                         f"does not serve; it serves {', '.join(FAMILIES)}")
-    missing = [part for part, value in fields.items() if isinstance(value, list)
-               and value[0] is not None and not (Path(folder) / part).is_dir()]
-    if missing:
-        raise ValueError(f"{folder}: model_index.json names the component(s) "
-                         f"{', '.join(missing)}, whose folder(s) are missing")
-    return FAMILIES[name]
 
 
 @dataclass(frozen=True)
@@ -182,7 +153,7 @@ class ZImage:
         """
         from diffusers import ZImagePipeline
 
-        image_family(folder)
+        check_family(folder, "z_image")
         painter = ZImagePipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
                                                  dtype=dtype).to(device)
         painter.set_progress_bar_config(disable=True)

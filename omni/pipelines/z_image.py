@@ -25,7 +25,7 @@ from PIL import Image, UnidentifiedImageError
 
 from omni.compute import ZImage
 from omni.compute.diffusion import to_png
-from omni.compute.z_image import image_family
+from omni.compute.image_families import image_family
 from omni.graph import CacheSalt, Graph, InputFile, OutputFile, graph, node
 from omni.pipelines._files import check_out, write_file
 from omni.serve.openai import ImagePart, image_generations

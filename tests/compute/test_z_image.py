@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from omni.compute.z_image import MAX_SEQUENCE_LENGTH, ZImage, ZImageText, image_family
+from omni.compute.image_families import image_family
+from omni.compute.z_image import MAX_SEQUENCE_LENGTH, ZImage, ZImageText
 from tests.compute.image_builders import save_z_image
 
 PROMPT = "A red fox asleep in fresh snow, watercolour."

@@ -1,0 +1,333 @@
+"""Cosmos3 text-to-image on Omni: the understanding pathway computed once per request.
+
+A Cosmos3 folder (diffusers' layout: ``model_index.json`` naming ``Cosmos3OmniPipeline``) keeps
+one transformer, a mixture of two experts over one joint sequence. The understanding expert
+reads the prompt's tokens (system prompt, prompt and resolution sentence in the tokenizer's
+chat template) with causal attention; the generation expert reads the image's latent patches,
+and each of its layers attends to the understanding expert's keys and values of that layer
+as well as to its own. No understanding token attends to an image token, so those keys and
+values are the same at every denoising step; diffusers' pipeline still runs both experts at
+every step (twice with guidance). Here `understand` runs the understanding expert once per
+prompt and returns each layer's (k, v), and each step runs only the generation expert
+(`velocity`) against them.
+
+Everything else is the folder's own diffusers objects, called rather than rewritten: the
+pipeline's prompt rendering and sequence layout (mRoPE positions), the transformer's modules
+and weights (projections, norms, MLPs, rotary, patchify, timestep embedding), the scheduler,
+the VAE and the video processor. Several of these are private diffusers helpers
+(``_prepare_text_segment``, ``_patchify_and_pack_latents``, ...): they are the one home of
+that layout, and calling them keeps Omni's sequence equal to the pipeline's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni._openmp import run_in_worker
+from omni.compute.diffusion import check_image_settings
+from omni.compute.image_families import check_family
+
+__all__ = ["Cosmos3", "PromptKV", "generation_layer", "rotary", "understand",
+           "understanding_layer", "velocity"]
+
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [T, kv_heads, head_dim]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim]
+
+
+@dataclass(frozen=True)
+class PromptKV:
+    """What a denoising step reads of one prompt, computed once per request.
+
+    Why: the generation expert's input depends on the prompt only through the understanding
+    keys and values of each layer and through its own token positions, which start after the
+    prompt's; both are fixed for the whole request.
+
+    Attributes:
+        kv: each layer's understanding keys (normed, rotated) and values.
+        rope: the image tokens' rotary cos and sin.
+        token_shapes: the patch grid (frames, rows, columns) of one image.
+        noisy_frames: the frames being denoised (every frame, for text-to-image).
+    """
+
+    kv: list[LayerKV]
+    rope: Rope
+    token_shapes: list[tuple[int, int, int]]
+    noisy_frames: list[torch.Tensor]
+
+
+def rotary(transformer: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
+    """The transformer's mRoPE cos and sin ``[N, 1, head_dim]`` at `position_ids` ``[3, N]``."""
+    cos, sin = transformer.rotary_emb(position_ids=position_ids.unsqueeze(1),
+                                      device=position_ids.device, dtype=dtype)
+    return cos.squeeze(0).unsqueeze(1), sin.squeeze(0).unsqueeze(1)
+
+
+def _rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
+
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
+
+
+def _heads(projected: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    return projected.unflatten(-1, (num_heads, head_dim))  # [..., S, heads, head_dim]
+
+
+def _attend(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+            causal: bool) -> torch.Tensor:
+    """Attention ``[B, S, heads * head_dim]`` through diffusers' dispatcher, with the
+    backend the layer's processor is set to."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    out = dispatch_attention_fn(query, key, value, is_causal=causal, enable_gqa=True,
+                                backend=attn.processor._attention_backend,
+                                parallel_config=attn.processor._parallel_config)
+    return out.flatten(-2, -1)
+
+
+def understanding_layer(layer: Any, hidden: torch.Tensor, rope: Rope, *,
+                        last: bool = False) -> tuple[LayerKV, torch.Tensor | None]:
+    """One layer of the understanding expert over the prompt's `hidden` ``[T, hidden]``:
+    the keys (rotated) and values the generation expert reads, and the next layer's input
+    (None when `last`: nothing reads the last layer's output)."""
+    attn = layer.self_attn
+    normed = layer.input_layernorm(hidden)
+    keys = attn.norm_k(_heads(attn.to_k(normed), attn.num_key_value_heads, attn.head_dim))
+    values = _heads(attn.to_v(normed), attn.num_key_value_heads, attn.head_dim)
+    keys_for_gen = keys if attn.k_norm_und_for_gen is None else attn.k_norm_und_for_gen(keys)
+    kv = (_rotate(keys_for_gen, rope), values)
+    if last:
+        return kv, None
+    query = attn.norm_q(_heads(attn.to_q(normed), attn.num_attention_heads, attn.head_dim))
+    out = _attend(attn, _rotate(query, rope)[None], _rotate(keys, rope)[None], values[None],
+                  causal=True)
+    residual = hidden + attn.to_out(out[0])
+    return kv, residual + layer.mlp(layer.post_attention_layernorm(residual))
+
+
+def understand(transformer: Any, input_ids: torch.Tensor,
+               position_ids: torch.Tensor) -> list[LayerKV]:
+    """The understanding expert over one prompt's token ids ``[T]`` at mRoPE positions
+    ``[3, T]``: each layer's (keys, values), keys normed and rotated as the generation expert
+    reads them. The only work that reads the prompt; a request runs it once per prompt."""
+    hidden = transformer.embed_tokens(input_ids)  # [T, hidden]
+    rope = rotary(transformer, position_ids, hidden.dtype)
+    layers = transformer.layers
+    kv = []
+    for index, layer in enumerate(layers):
+        layer_kv, hidden = understanding_layer(layer, hidden, rope,
+                                               last=index == len(layers) - 1)
+        kv.append(layer_kv)
+    return kv
+
+
+def generation_layer(layer: Any, hidden: torch.Tensor, kv: LayerKV, rope: Rope) -> torch.Tensor:
+    """One layer of the generation expert over `hidden` ``[n, S, hidden]`` (n images of S
+    tokens each), attending to the prompt's keys and values `kv` of this layer and to its
+    own; the n images share `kv`."""
+    attn = layer.self_attn
+    normed = layer.input_layernorm_moe_gen(hidden)
+    query = attn.norm_added_q(_heads(attn.add_q_proj(normed), attn.num_attention_heads,
+                                     attn.head_dim))
+    keys = attn.norm_added_k(_heads(attn.add_k_proj(normed), attn.num_key_value_heads,
+                                    attn.head_dim))
+    values = _heads(attn.add_v_proj(normed), attn.num_key_value_heads, attn.head_dim)
+    prompt_keys, prompt_values = (x.expand(len(hidden), -1, -1, -1) for x in kv)
+    out = _attend(attn, _rotate(query, rope),
+                  torch.cat([prompt_keys, _rotate(keys, rope)], dim=1),
+                  torch.cat([prompt_values, values], dim=1), causal=False)
+    residual = hidden + attn.to_add_out(out)
+    return residual + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(residual))
+
+
+def _image_tokens(transformer: Any, latents: torch.Tensor, timestep: float,
+                  prompt: PromptKV) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """The generation expert's input ``[n * S, hidden]`` for `latents` ``[n, C, T, H, W]``:
+    patches projected, the timestep's embedding added to the noisy ones; and the latent
+    shapes the patchify saw."""
+    n = len(latents)
+    packed, latent_shapes = transformer._patchify_and_pack_latents(list(latents.unsqueeze(1)))
+    tokens = transformer.proj_in(packed)
+    timesteps = torch.full((len(tokens),), timestep, device=tokens.device)
+    embedder_dtype = next(transformer.time_embedder.parameters()).dtype
+    embeds = transformer.time_embedder(transformer.time_proj(
+        timesteps * transformer.config.timestep_scale).to(embedder_dtype)).to(tokens.dtype)
+    tokens = transformer._apply_timestep_embeds_to_noisy_tokens(
+        packed_tokens=tokens, packed_timestep_embeds=embeds,
+        noisy_frame_indexes=prompt.noisy_frames * n, token_shapes=prompt.token_shapes * n)
+    return tokens, latent_shapes
+
+
+def velocity(transformer: Any, latents: torch.Tensor, timestep: float,
+             prompt: PromptKV) -> torch.Tensor:
+    """The transformer's velocity ``[n, C, T, H, W]`` (float32) for `latents` at `timestep`,
+    conditioned on `prompt`: only the generation expert runs."""
+    n = len(latents)
+    tokens, latent_shapes = _image_tokens(transformer, latents.to(transformer.dtype), timestep,
+                                          prompt)
+    hidden = tokens.unflatten(0, (n, -1))  # [n, S, hidden]
+    for layer, kv in zip(transformer.layers, prompt.kv, strict=True):
+        hidden = generation_layer(layer, hidden, kv, prompt.rope)
+    patches = transformer.proj_out(transformer.norm_moe_gen(hidden)).flatten(0, 1)
+    predicted = transformer._unpatchify_and_unpack_latents(
+        patches, token_shapes_vision=prompt.token_shapes * n,
+        noisy_frame_indexes_vision=prompt.noisy_frames * n,
+        original_latent_shapes=latent_shapes)
+    return torch.cat(predicted).float()
+
+
+class Cosmos3:
+    """A Cosmos3 folder on Omni, text to image: each prompt's understanding keys and values
+    computed once (`prepare`), then every denoising step runs only the generation expert
+    against them (`velocity`), the n images of a request in one batch. The folder's own
+    pipeline supplies the rest, with its semantics: one CPU generator drawn from `seed` whose
+    successive draws are the n images' noise (as n pipeline calls sharing that generator),
+    a fresh copy of its scheduler per request. No guardrail runs: the images are the
+    pipeline's with ``enable_safety_checker=False``.
+
+    Args:
+        painter: the folder's ``Cosmos3OmniPipeline``.
+        model_id: the name `repr` shows.
+    """
+
+    def __init__(self, painter: Any, model_id: str = "cosmos3"):
+        self.painter, self.model_id = painter, model_id
+        self.transformer = painter.transformer
+        self.pixel_step = int(painter.vae_scale_factor_spatial)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> Cosmos3:
+        """The Cosmos3 folder `folder` (diffusers' layout) on `device` in `dtype`.
+
+        Raises:
+            ValueError: not a Cosmos3 folder (`image_family`).
+        """
+        from diffusers import Cosmos3OmniPipeline
+
+        check_family(folder, "cosmos3")
+        painter = Cosmos3OmniPipeline.from_pretrained(
+            folder, dtype=dtype, safety_checker=None, enable_safety_checker=False).to(device)
+        painter.set_progress_bar_config(disable=True)
+        return cls(painter, model_id=Path(folder).resolve().name)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the transformer's weights are."""
+        return self.transformer.device
+
+    def check(self, *, width: Any, height: Any, steps: Any, guidance: Any, seed: Any,
+              n: Any) -> None:
+        """ValueError naming the first setting out of range (`check_image_settings`)."""
+        step = self.pixel_step
+        check_image_settings((("width", width), ("height", height)), step, f"{step} pixels",
+                             steps=steps, guidance=guidance, seed=seed, n=n)
+
+    def prompt_ids(self, prompt: str, negative_prompt: str, *, width: int,
+                   height: int) -> tuple[list[int], list[int]]:
+        """The token ids the understanding expert reads for `prompt` and `negative_prompt`:
+        the pipeline's rendering of a one-frame request of that size."""
+        for name, text in (("prompt", prompt), ("negative prompt", negative_prompt)):
+            if not isinstance(text, str):
+                raise ValueError(f"a Cosmos3 {name} is text, got {type(text).__name__}")
+        return self.painter.tokenize_prompt(prompt, negative_prompt, num_frames=1,
+                                            height=height, width=width)
+
+    def prepare(self, input_ids: list[int], latents: torch.Tensor) -> PromptKV:
+        """Everything the denoising steps read of the prompt `input_ids` for images of the
+        shape of `latents` ``[n, C, 1, H, W]``; runs the understanding expert (`understand`)."""
+        text = self.painter._prepare_text_segment(input_ids, device=self.device)
+        image = self.painter._prepare_vision_segment(
+            input_vision_tokens=latents[:1], has_image_condition=False,
+            mrope_offset=text["vision_start_temporal_offset"], vision_fps=None,
+            curr=text["und_len"], device=self.device)
+        return PromptKV(
+            kv=understand(self.transformer, text["input_ids"], text["text_mrope_ids"]),
+            rope=rotary(self.transformer, image["vision_mrope_ids"], self.transformer.dtype),
+            token_shapes=image["vision_token_shapes"],
+            noisy_frames=image["vision_noisy_frame_indexes"])
+
+    def noise(self, *, width: int, height: int, seed: int, n: int) -> torch.Tensor:
+        """The initial latents ``[n, C, 1, H / pixel_step, W / pixel_step]``: the pipeline's
+        draw, n times from one CPU generator seeded with `seed`."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        generator = torch.Generator().manual_seed(seed)
+        shape = (1, self.painter.vae.config.z_dim, 1, height // self.pixel_step,
+                 width // self.pixel_step)
+        return torch.cat([randn_tensor(shape, generator=generator, device=self.device,
+                                       dtype=torch.float32) for _ in range(n)])
+
+    def scheduler(self, steps: int) -> Any:
+        """A fresh copy of the folder's scheduler (it keeps a request's state) set to the
+        pipeline's `steps` timesteps: its own, or with ``use_native_flow_schedule`` sigmas
+        evenly spaced from 1 - 1 / num_train_timesteps down to 0 (0 left out)."""
+        scheduler = type(self.painter.scheduler).from_config(self.painter.scheduler.config)
+        if not self.painter.config.use_native_flow_schedule:
+            scheduler.set_timesteps(steps, device=self.device)
+            return scheduler
+        top = 1.0 - 1.0 / scheduler.config.num_train_timesteps
+        sigmas = np.linspace(top, 0.0, steps + 1)[:-1]
+        scheduler.set_timesteps(steps, device=self.device, sigmas=sigmas)
+        return scheduler
+
+    def denoise(self, latents: torch.Tensor, prompts: list[PromptKV], *, steps: int,
+                guidance: float) -> torch.Tensor:
+        """`latents` after `steps` steps: the velocity for `prompts` (the prompt, then the
+        negative prompt when guided), combined as ``negative + guidance * (prompt -
+        negative)``."""
+        scheduler = self.scheduler(steps)
+        for t in scheduler.timesteps:
+            predicted = [velocity(self.transformer, latents, t.item(), p) for p in prompts]
+            guided = predicted[0] if len(predicted) == 1 else (
+                predicted[1] + guidance * (predicted[0] - predicted[1]))
+            latents = scheduler.step(guided, t, latents, return_dict=False)[0]
+        return latents
+
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """The VAE's pixels ``[n, H, W, 3]`` in [0, 1] for normalised `latents`, one image at
+        a time as the pipeline decodes (the VAE's batched convolutions round differently)."""
+        return np.concatenate([self._decode_one(one) for one in latents.split(1)])
+
+    def _decode_one(self, latents: torch.Tensor) -> np.ndarray:
+        painter, vae = self.painter, self.painter.vae
+        mean = painter._vae_latents_mean.to(device=latents.device, dtype=vae.dtype)
+        inv_std = painter._vae_latents_inv_std.to(device=latents.device, dtype=vae.dtype)
+        raw = latents.to(vae.dtype) / inv_std.view(1, -1, 1, 1, 1) + mean.view(1, -1, 1, 1, 1)
+        frames = vae.decode(raw).sample.to(latents.dtype)  # [1, 3, 1, H, W]
+        return painter.video_processor.postprocess_video(frames, output_type="np")[0]
+
+    @torch.no_grad()
+    def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1280,
+                 height: int = 720, steps: int = 35, guidance: float = 6.0, seed: int = 0,
+                 n: int = 1) -> np.ndarray:
+        """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
+        diffusers' pipeline gives for the same arguments with ``num_frames=1`` (`guidance` is
+        its ``guidance_scale``: at 1 the negative prompt is not read, and any other value,
+        0 included, mixes both predictions). Runs in the calling thread (see `agenerate`).
+
+        Raises:
+            ValueError: a setting out of range (`check`), a prompt that is not text.
+        """
+        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
+        ids, negative_ids = self.prompt_ids(prompt, negative_prompt, width=width,
+                                            height=height)
+        latents = self.noise(width=width, height=height, seed=seed, n=n)
+        prompts = [self.prepare(ids, latents)]
+        if guidance != 1.0:
+            prompts.append(self.prepare(negative_ids, latents))
+        return self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance))
+
+    async def agenerate(self, prompt: str, **settings: Any) -> np.ndarray:
+        """`generate` in a worker thread."""
+        return await run_in_worker(lambda: self.generate(prompt, **settings))
+
+    def __repr__(self) -> str:
+        return (f"<Cosmos3 {self.model_id} layers={len(self.transformer.layers)} "
+                f"pixel_step={self.pixel_step}>")
