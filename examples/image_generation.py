@@ -56,14 +56,16 @@ picture. The model is chosen per process (an environment variable), not per requ
 input), because `omni run` builds the KV store from `KV_LAYOUT`, the model's page layout,
 before any request runs.
 
-With `OMNI_MODEL` a diffusers pipeline folder (``model_index.json``; Z-Image's layout), the
-graph is the library's pipeline for that family instead (`omni.pipelines.z_image_graph`):
-Omni's engine computes the text condition (a prompt's cached prefix read from the store), the
-folder's own diffusers modules paint, and the PNG is the one diffusers' pipeline saves for the
-same request. Its inputs: `prompt`, `out`, `image` (a file to edit, as diffusers'
-image-to-image pipeline does) with `strength` (0.6), `width`, `height` (1024, or the image's),
-`steps` (50), `guidance` (5.0), `negative_prompt`, `seed`, `png`. A folder of another family
-is refused, naming it and the families served.
+With `OMNI_MODEL` a diffusers pipeline folder (``model_index.json``), the graph is the
+library's pipeline for that family instead (`omni.pipelines.image_graph`), and the PNG is the
+one diffusers' own pipeline saves for the same request. Z-Image (`z_image_graph`): Omni's
+engine computes the text condition (a prompt's cached prefix read from the store), the
+folder's diffusers modules paint; inputs `prompt`, `out`, `image` (a file to edit, as
+diffusers' image-to-image pipeline does) with `strength` (0.6), `width`, `height` (1024, or
+the image's), `steps` (50), `guidance` (5.0), `negative_prompt`, `seed`, `png`. Cosmos3
+(`cosmos3_graph`): the understanding pathway once per request, each step the generation
+expert alone; the same inputs but `image` and `strength`, 1280 x 720, 35 steps, guidance
+6.0. A folder of another family is refused, naming it and the families served.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ from omni.compute import (
 )
 from omni.compute.diffusion import to_png
 from omni.compute.models import DecoderConfig, tiny_config
-from omni.pipelines import check_out, write_file, z_image_graph
+from omni.pipelines import check_out, image_graph, write_file
 from omni.serve.openai import image_generations
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
@@ -335,5 +337,5 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-if DIFFUSERS_FOLDER:  # OMNI_MODEL is a Z-Image folder: the library's pipeline paints instead
-    image_generation = z_image_graph(MODEL, name="image_generation")
+if DIFFUSERS_FOLDER:  # OMNI_MODEL is a diffusers folder: its family's pipeline paints instead
+    image_generation = image_graph(MODEL, name="image_generation")

@@ -1,15 +1,17 @@
-"""What an image pipeline writes: the output path checked before any work, the file written
-whole or not at all."""
+"""What an image pipeline writes: the output path checked before any work, the PNG encoded and
+written whole or not at all, and the result that reports it."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
+from omni.compute.diffusion import to_png
 from omni.graph.dsl import node
 
-__all__ = ["check_out", "write_file"]
+__all__ = ["check_out", "save_png", "write_file"]
 
 
 @node
@@ -48,3 +50,18 @@ def write_file(path: str, data: bytes) -> None:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+@node(thread=True)
+def save_png(painted: dict[str, Any], path: str, png: bool) -> dict[str, Any]:
+    """Encode the painted image (``{"image": uint8 [H, W, 3], "usage": ...}``) as PNG, write
+    it to `path` (nothing for ""), report it with its prompts' usage (and the PNG's bytes
+    under "png" when `png`: what ``POST /v1/images/generations`` answers with)."""
+    image = painted["image"]
+    data = to_png(image)
+    if path:
+        write_file(path, data)
+    height, width, _ = image.shape
+    report: dict[str, Any] = {"out": path or None, "width": width, "height": height,
+                              "png_bytes": len(data), "usage": painted["usage"]}
+    return {**report, "png": data} if png else report

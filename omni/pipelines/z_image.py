@@ -24,13 +24,12 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from omni.compute import ZImage
-from omni.compute.diffusion import to_png
 from omni.compute.image_families import image_family
 from omni.graph import CacheSalt, Graph, InputFile, OutputFile, graph, node
-from omni.pipelines._files import check_out, write_file
+from omni.pipelines._files import check_out, save_png
 from omni.serve.openai import ImagePart, image_generations
 
-__all__ = ["ZImagePaint", "read_image", "save_png", "z_image_graph"]
+__all__ = ["ZImagePaint", "read_image", "z_image_graph"]
 
 
 @node(thread=True)
@@ -81,20 +80,6 @@ class ZImagePaint:
             painted = await self.model.agenerate(prompt, **sizes, **settings)
         return {"image": (painted.images[0] * 255).round().astype(np.uint8),
                 "usage": painted.usage()}
-
-
-@node(thread=True)
-def save_png(painted: dict[str, Any], path: str, png: bool) -> dict[str, Any]:
-    """Encode the painted image as PNG, write it to `path` (nothing for ""), report it with
-    its prompts' usage (and the PNG's bytes under "png" when `png`)."""
-    image = painted["image"]
-    data = to_png(image)
-    if path:
-        write_file(path, data)
-    height, width, _ = image.shape
-    report: dict[str, Any] = {"out": path or None, "width": width, "height": height,
-                              "png_bytes": len(data), "usage": painted["usage"]}
-    return {**report, "png": data} if png else report
 
 
 def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:

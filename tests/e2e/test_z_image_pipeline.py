@@ -127,3 +127,33 @@ def test_omni_run_edits_the_image_as_diffusers_img2img_does(folder: Path,
     ours = np.asarray(Image.open(out))
     assert ours.shape == (36, 44, 3)
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1
+
+
+@pytest.mark.proc  # a real `omni serve`, and the README's client code in its own interpreter
+def test_the_readmes_client_example_runs_against_a_served_folder(folder: Path,
+                                                                 tmp_path: Path) -> None:
+    """The README's Real image families ``py`` block as written, but for the server's URL
+    and a 32 x 32 image (the tiny model's): a generation, an edit of the PNG `omni run`
+    wrote, the cached tokens printed."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.serve._server import Server
+
+    text = (ROOT / "README.md").read_text()
+    start = text.index("### Real image families")
+    (block,) = re.findall(r"```py\n(.*?)```", text[start:text.index("\n### ", start + 4)],
+                          flags=re.S)
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / "fox.png")
+    server = Server(EXAMPLE, (), tmp_path, env={"OMNI_MODEL": str(folder)})
+    try:
+        url = server.wait_url()
+        script = block.replace("http://127.0.0.1:8001", url).replace('"1024x1024"', '"32x32"')
+        done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=300)
+    finally:
+        status = server.stop()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().isdigit()
+    assert status == 0, server.stderr()
