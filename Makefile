@@ -55,7 +55,7 @@ TEST_WORKERS ?= 4
 test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
-BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve tenants stop_window cpu_linear omni_model ray_cluster
+BENCHMARKS := scheduler cli_output kv prefix_reuse decode diffusion_reuse footprint transport cluster payloads soak serve tenants stop_window cpu_linear omni_model image_model ray_cluster
 
 # The benchmarks' own extra (their baselines: Ray, transformers serve), on top of the dev install.
 $(BENCH_STAMP): $(STAMP)

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `make bench`'s order; other results/*.json follow
 BENCHMARKS = ("scheduler", "cli_output", "kv", "prefix_reuse", "decode", "diffusion_reuse",
               "footprint", "transport", "cluster", "payloads", "soak", "serve", "stop_window",
-              "cpu_linear", "omni_model", "ray_cluster")
+              "cpu_linear", "omni_model", "image_model", "ray_cluster")
 HEADING = "## Performance"
 PLOTS_HEADING = "## Plots"
 WHY_HEADING = "## Where the time goes"
@@ -402,6 +402,23 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"recomputing the prompt at every step: {fig(med(k.c['recompute']))} s "
                      f"({fig(med(k.c['recompute']) / k.d['params']['steps'] * 1e3)} ms per "
                      "step)")),
+    Known("image_model", "single",
+          lambda k: (f"Z-Image on Omni (`ZImage`: Omni's engine computes the condition, the "
+                     f"folder's diffusers modules paint), one {k.d['params']['side']}² image "
+                     f"of an unseen prompt, {k.d['params']['steps']} steps, guidance "
+                     f"{k.d['params']['guidance']:g}"),
+          lambda k: f"≤ {k.c['target']:g}× diffusers' time, the same image",
+          lambda k: (f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} s; pixels within "
+                     f"{k.c['largest_pixel_difference']:.1g})"),
+          lambda k: (f"diffusers {k.d['env']['diffusers']} `ZImagePipeline`: "
+                     f"{fig(med(k.c['baseline']))} s")),
+    Known("image_model", "shared_preamble",
+          lambda k: (f"↳ {k.d['params']['batch']} Z-Image requests sharing a style preamble, "
+                     "one after another (not batched)"),
+          lambda k: f"≥ {k.c['target']:g}× diffusers' images/s",
+          lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} images/s)",
+          lambda k: (f"diffusers called once per request: {fig(med(k.c['baseline']))} "
+                     "images/s")),
     Known("footprint", "image.kv_bytes",
           lambda k: (f"image pipeline (examples/image_generation.py, {_prompt_chars(k)}-token "
                      f"prompt): resident KV with the LLM and diffusion roles sharing one store "
