@@ -413,7 +413,7 @@ KNOWN: tuple[Known, ...] = (
           lambda k: (f"diffusers {k.d['env']['diffusers']} `ZImagePipeline`: "
                      f"{fig(med(k.c['baseline']))} s")),
     Known("image_model", "shared_preamble",
-          lambda k: (f"↳ {k.d['params']['batch']} Z-Image requests sharing a style preamble, "
+          lambda k: (f"{k.d['params']['batch']} Z-Image requests sharing a style preamble, "
                      "one after another (not batched)"),
           lambda k: f"≥ {k.c['target']:g}× diffusers' images/s",
           lambda k: f"{x(k.c['ratio'])} ({fig(med(k.c['measured']))} images/s)",
