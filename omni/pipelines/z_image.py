@@ -9,8 +9,10 @@ to edit, in; a PNG out.
 and the negative prompt's conditions, the folder's own diffusers pipeline (loaded without its
 text encoder) paints from them, with diffusers' defaults and generator semantics, so the PNG
 is the one diffusers' ``ZImagePipeline`` saves for the same request; given an image, it is the
-one diffusers' ``ZImageImg2ImgPipeline`` saves (the same modules, `strength` its). One call at
-a time per replica: a diffusers pipeline keeps its scheduler's state while it runs. The graph
+one diffusers' ``ZImageImg2ImgPipeline`` saves (the same modules, `strength` its). One
+pipeline call at a time per replica (a diffusers pipeline keeps its scheduler's state while it
+runs): requests that arrive meanwhile and paint at one size, step count and guidance are then
+denoised together, each its own image. The graph
 answers ``POST /v1/images/generations`` under ``omni serve``, and ``POST /v1/images/edits``
 (its `image` input takes the uploaded image, decoded: an `ImagePart`).
 """
@@ -23,13 +25,16 @@ from typing import Annotated, Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from omni._openmp import run_in_worker
 from omni.compute import ZImage
 from omni.compute.image_families import image_family
+from omni.compute.z_image import Painted, PaintRequest
 from omni.graph import CacheSalt, Graph, InputFile, OutputFile, graph, node
+from omni.pipelines._batch import Batcher
 from omni.pipelines._files import check_out, save_png
 from omni.serve.openai import ImagePart, image_generations
 
-__all__ = ["ZImagePaint", "read_image", "z_image_graph"]
+__all__ = ["MAX_BATCH", "ZImagePaint", "read_image", "z_image_graph"]
 
 
 @node(thread=True)
@@ -54,12 +59,19 @@ def read_image(image: str | ImagePart) -> np.ndarray | None:
         raise ValueError(f"image={image!r} cannot be read: {exc.strerror or exc}") from None
 
 
-@node
+MAX_BATCH = 8  # requests of one size and step count a replica denoises together
+
+
+@node(concurrency=MAX_BATCH)
 class ZImagePaint:
-    """The folder's model, built once per replica; a call paints one image, or edits one."""
+    """The folder's model, built once per replica; a call paints one image, or edits one.
+    Calls that arrive while the replica paints wait, then those painting from text at one
+    size, step count and guidance are denoised together (`Batcher`, up to `MAX_BATCH`);
+    edits run one at a time."""
 
     def __init__(self, folder: str = "") -> None:
         self.model = ZImage.from_pretrained(folder)
+        self.batcher: Batcher[tuple[Any, Any], Painted] = Batcher(self._paint, MAX_BATCH)
 
     async def __call__(self, prompt: str, image: np.ndarray | None, strength: float,
                        negative_prompt: str, width: int | None, height: int | None,
@@ -67,19 +79,35 @@ class ZImagePaint:
                        ) -> dict[str, Any]:
         """``{"image", "usage"}``: the image ``[height, width, 3]`` uint8, as diffusers' PIL
         output rounds it, `image` edited (`ZImage.edit`), or, without one, the prompt painted
-        (`ZImage.generate`; 1024 pixels a side unless given); and its prompts' tokens
+        (`ZImage.generate_batch`; 1024 pixels a side unless given); and its prompts' tokens
         (`Painted.usage`), prefixes read only from requests of the same `cache_salt`."""
-        settings: dict[str, Any] = {"negative_prompt": negative_prompt, "steps": steps,
-                                    "guidance": guidance, "seed": seed,
-                                    "cache_salt": cache_salt}
+        key: Any
         if image is not None:
-            painted = await self.model.aedit(prompt, image, strength=strength, width=width,
-                                            height=height, **settings)
+            key = ("edit", object())  # a batch of its own
+            item: Any = (prompt, image, {
+                "strength": strength, "width": width, "height": height, "steps": steps,
+                "guidance": guidance, "seed": seed, "negative_prompt": negative_prompt,
+                "cache_salt": cache_salt})
         else:
-            sizes = {k: v for k, v in (("width", width), ("height", height)) if v is not None}
-            painted = await self.model.agenerate(prompt, **sizes, **settings)
+            key = ("paint", 1024 if width is None else width,
+                   1024 if height is None else height, steps, guidance)
+            item = PaintRequest(prompt, negative_prompt, seed, cache_salt)
+        painted = await self.batcher(key, (key, item))
         return {"image": (painted.images[0] * 255).round().astype(np.uint8),
                 "usage": painted.usage()}
+
+    async def _paint(self, calls: list[tuple[Any, Any]]) -> list[Painted]:
+        """One batch's images, in a worker thread (the calls share their key)."""
+        return await run_in_worker(self._paint_now, calls)
+
+    def _paint_now(self, calls: list[tuple[Any, Any]]) -> list[Painted]:
+        (kind, *shared), _ = calls[0]
+        if kind == "edit":
+            ((_, (prompt, image, settings)),) = calls
+            return [self.model.edit(prompt, image, **settings)]
+        width, height, steps, guidance = shared
+        return self.model.generate_batch([request for _, request in calls], width=width,
+                                         height=height, steps=steps, guidance=guidance)
 
 
 def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:

@@ -273,3 +273,37 @@ def test_a_requests_usage_counts_its_prompts_and_what_of_them_was_cached(
     assert elsewhere.cached_tokens == 0
     unguided = model.generate(STYLE + "A fern.", **{**settings, "guidance": 0.0})
     assert unguided.input_tokens == len(ids[0])
+
+
+@pytest.mark.parametrize("guidance", [0.0, 4.0])
+def test_requests_denoised_together_are_each_the_pipelines_own_image(
+        pipeline: Any, z_image: ZImage, guidance: float) -> None:
+    """Three requests of one size and step count in one batch (one DiT pass per step): each
+    image is what diffusers paints for that request alone (its prompt, negative prompt and
+    seed), and each request's usage is its own."""
+    from omni.compute.z_image import PaintRequest
+
+    requests = [PaintRequest(PROMPT, "blurry", seed=1),
+                PaintRequest("A blue whale at night.", "", seed=2, cache_salt="b"),
+                PaintRequest(STYLE + "A fern.", "dark", seed=3)]
+    painted = z_image.generate_batch(requests, width=32, height=32, steps=3,
+                                     guidance=guidance)
+    for request, ours in zip(requests, painted, strict=True):
+        theirs = pipeline(request.prompt, negative_prompt=request.negative_prompt, height=32,
+                          width=32, num_inference_steps=3, guidance_scale=guidance,
+                          output_type="np",
+                          generator=torch.Generator().manual_seed(request.seed)).images
+        np.testing.assert_allclose(ours.images, theirs, rtol=0, atol=1e-3)
+        alone = z_image.generate(request.prompt, negative_prompt=request.negative_prompt,
+                                 width=32, height=32, steps=3, guidance=guidance,
+                                 seed=request.seed, cache_salt=request.cache_salt)
+        assert alone.input_tokens == ours.input_tokens
+    assert np.abs(painted[0].images - painted[1].images).max() > 0.05
+
+
+def test_a_batch_with_a_bad_request_paints_none(z_image: ZImage) -> None:
+    from omni.compute.z_image import PaintRequest
+
+    with pytest.raises(ValueError, match="seed must be an int"):
+        z_image.generate_batch([PaintRequest(PROMPT), PaintRequest(PROMPT, seed="7")],
+                               width=32, height=32, steps=1, guidance=0.0)

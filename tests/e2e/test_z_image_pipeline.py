@@ -157,3 +157,34 @@ def test_the_readmes_client_example_runs_against_a_served_folder(folder: Path,
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().isdigit()
     assert status == 0, server.stderr()
+
+
+async def test_concurrent_images_are_denoised_together_each_diffusers_own(
+        folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`n` = 3 on one request: its three runs reach the replica at once and are denoised as
+    one batch; each image is diffusers' own for its seed (`seed + i`)."""
+    from omni.compute.z_image import ZImage
+
+    sizes: list[int] = []
+    batch = ZImage.generate_batch
+
+    def recorded(self: ZImage, requests: list[Any], **settings: Any) -> Any:
+        sizes.append(len(requests))
+        return batch(self, requests, **settings)
+
+    monkeypatch.setattr(ZImage, "generate_batch", recorded)
+    monkeypatch.setenv("OMNI_MODEL", str(folder))
+    async with served(EXAMPLE) as app, app.openai() as client:
+        reply = await client.images.generate(
+            prompt=PROMPT, size="32x32", n=3, extra_body={
+                "seed": 3, "num_inference_steps": 2, "guidance_scale": 0.0})
+    from diffusers import ZImagePipeline
+
+    pipeline = ZImagePipeline.from_pretrained(folder)
+    for i, image in enumerate(reply.data):
+        ours = np.asarray(Image.open(io.BytesIO(base64.b64decode(image.b64_json))))
+        theirs = np.asarray(pipeline(PROMPT, width=32, height=32, num_inference_steps=2,
+                                     guidance_scale=0.0,
+                                     generator=torch.Generator().manual_seed(3 + i)).images[0])
+        assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1
+    assert sum(sizes) == 3 and max(sizes) > 1, sizes

@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -136,10 +137,26 @@ def _size(size: str) -> tuple[int, int]:
 
 async def _generate(runtime: Any, graph: Any, inputs: dict[str, Any], n: int
                     ) -> list[tuple[bytes, Any]]:
-    """Each run's PNG and its ``usage`` (None where the graph reports none)."""
+    """Each run's PNG and its ``usage`` (None where the graph reports none). The `n` runs go
+    at once (a graph that batches denoises them together); the first to fail cancels the
+    others and its error is the request's."""
+    results: list[Any] = [None] * n
+    failures: list[Exception] = []
+
+    async def run(i: int) -> None:
+        try:
+            results[i] = await runtime.run(graph, **{**inputs, "seed": inputs["seed"] + i})
+        except Exception as exc:  # raised below as itself, not in the group's wrapping
+            failures.append(exc)
+            group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        for i in range(n):
+            group.start_soon(run, i)
+    if failures:
+        raise failures[0]
     images = []
-    for i in range(n):
-        result = await runtime.run(graph, **{**inputs, "seed": inputs["seed"] + i})
+    for result in results:
         png = result.get("png") if isinstance(result, dict) else None
         if not isinstance(png, bytes):
             raise ApiError(500, f"graph '{graph.name}' returned no PNG bytes under 'png'")
