@@ -1,4 +1,4 @@
-"""Cosmos3 text-to-image on Omni: the understanding pathway computed once per request.
+"""Cosmos3 text-to-image on Omni: the understanding pathway on Omni's engine, once per prompt.
 
 A Cosmos3 folder (diffusers' layout: ``model_index.json`` naming ``Cosmos3OmniPipeline``) keeps
 one transformer, a mixture of two experts over one joint sequence. The understanding expert
@@ -7,14 +7,20 @@ chat template) with causal attention; the generation expert reads the image's la
 and each of its layers attends to the understanding expert's keys and values of that layer
 as well as to its own. No understanding token attends to an image token, so those keys and
 values are the same at every denoising step; diffusers' pipeline still runs both experts at
-every step (twice with guidance). Here `understand` runs the understanding expert once per
-prompt and returns each layer's (k, v), and each step runs only the generation expert
-(`velocity`) against them.
+every step (twice with guidance).
+
+Here the understanding expert is a decoder on Omni's `TorchEngine`
+(`omni.compute.models.cosmos3_weights`: the transformer's own weights, one copy) whose
+KV is each layer's understanding keys and values: it runs once per prompt
+(`ModelRunner.prompt_kv`), and a prompt that starts as an earlier one of the same cache salt
+did (the system prompt every request shares, a repeated prompt) reads that prefix's KV from
+the engine's store: only the rest is computed. Each denoising step runs only the generation
+expert (`velocity`) against that KV.
 
 Everything else is the folder's own diffusers objects, called rather than rewritten: the
-pipeline's prompt rendering and sequence layout (mRoPE positions), the transformer's modules
-and weights (projections, norms, MLPs, rotary, patchify, timestep embedding), the scheduler,
-the VAE and the video processor. Several of these are private diffusers helpers
+pipeline's prompt rendering and sequence layout (mRoPE positions), the generation expert's
+modules and weights (projections, norms, MLPs, rotary, patchify, timestep embedding), the
+scheduler, the VAE and the video processor. Several of these are private diffusers helpers
 (``_prepare_text_segment``, ``_patchify_and_pack_latents``, ...): they are the one home of
 that layout, and calling them keeps Omni's sequence equal to the pipeline's.
 """
@@ -30,10 +36,13 @@ import torch
 
 from omni._openmp import run_in_worker
 from omni.compute.diffusion import check_image_settings
+from omni.compute.engine import TorchEngine
 from omni.compute.image_families import check_family
+from omni.compute.models.cosmos3_weights import understanding_decoder
+from omni.compute.prompt import Text
+from omni.compute.z_image import Painted
 
-__all__ = ["Cosmos3", "PromptKV", "generation_layer", "rotary", "understand",
-           "understanding_layer", "velocity"]
+__all__ = ["Cosmos3", "PromptKV", "generation_kv", "generation_layer", "rotary", "velocity"]
 
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [T, kv_heads, head_dim]
@@ -49,16 +58,20 @@ class PromptKV:
     prompt's; both are fixed for the whole request.
 
     Attributes:
-        kv: each layer's understanding keys (normed, rotated) and values.
+        kv: each layer's understanding keys (normed, rotated) and values, as the generation
+            expert reads them (`generation_kv`).
         rope: the image tokens' rotary cos and sin.
         token_shapes: the patch grid (frames, rows, columns) of one image.
         noisy_frames: the frames being denoised (every frame, for text-to-image).
+        tokens: the prompt's tokens; `cached_tokens` of them were read from the store.
     """
 
     kv: list[LayerKV]
     rope: Rope
     token_shapes: list[tuple[int, int, int]]
     noisy_frames: list[torch.Tensor]
+    tokens: int
+    cached_tokens: int
 
 
 def rotary(transformer: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
@@ -68,11 +81,13 @@ def rotary(transformer: Any, position_ids: torch.Tensor, dtype: torch.dtype) -> 
     return cos.squeeze(0).unsqueeze(1), sin.squeeze(0).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+def _rotate(x: torch.Tensor, rope: Rope, *, inverse: bool = False) -> torch.Tensor:
+    """`x` ``[..., heads, head_dim]`` turned by the angles of `rope` (back by them when
+    `inverse`)."""
     from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
 
     cos, sin = rope
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + _rotate_half(x) * (-sin if inverse else sin)
 
 
 def _heads(projected: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -91,40 +106,17 @@ def _attend(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return out.flatten(-2, -1)
 
 
-def understanding_layer(layer: Any, hidden: torch.Tensor, rope: Rope, *,
-                        last: bool = False) -> tuple[LayerKV, torch.Tensor | None]:
-    """One layer of the understanding expert over the prompt's `hidden` ``[T, hidden]``:
-    the keys (rotated) and values the generation expert reads, and the next layer's input
-    (None when `last`: nothing reads the last layer's output)."""
-    attn = layer.self_attn
-    normed = layer.input_layernorm(hidden)
-    keys = attn.norm_k(_heads(attn.to_k(normed), attn.num_key_value_heads, attn.head_dim))
-    values = _heads(attn.to_v(normed), attn.num_key_value_heads, attn.head_dim)
-    keys_for_gen = keys if attn.k_norm_und_for_gen is None else attn.k_norm_und_for_gen(keys)
-    kv = (_rotate(keys_for_gen, rope), values)
-    if last:
-        return kv, None
-    query = attn.norm_q(_heads(attn.to_q(normed), attn.num_attention_heads, attn.head_dim))
-    out = _attend(attn, _rotate(query, rope)[None], _rotate(keys, rope)[None], values[None],
-                  causal=True)
-    residual = hidden + attn.to_out(out[0])
-    return kv, residual + layer.mlp(layer.post_attention_layernorm(residual))
-
-
-def understand(transformer: Any, input_ids: torch.Tensor,
-               position_ids: torch.Tensor) -> list[LayerKV]:
-    """The understanding expert over one prompt's token ids ``[T]`` at mRoPE positions
-    ``[3, T]``: each layer's (keys, values), keys normed and rotated as the generation expert
-    reads them. The only work that reads the prompt; a request runs it once per prompt."""
-    hidden = transformer.embed_tokens(input_ids)  # [T, hidden]
-    rope = rotary(transformer, position_ids, hidden.dtype)
-    layers = transformer.layers
-    kv = []
-    for index, layer in enumerate(layers):
-        layer_kv, hidden = understanding_layer(layer, hidden, rope,
-                                               last=index == len(layers) - 1)
-        kv.append(layer_kv)
-    return kv
+def generation_kv(layer: Any, kv: tuple[torch.Tensor, torch.Tensor], rope: Rope) -> LayerKV:
+    """The keys and values ``[T, kv_heads, head_dim]`` the generation expert's `layer` reads
+    of the understanding KV `kv` (the engine's, ``[1, kv_heads, T, head_dim]``, keys rotated
+    by the prompt's `rope` as the understanding attention reads them): the same tensors,
+    but with ``use_und_k_norm_for_gen`` (``k_norm_und_for_gen``), which the understanding
+    attention does not apply, the keys turned back, normed and turned again."""
+    keys, values = (x[0].transpose(0, 1) for x in kv)
+    norm = layer.self_attn.k_norm_und_for_gen
+    if norm is not None:
+        keys = _rotate(norm(_rotate(keys, rope, inverse=True)), rope)
+    return keys, values
 
 
 def generation_layer(layer: Any, hidden: torch.Tensor, kv: LayerKV, rope: Rope) -> torch.Tensor:
@@ -184,20 +176,23 @@ def velocity(transformer: Any, latents: torch.Tensor, timestep: float,
 
 class Cosmos3:
     """A Cosmos3 folder on Omni, text to image: each prompt's understanding keys and values
-    computed once (`prepare`), then every denoising step runs only the generation expert
-    against them (`velocity`), the n images of a request in one batch. The folder's own
-    pipeline supplies the rest, with its semantics: one CPU generator drawn from `seed` whose
-    successive draws are the n images' noise (as n pipeline calls sharing that generator),
-    a fresh copy of its scheduler per request. No guardrail runs: the images are the
-    pipeline's with ``enable_safety_checker=False``.
+    computed once on Omni's engine (`prepare`; a cached prefix read from its store), then
+    every denoising step runs only the generation expert against them (`velocity`), the n
+    images of a request in one batch. The folder's own pipeline supplies the rest, with its
+    semantics: one CPU generator drawn from `seed` whose successive draws are the n images'
+    noise (as n pipeline calls sharing that generator), a fresh copy of its scheduler per
+    request. No guardrail runs: the images are the pipeline's with
+    ``enable_safety_checker=False``.
 
     Args:
         painter: the folder's ``Cosmos3OmniPipeline``.
+        engine: the understanding expert of its transformer, without a tokenizer, with a KV
+            store for prefixes (`from_pretrained` builds it so, `understanding_decoder`).
         model_id: the name `repr` shows.
     """
 
-    def __init__(self, painter: Any, model_id: str = "cosmos3"):
-        self.painter, self.model_id = painter, model_id
+    def __init__(self, painter: Any, engine: TorchEngine, model_id: str = "cosmos3"):
+        self.painter, self.engine, self.model_id = painter, engine, model_id
         self.transformer = painter.transformer
         self.pixel_step = int(painter.vae_scale_factor_spatial)
 
@@ -215,7 +210,10 @@ class Cosmos3:
         painter = Cosmos3OmniPipeline.from_pretrained(
             folder, dtype=dtype, safety_checker=None, enable_safety_checker=False).to(device)
         painter.set_progress_bar_config(disable=True)
-        return cls(painter, model_id=Path(folder).resolve().name)
+        name = Path(folder).resolve().name
+        model, config = understanding_decoder(painter.transformer)
+        engine = TorchEngine(model, config, model_id=f"{name}/understanding")
+        return cls(painter, engine, model_id=name)
 
     @property
     def device(self) -> torch.device:
@@ -239,19 +237,27 @@ class Cosmos3:
         return self.painter.tokenize_prompt(prompt, negative_prompt, num_frames=1,
                                             height=height, width=width)
 
-    def prepare(self, input_ids: list[int], latents: torch.Tensor) -> PromptKV:
+    def prepare(self, input_ids: list[int], latents: torch.Tensor,
+                cache_salt: str = "") -> PromptKV:
         """Everything the denoising steps read of the prompt `input_ids` for images of the
-        shape of `latents` ``[n, C, 1, H, W]``; runs the understanding expert (`understand`)."""
+        shape of `latents` ``[n, C, 1, H, W]``: runs the understanding expert on the engine
+        after the prompt's longest prefix cached under `cache_salt`."""
         text = self.painter._prepare_text_segment(input_ids, device=self.device)
         image = self.painter._prepare_vision_segment(
             input_vision_tokens=latents[:1], has_image_condition=False,
             mrope_offset=text["vision_start_temporal_offset"], vision_fps=None,
             curr=text["und_len"], device=self.device)
+        # the engine's positions are 0 .. T - 1 on all three axes, as the pipeline's
+        tokens = self.engine.prepare(Text(input_ids))
+        kv, cached = self.engine.runner.prompt_kv(tokens, cache_salt)
+        text_rope = rotary(self.transformer, text["text_mrope_ids"], self.transformer.dtype)
         return PromptKV(
-            kv=understand(self.transformer, text["input_ids"], text["text_mrope_ids"]),
+            kv=[generation_kv(layer, layer_kv, text_rope)
+                for layer, layer_kv in zip(self.transformer.layers, kv, strict=True)],
             rope=rotary(self.transformer, image["vision_mrope_ids"], self.transformer.dtype),
             token_shapes=image["vision_token_shapes"],
-            noisy_frames=image["vision_noisy_frame_indexes"])
+            noisy_frames=image["vision_noisy_frame_indexes"], tokens=len(tokens),
+            cached_tokens=cached)
 
     def noise(self, *, width: int, height: int, seed: int, n: int) -> torch.Tensor:
         """The initial latents ``[n, C, 1, H / pixel_step, W / pixel_step]``: the pipeline's
@@ -306,11 +312,13 @@ class Cosmos3:
     @torch.no_grad()
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1280,
                  height: int = 720, steps: int = 35, guidance: float = 6.0, seed: int = 0,
-                 n: int = 1) -> np.ndarray:
+                 n: int = 1, cache_salt: str = "") -> Painted:
         """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
         diffusers' pipeline gives for the same arguments with ``num_frames=1`` (`guidance` is
         its ``guidance_scale``: at 1 the negative prompt is not read, and any other value,
-        0 included, mixes both predictions). Runs in the calling thread (see `agenerate`).
+        0 included, mixes both predictions), and the prompts' tokens. The prompts' cached
+        prefixes are read only from requests of the same `cache_salt`. Runs in the calling
+        thread (see `agenerate`).
 
         Raises:
             ValueError: a setting out of range (`check`), a prompt that is not text.
@@ -319,12 +327,14 @@ class Cosmos3:
         ids, negative_ids = self.prompt_ids(prompt, negative_prompt, width=width,
                                             height=height)
         latents = self.noise(width=width, height=height, seed=seed, n=n)
-        prompts = [self.prepare(ids, latents)]
+        prompts = [self.prepare(ids, latents, cache_salt)]
         if guidance != 1.0:
-            prompts.append(self.prepare(negative_ids, latents))
-        return self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance))
+            prompts.append(self.prepare(negative_ids, latents, cache_salt))
+        images = self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance))
+        return Painted(images, sum(p.tokens for p in prompts),
+                       sum(p.cached_tokens for p in prompts))
 
-    async def agenerate(self, prompt: str, **settings: Any) -> np.ndarray:
+    async def agenerate(self, prompt: str, **settings: Any) -> Painted:
         """`generate` in a worker thread."""
         return await run_in_worker(lambda: self.generate(prompt, **settings))
 

@@ -24,7 +24,7 @@ from omni.compute._engine_types import _Request
 from omni.compute._item_cache import ItemCache
 from omni.compute._prefix import load_prefix, put_pages, store_pages
 from omni.compute.encoders import BuiltinEncoders, Encoded, MediaEncoders
-from omni.compute.models import DecoderLM
+from omni.compute.models import DecoderLM, KVList
 from omni.compute.prompt import Audio, Image, PromptTokens
 from omni.compute.sampling import TokenSampler, TokenSamplingState
 from omni.compute.scheduler import Scheduler, StepPlan
@@ -97,8 +97,8 @@ class ModelRunner:
         return block_keys(token_ids, self.page_size, extra=extra, media=spans)
 
     def reusable_keys(self, r: _Request) -> list[bytes]:
-        """The keys of the prompt's pages a prefill may read cached (it computes >= 1 token)."""
-        return r.keys[: (len(r.tokens) - 1) // self.page_size]
+        """The keys of the request's pages a prefill may read cached (`_reusable`)."""
+        return self._reusable(r.keys, len(r.tokens))
 
     def eos_ids(self) -> tuple[int, ...]:
         """The ids that end generation: the tokenizer's, else the model config's."""
@@ -298,25 +298,61 @@ class ModelRunner:
         left to compute) gives both its KV, from the store, and its rows, kept here by page
         key when they were computed: only the tokens after it run, attending to that KV.
         The new full pages go into the store, their rows beside them."""
-        ids, size = tokens.token_ids, self.page_size
-        keys = self.page_keys(ids, tokens.spans(), cache_salt)
-        cached, rows = self._cached_rows(keys[: (len(ids) - 1) // size])
+        keys = self.page_keys(tokens.token_ids, tokens.spans(), cache_salt)
+        cached, rows = self._cached_rows(self._reusable(keys, len(tokens)))
+        hidden, _, cached = self._prefill_after(tokens, keys, cached, cache_salt)
+        rows = torch.cat([*rows[:cached], hidden[0]])
+        size = self.page_size
+        for i in range(cached, len(keys)):
+            self._rows.put(keys[i], rows[i * size:(i + 1) * size].clone())
+        return rows, cached * size
+
+    @torch.inference_mode()
+    def prompt_kv(self, tokens: PromptTokens, cache_salt: str = "") -> tuple[KVList, int]:
+        """Every layer's (k, v) ``[1, Hkv, T, D]`` of the prompt, keys rotated as attention
+        reads them, and how many tokens came from cache (what another model reads of a
+        prompt as its context: Cosmos3's generation expert).
+
+        The longest cached prefix of full pages (under the request's `cache_salt`, at least
+        one token left to compute) is read from the store: only the tokens after it run,
+        attending to it. The new full pages go into the store."""
+        keys = self.page_keys(tokens.token_ids, tokens.spans(), cache_salt)
+        reusable = self._reusable(keys, len(tokens))
+        held = 0 if self.store is None or not reusable else self.store.match(reusable)
+        _, kv, cached = self._prefill_after(tokens, keys, held, cache_salt)
+        return kv, cached * self.page_size
+
+    def _reusable(self, keys: list[bytes], num_tokens: int) -> list[bytes]:
+        """The keys of a prompt's pages a prefill may read cached (it computes >= 1 token)."""
+        return keys[: (num_tokens - 1) // self.page_size]
+
+    def _prefill_after(self, tokens: PromptTokens, keys: list[bytes], cached: int,
+                       cache_salt: str) -> tuple[torch.Tensor, KVList, int]:
+        """The prompt's tokens after its first `cached` pages (named by `keys`, read from the
+        store under a lease: fewer when some went since they were matched) through every
+        layer. Returns their last layer's output ``[1, T - start, hidden]`` before the final
+        norm, the whole prompt's KV and how many pages were read; puts the full pages after
+        those into the store (best effort: a full store keeps them out, said in the log)."""
         past = None
         if cached:
             with self.store.acquire(keys[:cached]) as lease:  # type: ignore[union-attr]
-                cached = len(lease)  # a page may have gone since the match
+                cached = len(lease)
                 if cached:
                     past = DecoderLM.kv_from_pages(lease.pages())
-        start = cached * size
+        start = cached * self.page_size
         embeds, deepstack = self.prompt_inputs(tokens, start, cache_salt)
         hidden, new_kv = self.model._run_layers(
             embeds, self._positions(tokens)[..., start:], past, None, deepstack, None,
             self.config.num_layers)
         self.counts["prefills"] += 1
-        self.counts["prefill_tokens"] += len(ids) - start
-        rows = torch.cat([*rows[:cached], hidden[0]])
-        self._keep_pages(keys, cached, past, new_kv, rows)
-        return rows, start
+        self.counts["prefill_tokens"] += len(tokens) - start
+        kv = new_kv if past is None else [
+            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+            for (pk, pv), (k, v) in zip(past, new_kv, strict=True)]
+        if self.store is not None and len(keys) > cached:
+            put_pages(self.store, keys[cached:],
+                      DecoderLM.kv_to_pages(kv, start, self.page_size))
+        return hidden, kv, cached
 
     def _cached_rows(self, keys: list[bytes]) -> tuple[int, list[torch.Tensor]]:
         """How many pages of `keys`' prefix both the store and the kept rows hold, and those
@@ -329,20 +365,6 @@ class ModelRunner:
                 break
             rows.append(kept)
         return len(rows), rows
-
-    def _keep_pages(self, keys: list[bytes], cached: int, past: Any, new_kv: Any,
-                    rows: torch.Tensor) -> None:
-        """Put the full pages after the first `cached` into the store, and keep their rows
-        (best effort: a full store keeps them out, said in the log)."""
-        if self.store is None or len(keys) <= cached:
-            return
-        kv = new_kv if past is None else [
-            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
-            for (pk, pv), (k, v) in zip(past, new_kv, strict=True)]
-        size = self.page_size
-        put_pages(self.store, keys[cached:], DecoderLM.kv_to_pages(kv, cached * size, size))
-        for i in range(cached, len(keys)):
-            self._rows.put(keys[i], rows[i * size:(i + 1) * size].clone())
 
     def embed_prompt(self, tokens: PromptTokens, start: int = 0) -> torch.Tensor:
         """Input embeddings ``[1, T - start, hidden]`` of a prompt's tokens from `start` on,

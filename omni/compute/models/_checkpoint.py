@@ -26,7 +26,9 @@ IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Our fused parameter -> the HF tensors concatenated along dim 0, in order.
 _FUSED = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# (an ungated MLP, ``hidden_act="relu2"``, has no gate_proj: its up_proj keeps its name)
 _RENAMED = {"attn.o_proj": "self_attn.o_proj", "mlp.down_proj": "mlp.down_proj",
+            "mlp.up_proj": "mlp.up_proj",
             "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 
@@ -47,6 +49,8 @@ def hf_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
                  "mlp.gate_proj": ((inter, hidden), config.mlp_bias),
                  "mlp.up_proj": ((inter, hidden), config.mlp_bias),
                  "mlp.down_proj": ((hidden, inter), config.mlp_bias)}
+    if config.hidden_act == "relu2":
+        del per_layer["mlp.gate_proj"]
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         for name, (shape, has_bias) in per_layer.items():

@@ -14,6 +14,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "DecoderConfig", "RopeScaling", "is_qwen3_
            "qwen3_omni_part", "weights_prefix"]
 
 Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+Activation = Literal["silu", "relu2"]
 
 # config.json "architectures" entry -> our architecture; the model_type is accepted too.
 SUPPORTED_ARCHITECTURES: dict[str, Architecture] = {
@@ -102,6 +103,10 @@ class DecoderConfig:
     position for i % 3 == 1 and i < 3 * section[1], with the width position for i % 3 == 2 and
     i < 3 * section[2], with the temporal position otherwise (transformers' interleaved layout).
 
+    `hidden_act`: "silu", the SwiGLU MLP every architecture here has; "relu2", the ungated
+    MLP of Nemotron's dense layers, down(relu(up(x))^2) (Cosmos3's Nemotron variant). No
+    transformers class has the second with these layers: such a config has no config.json.
+
     Raises:
         ValueError: a size that is not positive, or sizes that do not divide (see `__post_init__`).
     """
@@ -131,11 +136,18 @@ class DecoderConfig:
     mlp_only_layers: tuple[int, ...] = ()
     mrope_section: tuple[int, int, int] | None = None
     shared_expert_intermediate_size: int = 0
+    hidden_act: Activation = "silu"
 
     def __post_init__(self) -> None:
         if self.architecture not in _HF_CLASS:
             raise ValueError(f"unsupported architecture {self.architecture!r}; "
                              f"supported: {', '.join(_HF_CLASS)}")
+        if self.hidden_act not in ("silu", "relu2"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; "
+                             "supported: 'silu', 'relu2'")
+        if self.hidden_act == "relu2" and self.architecture == "qwen3_moe":
+            raise ValueError("hidden_act 'relu2' is for dense MLPs: qwen3_moe's experts are "
+                             "SwiGLU")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "max_position_embeddings"):
             _check_positive_int(name, getattr(self, name))
@@ -252,6 +264,9 @@ class DecoderConfig:
         if self.mrope_section is not None:
             raise ValueError("a decoder with M-RoPE (Qwen3-Omni's thinker) has no config.json "
                              "of its own: it is part of its Qwen3-Omni checkpoint")
+        if self.hidden_act != "silu":
+            raise ValueError(f"a decoder with hidden_act {self.hidden_act!r} has no "
+                             "transformers class: it has no config.json of its own")
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_hf())

@@ -25,7 +25,8 @@ from omni.compute.models.config import DecoderConfig
 from omni.compute.models.qwen3_moe import SparseMoE
 
 __all__ = ["MLP", "Attention", "DecoderLM", "DecoderLayer", "KVList", "RMSNorm",
-           "RotaryEmbedding", "apply_rotary", "rms_normalize", "rope_inv_freq"]
+           "RotaryEmbedding", "SquaredReLUMLP", "apply_rotary", "rms_normalize",
+           "rope_inv_freq"]
 
 KVList = list[tuple[Tensor, Tensor]]  # per layer (k, v), each [B, Hkv, T, D]
 
@@ -187,6 +188,18 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class SquaredReLUMLP(nn.Module):
+    """Nemotron's ungated MLP (``hidden_act="relu2"``): down(relu(up(x))^2)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, T, E] -> [B, T, E]
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)) (a mixture of experts on a
     sparse layer of a MoE model)."""
@@ -201,7 +214,8 @@ class DecoderLayer(nn.Module):
             shared = config.shared_expert_intermediate_size
             self.mlp = SparseMoE(config, MLP(config.hidden_size, shared) if shared else None)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+            dense = SquaredReLUMLP if config.hidden_act == "relu2" else MLP
+            self.mlp = dense(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: tuple[Tensor, Tensor] | None,
                 mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:

@@ -29,8 +29,8 @@ from omni.compute.models._safetensors import (
 from omni.compute.models.config import DecoderConfig, weights_prefix
 from omni.compute.models.llama import DecoderLM, rope_inv_freq
 
-__all__ = ["load_decoder", "load_pretrained", "save_pretrained", "tiny_config",
-           "tiny_model"]
+__all__ = ["build_decoder", "load_decoder", "load_pretrained", "save_pretrained",
+           "tiny_config", "tiny_model"]
 
 _MAX_NAMED = 5  # names listed per kind of problem in an error message
 
@@ -83,8 +83,8 @@ def load_decoder(path: str | Path, config: DecoderConfig, prefix: str = "",
     if layers is not None:
         config, files = _first_layers(config, files, layers)
     tensors = read_named(files, dtype, torch.device(device), prefix)
-    return _build(config, {stored.get(n, n): t for n, t in tensors.items()},
-                  torch.device(device))
+    return build_decoder(config, {stored.get(n, n): t for n, t in tensors.items()},
+                         torch.device(device))
 
 
 def save_pretrained(model: DecoderLM, config: DecoderConfig, path: str | Path) -> None:
@@ -184,9 +184,15 @@ def _some(items: list[str]) -> str:
     return listed + (f" and {more} more" if more > 0 else "")
 
 
-def _build(config: DecoderConfig, tensors: dict[str, torch.Tensor],
-           device: torch.device) -> DecoderLM:
-    """The model with `tensors` as its parameters (no random init: built on the meta device)."""
+def build_decoder(config: DecoderConfig, tensors: dict[str, torch.Tensor],
+                  device: torch.device) -> DecoderLM:
+    """The model of `config` with `tensors` (transformers' names, all of `hf_shapes`, on
+    `device`) as its parameters: no random init (built on the meta device), no copy but
+    the fused projections'. Consumes `tensors`.
+
+    Raises:
+        RuntimeError: tensors missing, unexpected or misshapen (`load_state_dict`).
+    """
     state = fuse(config, tensors)
     if config.tie_word_embeddings:  # a tied checkpoint may still carry lm_head.weight: unused
         state["lm_head.weight"] = state["embed_tokens.weight"]
