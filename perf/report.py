@@ -420,6 +420,17 @@ KNOWN: tuple[Known, ...] = (
                      f"within {k.c['largest_pixel_difference']:.1g})"),
           lambda k: (f"diffusers called once per request: {fig(med(k.c['baseline']))} "
                      "images/s")),
+    Known("image_model", "cosmos3",
+          lambda k: (f"Cosmos3 on Omni (the understanding expert once per prompt: "
+                     f"{' and '.join(map(str, k.c['prompt_tokens']))} tokens of the prompt and "
+                     f"the negative one, {k.c['image_tokens']} image tokens, "
+                     f"{k.d['params']['steps']} steps) against diffusers' pipeline"),
+          lambda k: f"speedup ≥ {k.c['target']:g}× the ideal FLOP ratio",
+          lambda k: (f"{x(k.c['ratio'])} ({x(k.c['speedup'])} faster vs "
+                     f"{x(k.c['ideal_flop_ratio'])} ideal; {fig(med(k.c['measured']))} s; "
+                     f"pixels within {k.c['largest_pixel_difference']:.1g})"),
+          lambda k: (f"diffusers {k.d['env']['diffusers']} `Cosmos3OmniPipeline`, both "
+                     f"experts every step: {fig(med(k.c['baseline']))} s")),
     Known("footprint", "image.kv_bytes",
           lambda k: (f"image pipeline (examples/image_generation.py, {_prompt_chars(k)}-token "
                      f"prompt): resident KV with the LLM and diffusion roles sharing one store "

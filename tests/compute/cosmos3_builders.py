@@ -52,11 +52,12 @@ def save_cosmos3(directory: Path, seed: int = 0, num_layers: int = 2,
     )
 
     torch.manual_seed(seed)
-    transformer = Cosmos3OmniTransformer(
-        head_dim=16, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-        num_hidden_layers=num_layers, num_key_value_heads=1, latent_channel=LATENT_CHANNELS,
-        latent_patch_size=2, patch_latent_dim=4 * LATENT_CHANNELS, vocab_size=384,
-        rope_axes_dim=[4, 2, 2], dtype="float32", **transformer_options)
+    transformer = Cosmos3OmniTransformer(**{
+        "head_dim": 16, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+        "num_hidden_layers": num_layers, "num_key_value_heads": 1,
+        "latent_channel": LATENT_CHANNELS, "latent_patch_size": 2,
+        "patch_latent_dim": 4 * LATENT_CHANNELS, "vocab_size": 384, "rope_axes_dim": [4, 2, 2],
+        "dtype": "float32", **transformer_options})
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1,
         temperal_downsample=[False, False], latents_mean=[0.1, -0.2, 0.3, 0.0],
