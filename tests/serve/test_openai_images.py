@@ -101,12 +101,14 @@ async def test_the_extension_fields_set_the_graphs_inputs_and_usage_counts_the_c
     ({"guidance_scale": -1}, "guidance_scale", "greater than or equal to 0"),
     ({"negative_prompt": "blurry"}, "negative_prompt", "takes no such setting"),
     ({"output_format": "jpeg"}, "output_format", "'png'"),
+    ({"prompt": "x" * 32_001}, "prompt", "at most 32000 characters"),
 ])
 async def test_settings_out_of_range_are_refused_by_name_before_any_work(
         client: openai.AsyncOpenAI, fields: dict, named: str, says: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         await client.images.generate(prompt=PROMPT, extra_body=fields)
-    assert caught.value.body["param"] == named and says in caught.value.message
+    assert caught.value.body["param"] == named and says in caught.value.message, \
+        caught.value.message
 
 
 async def test_a_graph_that_takes_no_image_answers_edits_with_a_400_naming_the_model(

@@ -33,12 +33,15 @@ from omni.serve._requests import json_body, until_disconnected
 from omni.serve._tenants import MAX_CACHE_SALT_CHARS, tenant_of, with_cache_salts
 from omni.serve.openai._body import validated
 
-__all__ = ["MAX_IMAGES", "MAX_SIDE", "MAX_STEPS", "ImageRequest", "answer_images",
-           "checked_inputs", "images_route"]
+__all__ = ["MAX_IMAGES", "MAX_PROMPT_CHARS", "MAX_SIDE", "MAX_STEPS", "ImageRequest",
+           "answer_images", "checked_inputs", "images_route"]
 
 MAX_IMAGES = 10
 MAX_SIDE = 4096  # pixels of an image side the route takes (a graph may take fewer)
 MAX_STEPS = 1000  # denoising steps the route takes
+# characters of a prompt (OpenAI's own cap for image prompts): a model reads a few hundred
+# tokens of it, and tokenizing more is work for nothing
+MAX_PROMPT_CHARS = 32_000
 PIXEL_STEP = 16
 # the extension fields and the graph inputs they set (`strength`: an edit's alone)
 _SETTINGS = {"negative_prompt": "negative_prompt", "num_inference_steps": "steps",
@@ -51,7 +54,7 @@ class ImageRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(min_length=1)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_IMAGES)
     size: str | None = None
@@ -60,7 +63,7 @@ class ImageRequest(BaseModel):
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_CHARS)
     output_format: Literal["png"] | None = None
-    negative_prompt: str | None = None
+    negative_prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     num_inference_steps: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     guidance_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
