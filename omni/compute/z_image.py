@@ -18,6 +18,7 @@ encoder, fed `ZImageText`'s conditions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,8 +151,16 @@ class ZImage:
         self.text, self.painter = text, painter
         self.pixel_step = 2 * int(painter.vae_scale_factor)  # latents are patched 2 x 2
         # the painter's modules, scheduler included (one call at a time: each call sets the
-        # scheduler's timesteps anew), not a second copy of the weights
-        self.editor = ZImageImg2ImgPipeline.from_pipe(painter)
+        # scheduler's timesteps anew), not a second copy of the weights. from_pipe casts the
+        # modules it shares, in place, to its `dtype` (float32 unless given): the painter's.
+        # It warns of that cast whatever the modules: its warning is not the user's concern.
+        cast_log = logging.getLogger("diffusers.models.modeling_utils")
+        level = cast_log.level
+        cast_log.setLevel(logging.ERROR)
+        try:
+            self.editor = ZImageImg2ImgPipeline.from_pipe(painter, dtype=painter.dtype)
+        finally:
+            cast_log.setLevel(level)
         self.editor.set_progress_bar_config(disable=True)
 
     @classmethod

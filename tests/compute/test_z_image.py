@@ -307,3 +307,12 @@ def test_a_batch_with_a_bad_request_paints_none(z_image: ZImage) -> None:
     with pytest.raises(ValueError, match="seed must be an int"):
         z_image.generate_batch([PaintRequest(PROMPT), PaintRequest(PROMPT, seed="7")],
                                width=32, height=32, steps=1, guidance=0.0)
+
+
+def test_a_bfloat16_folder_stays_bfloat16_with_its_editor(folder: Path) -> None:
+    """The editor shares the painter's modules: building it leaves them in the dtype asked
+    for (diffusers' from_pipe casts what it shares, to float32 unless told)."""
+    model = ZImage.from_pretrained(folder, dtype=torch.bfloat16)
+    for part in ("transformer", "vae"):
+        assert getattr(model.painter, part).dtype == torch.bfloat16
+        assert getattr(model.editor, part) is getattr(model.painter, part)
