@@ -182,10 +182,18 @@ class ZImage:
 
     def check(self, *, width: Any, height: Any, steps: Any, guidance: Any, seed: Any,
               n: Any) -> None:
-        """ValueError naming the first setting out of range (`check_image_settings`)."""
+        """ValueError naming the first setting out of range (`check_image_settings`), or a
+        side larger than the DiT places patches along (its rotary tables' length)."""
         step = self.pixel_step
         check_image_settings((("width", width), ("height", height)), step, f"{step} pixels",
                              steps=steps, guidance=guidance, seed=seed, n=n)
+        _, rows, columns = self.painter.transformer.config.axes_lens
+        for name, value, most in (("width", width, columns * step),
+                                  ("height", height, rows * step)):
+            if value > most:
+                raise ValueError(f"{name} must be at most {most} pixels for this model (its "
+                                 f"DiT places at most {most // step} patches a side), got "
+                                 f"{value}")
 
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
                  height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,

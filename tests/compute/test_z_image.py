@@ -144,7 +144,9 @@ async def test_omnis_images_are_the_pipelines_own(pipeline: Any, z_image: ZImage
     ("height", 0, "height must be a multiple of 4 pixels"),
     ("steps", 0, "steps must be an int >= 1"), ("n", 1.5, "n must be an int >= 1"),
     ("guidance", float("nan"), "guidance must be a finite number >= 0"),
-    ("seed", "7", "seed must be an int")])
+    ("seed", "7", "seed must be an int"),
+    ("width", 132, "width must be at most 128 pixels for this model (its DiT places at most "
+                   "32 patches a side), got 132")])
 def test_a_setting_out_of_range_is_refused_by_name_before_any_work(
         z_image: ZImage, setting: str, value: Any, says: str) -> None:
     settings = {"width": 32, "height": 32, "steps": 1, "guidance": 0.0, "seed": 0, "n": 1,
