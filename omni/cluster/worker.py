@@ -315,6 +315,11 @@ class Worker:
                           self.resources, self.kv_tiers.capacity(), self._kv_events, self.ipc,
                           self.lane.endpoint if self.lane is not None else "")
 
+    def note_progress(self, node: str, request_id: str | None, done: int, total: int) -> None:
+        """A hosted call's steps (`omni.Context.progress`): not counted here. Why: the
+        driver's ``/metrics`` shows a runtime's steps, and a worker does not send its calls'
+        steps to the driver yet; the call runs the same either way."""
+
     def load(self) -> MemberLoad:
         deployments = {f"{d}/{r}": (h.node, h.resources) for (d, r), h in self._hosted.items()}
         kv = self.kv.stats() if self.kv is not None else {}

@@ -40,7 +40,7 @@ from omni.compute.engine import TorchEngine
 from omni.compute.image_families import check_family
 from omni.compute.models.cosmos3_weights import understanding_decoder
 from omni.compute.prompt import Text
-from omni.compute.z_image import Painted
+from omni.compute.z_image import OnStep, Painted
 
 __all__ = ["Cosmos3", "PromptKV", "generation_kv", "generation_layer", "rotary", "velocity"]
 
@@ -284,16 +284,19 @@ class Cosmos3:
         return scheduler
 
     def denoise(self, latents: torch.Tensor, prompts: list[PromptKV], *, steps: int,
-                guidance: float) -> torch.Tensor:
+                guidance: float, on_step: OnStep | None = None) -> torch.Tensor:
         """`latents` after `steps` steps: the velocity for `prompts` (the prompt, then the
         negative prompt when guided), combined as ``negative + guidance * (prompt -
-        negative)``."""
+        negative)``; `on_step(done, total)` after each step."""
         scheduler = self.scheduler(steps)
-        for t in scheduler.timesteps:
+        total = len(scheduler.timesteps)
+        for done, t in enumerate(scheduler.timesteps, 1):
             predicted = [velocity(self.transformer, latents, t.item(), p) for p in prompts]
             guided = predicted[0] if len(predicted) == 1 else (
                 predicted[1] + guidance * (predicted[0] - predicted[1]))
             latents = scheduler.step(guided, t, latents, return_dict=False)[0]
+            if on_step is not None:
+                on_step(done, total)
         return latents
 
     def decode(self, latents: torch.Tensor) -> np.ndarray:
@@ -312,13 +315,14 @@ class Cosmos3:
     @torch.no_grad()
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1280,
                  height: int = 720, steps: int = 35, guidance: float = 6.0, seed: int = 0,
-                 n: int = 1, cache_salt: str = "") -> Painted:
+                 n: int = 1, cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
         """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
         diffusers' pipeline gives for the same arguments with ``num_frames=1`` (`guidance` is
         its ``guidance_scale``: at 1 the negative prompt is not read, and any other value,
         0 included, mixes both predictions), and the prompts' tokens. The prompts' cached
-        prefixes are read only from requests of the same `cache_salt`. Runs in the calling
-        thread (see `agenerate`).
+        prefixes are read only from requests of the same `cache_salt`; `on_step(done,
+        total)` is called after each denoising step. Runs in the calling thread (see
+        `agenerate`).
 
         Raises:
             ValueError: a setting out of range (`check`), a prompt that is not text.
@@ -330,7 +334,8 @@ class Cosmos3:
         prompts = [self.prepare(ids, latents, cache_salt)]
         if guidance != 1.0:
             prompts.append(self.prepare(negative_ids, latents, cache_salt))
-        images = self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance))
+        images = self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance,
+                                          on_step=on_step))
         return Painted(images, sum(p.tokens for p in prompts),
                        sum(p.cached_tokens for p in prompts))
 

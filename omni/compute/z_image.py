@@ -19,6 +19,7 @@ encoder, fed `ZImageText`'s conditions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,11 @@ from omni.compute.engine import TorchEngine
 from omni.compute.image_families import check_family
 from omni.compute.prompt import Text
 
-__all__ = ["MAX_SEQUENCE_LENGTH", "Condition", "PaintRequest", "Painted", "ZImage",
+__all__ = ["MAX_SEQUENCE_LENGTH", "Condition", "OnStep", "PaintRequest", "Painted", "ZImage",
            "ZImageText"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
+OnStep = Callable[[int, int], None]  # (steps done, steps in all), after each step
 
 
 @dataclass(frozen=True)
@@ -197,31 +199,33 @@ class ZImage:
 
     def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
                  height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
-                 n: int = 1, cache_salt: str = "") -> Painted:
+                 n: int = 1, cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
         """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
         diffusers' pipeline gives for the same arguments (`guidance` is its
         ``guidance_scale``; the negative prompt is encoded only when it is above 0). The
-        prompts' cached prefixes are read only from requests of the same `cache_salt`. Runs
-        in the calling thread (see `agenerate`).
+        prompts' cached prefixes are read only from requests of the same `cache_salt`;
+        `on_step(done, total)` is called after each denoising step. Runs in the calling
+        thread (see `agenerate`).
 
         Raises:
             ValueError: a setting out of range (`check`), a prompt that is not text.
         """
         self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
         return self._paint(self.painter, prompt, negative_prompt, cache_salt, guidance=guidance,
-                           seed=seed, n=n, height=height, width=width, num_inference_steps=steps)
+                           seed=seed, n=n, height=height, width=width, num_inference_steps=steps,
+                           **_stepping(on_step))
 
     async def agenerate(self, prompt: str, **settings: Any) -> Painted:
         """`generate` in a worker thread."""
         return await run_in_worker(lambda: self.generate(prompt, **settings))
 
     def generate_batch(self, requests: list[PaintRequest], *, width: int = 1024,
-                       height: int = 1024, steps: int = 50, guidance: float = 5.0
-                       ) -> list[Painted]:
+                       height: int = 1024, steps: int = 50, guidance: float = 5.0,
+                       on_step: OnStep | None = None) -> list[Painted]:
         """One image for each of `requests`, denoised together (one DiT pass per step for
         all of them): each what `generate` gives for that request alone, within the float
         error of batched arithmetic (its own generator from its `seed`, its own prompts and
-        cache salt). Runs in the calling thread.
+        cache salt). `on_step` as `generate`'s. Runs in the calling thread.
 
         Raises:
             ValueError: a setting out of range (`check`), a prompt that is not text; none of
@@ -238,7 +242,8 @@ class ZImage:
             negative_prompt_embeds=[c[1].embeds for c in conditions] if guidance > 0 else None,
             guidance_scale=guidance, num_images_per_prompt=1, height=height, width=width,
             num_inference_steps=steps, output_type="np",
-            generator=[torch.Generator().manual_seed(r.seed) for r in requests])
+            generator=[torch.Generator().manual_seed(r.seed) for r in requests],
+            **_stepping(on_step))
         return [Painted(result.images[i:i + 1], sum(c.tokens for c in conds),
                         sum(c.cached_tokens for c in conds))
                 for i, conds in enumerate(conditions)]
@@ -246,9 +251,10 @@ class ZImage:
     def edit(self, prompt: str, image: np.ndarray, *, strength: float = 0.6,
              negative_prompt: str = "", width: int | None = None, height: int | None = None,
              steps: int = 50, guidance: float = 5.0, seed: int = 0, n: int = 1,
-             cache_salt: str = "") -> Painted:
+             cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
         """`n` edits of `image` (RGB pixels, uint8 ``[H, W, 3]``) following `prompt`, as float
-        pixels ``[n, height, width, 3]`` in [0, 1] (`cache_salt` as `generate`'s): what
+        pixels ``[n, height, width, 3]`` in [0, 1] (`cache_salt` and `on_step` as
+        `generate`'s; `total` the steps an edit runs): what
         diffusers' ``ZImageImg2ImgPipeline``
         gives for the same arguments with the image as a PIL image. `strength` (diffusers'
         default; 0 < strength <= 1) is how far the image is noised: the last
@@ -272,7 +278,7 @@ class ZImage:
         picture = self.editor.image_processor.resize(Image.fromarray(image), height, width)
         return self._paint(self.editor, prompt, negative_prompt, cache_salt, guidance=guidance,
                            seed=seed, n=n, image=picture, strength=strength,
-                           num_inference_steps=steps)
+                           num_inference_steps=steps, **_stepping(on_step))
 
     async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> Painted:
         """`edit` in a worker thread."""
@@ -315,4 +321,17 @@ class ZImage:
 
     def __repr__(self) -> str:
         return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"
+
+
+def _stepping(on_step: OnStep | None) -> dict[str, Any]:
+    """The pipeline's arguments that call `on_step(done, total)` after each step (its
+    step-end callback, which reads no tensor and changes none)."""
+    if on_step is None:
+        return {}
+
+    def step_ended(pipeline: Any, i: int, t: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        on_step(i + 1, pipeline.num_timesteps)
+        return {}
+
+    return {"callback_on_step_end": step_ended, "callback_on_step_end_tensor_inputs": []}
 

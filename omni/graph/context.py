@@ -24,6 +24,11 @@ class NodeHost(Protocol):
         """The process's KV store; None when the host has none."""
         ...
 
+    def note_progress(self, node: str, request_id: str | None, done: int, total: int) -> None:
+        """Record that a call of `node` for `request_id` has done `done` of `total` steps
+        (`Context.progress`); safe from any thread."""
+        ...
+
 
 class CallContext(msgspec.Struct, frozen=True, kw_only=True):
     """The node call being served, as `current` holds it (`context` builds the public view).
@@ -61,6 +66,16 @@ class Context:
     replica: int | None
     kv: KVStore | None
     runtime: NodeHost
+
+    def progress(self, done: int, total: int) -> None:
+        """Report that this call has done `done` of its `total` steps (a denoising loop,
+        after each step): the runtime's ``/metrics`` counts them (``omni_node_steps_total``,
+        ``omni_node_steps_remaining``). Safe from a worker thread, where such loops run.
+
+        Raises:
+            ValueError: not ints with 0 <= done <= total and total >= 1.
+        """
+        self.runtime.note_progress(self.node, self.request_id, done, total)
 
 
 def context() -> Context:

@@ -18,6 +18,7 @@ from omni.graph.context import CallContext
 from omni.graph.dsl import Graph, Node, NodeClass
 from omni.graph.errors import NodeError, lost_midway
 from omni.graph.hosting import host_replica
+from omni.graph.progress import Progress
 from omni.graph.scheduler import run_plan
 
 __all__ = ["ResultStream", "Runtime", "RuntimeStats"]
@@ -63,6 +64,7 @@ class Runtime:
                  placement: Any = None, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", metrics: bool = False):
         self.kv: Any = None
+        self.progress = Progress()  # the steps node calls report (`note_progress`)
         self.metrics: Any = None
         self.metrics_address: tuple[str, int] | None = None
         self._metrics_at = (metrics_host, metrics_port)
@@ -146,7 +148,12 @@ class Runtime:
                             {**labels, "outcome": "failed"}, r.failed))
         if self.kv is not None:
             out.extend(_kv_samples(self.kv))
+        out.extend(self.progress.samples())
         return out
+
+    def note_progress(self, node: str, request_id: str | None, done: int, total: int) -> None:
+        """A node call's steps (`omni.Context.progress`): see `omni.graph.progress`."""
+        self.progress.note(node, request_id, done, total)
 
     # -- deployment -------------------------------------------------------------------------
 
@@ -232,6 +239,8 @@ class Runtime:
         except BaseException:
             self._count(graph, "failed")
             raise
+        finally:
+            self.progress.forget(request_id)
         self._count(graph, "ok")
         return result
 
@@ -370,6 +379,8 @@ class ResultStream:
             except BaseException:
                 rt._count(self._graph, "failed")
                 raise
+            finally:
+                rt.progress.forget(self.request_id)
             rt._count(self._graph, "ok")
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from omni.compute import Cosmos3
 from omni.compute.image_families import check_family
-from omni.graph import CacheSalt, Graph, OutputFile, graph, node
+from omni.graph import CacheSalt, Graph, OutputFile, context, graph, node
 from omni.pipelines._files import check_out, save_png
 from omni.serve.openai import image_generations
 
@@ -41,7 +41,8 @@ class Cosmos3Paint:
         output rounds it, and its prompts' tokens (`Painted.usage`)."""
         painted = await self.model.agenerate(
             prompt, negative_prompt=negative_prompt, width=width, height=height, steps=steps,
-            guidance=guidance, seed=seed, cache_salt=cache_salt)
+            guidance=guidance, seed=seed, cache_salt=cache_salt,
+            on_step=context().progress)  # each step reaches /metrics
         return {"image": (painted.images[0] * 255).round().astype(np.uint8),
                 "usage": painted.usage()}
 

@@ -29,7 +29,7 @@ from omni._openmp import run_in_worker
 from omni.compute import ZImage
 from omni.compute.image_families import image_family
 from omni.compute.z_image import Painted, PaintRequest
-from omni.graph import CacheSalt, Graph, InputFile, OutputFile, graph, node
+from omni.graph import CacheSalt, Context, Graph, InputFile, OutputFile, context, graph, node
 from omni.pipelines._batch import Batcher
 from omni.pipelines._files import check_out, save_png
 from omni.serve.openai import ImagePart, image_generations
@@ -71,7 +71,7 @@ class ZImagePaint:
 
     def __init__(self, folder: str = "") -> None:
         self.model = ZImage.from_pretrained(folder)
-        self.batcher: Batcher[tuple[Any, Any], Painted] = Batcher(self._paint, MAX_BATCH)
+        self.batcher: Batcher[tuple[Any, Any, Context], Painted] = Batcher(self._paint, MAX_BATCH)
 
     async def __call__(self, prompt: str, image: np.ndarray | None, strength: float,
                        negative_prompt: str, width: int | None, height: int | None,
@@ -92,22 +92,30 @@ class ZImagePaint:
             key = ("paint", 1024 if width is None else width,
                    1024 if height is None else height, steps, guidance)
             item = PaintRequest(prompt, negative_prompt, seed, cache_salt)
-        painted = await self.batcher(key, (key, item))
+        # each call's steps reach /metrics (`omni.Context.progress`), whichever call's task
+        # runs the batch
+        painted = await self.batcher(key, (key, item, context()))
         return {"image": (painted.images[0] * 255).round().astype(np.uint8),
                 "usage": painted.usage()}
 
-    async def _paint(self, calls: list[tuple[Any, Any]]) -> list[Painted]:
+    async def _paint(self, calls: list[tuple[Any, Any, Context]]) -> list[Painted]:
         """One batch's images, in a worker thread (the calls share their key)."""
         return await run_in_worker(self._paint_now, calls)
 
-    def _paint_now(self, calls: list[tuple[Any, Any]]) -> list[Painted]:
-        (kind, *shared), _ = calls[0]
+    def _paint_now(self, calls: list[tuple[Any, Any, Context]]) -> list[Painted]:
+        (kind, *shared), _, _ = calls[0]
+
+        def on_step(done: int, total: int) -> None:
+            for _, _, call in calls:
+                call.progress(done, total)
+
         if kind == "edit":
-            ((_, (prompt, image, settings)),) = calls
-            return [self.model.edit(prompt, image, **settings)]
+            ((_, (prompt, image, settings), _),) = calls
+            return [self.model.edit(prompt, image, on_step=on_step, **settings)]
         width, height, steps, guidance = shared
-        return self.model.generate_batch([request for _, request in calls], width=width,
-                                         height=height, steps=steps, guidance=guidance)
+        return self.model.generate_batch([request for _, request, _ in calls], width=width,
+                                         height=height, steps=steps, guidance=guidance,
+                                         on_step=on_step)
 
 
 def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:

@@ -448,3 +448,10 @@ def test_a_relu2_decoder_config_is_checked() -> None:
                       moe_intermediate_size=4, hidden_act="relu2")
     with pytest.raises(ValueError, match=r"no config\.json"):
         DecoderConfig("llama", **sizes, hidden_act="relu2").to_hf()
+
+
+def test_each_denoising_step_is_reported(model: Cosmos3) -> None:
+    seen: list[tuple[int, int]] = []
+    model.generate(PROMPT, steps=STEPS, guidance=4.0, **SIZE,
+                   on_step=lambda *step: seen.append(step))
+    assert seen == [(i, STEPS) for i in range(1, STEPS + 1)]

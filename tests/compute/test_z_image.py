@@ -318,3 +318,22 @@ def test_a_bfloat16_folder_stays_bfloat16_with_its_editor(folder: Path) -> None:
     for part in ("transformer", "vae"):
         assert getattr(model.painter, part).dtype == torch.bfloat16
         assert getattr(model.editor, part) is getattr(model.painter, part)
+
+
+def test_each_denoising_step_is_reported(z_image: ZImage) -> None:
+    """`on_step(done, total)` after each step: of a generation, a batch, and an edit (whose
+    steps are the last `steps * strength` of them)."""
+    from omni.compute.z_image import PaintRequest
+
+    seen: list[tuple[int, int]] = []
+    settings = {"width": 32, "height": 32, "steps": 3, "guidance": 0.0}
+    z_image.generate(PROMPT, **settings, on_step=lambda *step: seen.append(step))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    seen.clear()
+    z_image.generate_batch([PaintRequest(PROMPT), PaintRequest("A blue whale at night.")],
+                           **settings, on_step=lambda *step: seen.append(step))
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+    seen.clear()
+    z_image.edit(PROMPT, np.asarray(photo(32, 32)), steps=4, strength=0.5, guidance=0.0,
+                 on_step=lambda *step: seen.append(step))
+    assert seen == [(1, 2), (2, 2)]

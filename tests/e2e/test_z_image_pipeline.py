@@ -162,7 +162,8 @@ def test_the_readmes_client_example_runs_against_a_served_folder(folder: Path,
 async def test_concurrent_images_are_denoised_together_each_diffusers_own(
         folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`n` = 3 on one request: its three runs reach the replica at once and are denoised as
-    one batch; each image is diffusers' own for its seed (`seed + i`)."""
+    one batch; each image is diffusers' own for its seed (`seed + i`); each run's steps are
+    counted on ``/metrics``."""
     from omni.compute.z_image import ZImage
 
     sizes: list[int] = []
@@ -178,6 +179,11 @@ async def test_concurrent_images_are_denoised_together_each_diffusers_own(
         reply = await client.images.generate(
             prompt=PROMPT, size="32x32", n=3, extra_body={
                 "seed": 3, "num_inference_steps": 2, "guidance_scale": 0.0})
+        async with app.http() as http:
+            scraped = (await http.get("/metrics")).text
+    # each image's two steps on /metrics, whichever call's task ran its batch
+    assert 'omni_node_steps_total{node="ZImagePaint"} 6.0' in scraped, scraped
+    assert 'omni_node_steps_remaining{node="ZImagePaint"} 0.0' in scraped
     from diffusers import ZImagePipeline
 
     pipeline = ZImagePipeline.from_pretrained(folder)

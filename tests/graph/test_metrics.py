@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from typing import Any
@@ -180,3 +181,55 @@ async def test_two_runtimes_keep_separate_registries() -> None:
     assert counts == [1, 4]
     assert REGISTRY.get_sample_value("omni_requests_total",
                                      {"graph": "double", "outcome": "ok"}) is None
+
+
+STEP_GATE: dict[str, trio.Event] = {}
+
+
+@omni.node
+async def stepper(steps: int, fail_at: int) -> int:
+    """Reports each of `steps` steps; waits at step 1 while the test holds a gate; fails
+    after step `fail_at` (-1: never)."""
+    for done in range(1, steps + 1):
+        omni.context().progress(done, steps)
+        if done == 1 and "held" in STEP_GATE:
+            await STEP_GATE["held"].wait()
+        if done == fail_at:
+            raise ValueError("broke midway")
+    return steps
+
+
+async def test_steps_a_node_reports_show_as_done_and_remaining(autojump_clock) -> None:
+    """`omni.Context.progress`: steps done count up; the steps left in calls running show
+    while they run and go when their request ends, whether it finished or failed."""
+    def read(body: str) -> tuple[float, float, float]:
+        parsed = families(body)
+        return (value(parsed["omni_node_steps"], "omni_node_steps_total", node="stepper"),
+                value(parsed["omni_node_steps_remaining"], "omni_node_steps_remaining",
+                      node="stepper"),
+                value(parsed["omni_node_calls_stepping"], "omni_node_calls_stepping",
+                      node="stepper"))
+
+    async with omni.Runtime(metrics_port=0) as rt:
+        assert await rt.run(stepper, steps=4, fail_at=-1) == 4
+        assert read((await scrape(rt.metrics_address))[1]) == (4, 0, 0)
+        STEP_GATE["held"] = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(rt.run, stepper, steps=10, fail_at=-1))
+                await trio.sleep(1)  # the call holds at its first step
+                assert read((await scrape(rt.metrics_address))[1]) == (5, 9, 1)
+                STEP_GATE["held"].set()
+        finally:
+            del STEP_GATE["held"]
+        with pytest.raises(omni.NodeError, match="broke midway"):
+            await rt.run(stepper, steps=6, fail_at=2)
+        assert read((await scrape(rt.metrics_address))[1]) == (16, 0, 0)
+
+
+@pytest.mark.parametrize(("done", "total"), [(3, 2), (-1, 2), (0, 0), (1.5, 2), (True, 2)])
+def test_progress_out_of_range_is_refused(done: Any, total: Any) -> None:
+    from omni.graph.progress import Progress
+
+    with pytest.raises(ValueError, match="0 <= done <= total"):
+        Progress().note("n", "req-1", done, total)
