@@ -125,6 +125,13 @@ def _module(ref: CodeRef) -> ModuleType:
         if ref.digest in _loaded:
             return _loaded[ref.digest]
         on_disk = _file_digest(ref.path) == ref.digest
+        if on_disk and ref.module != "__main__" and ref.module not in sys.modules:
+            # importable here as the sender imported it: import it so (a package's module
+            # runs after its package, whose own imports may name it)
+            imported = _import(ref.module)
+            if _file_digest(getattr(imported, "__file__", None)) == ref.digest:
+                _loaded[ref.digest] = imported
+                return imported
         name = ref.module if ref.module != "__main__" and ref.module not in sys.modules \
             else f"_omni_remote_{ref.digest[:16]}"
         spec = importlib.util.spec_from_loader(name, loader=None,
@@ -142,6 +149,14 @@ def _module(ref: CodeRef) -> ModuleType:
             raise
         _loaded[ref.digest] = module
         return module
+
+
+def _import(name: str) -> ModuleType | None:
+    """Module `name` imported as Python imports it; None when it is not importable here."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _file_digest(path: str | None) -> str | None:

@@ -33,8 +33,8 @@ from omni.compute.engine import TorchEngine
 from omni.compute.image_families import check_family
 from omni.compute.prompt import Text
 
-__all__ = ["MAX_SEQUENCE_LENGTH", "Condition", "OnStep", "PaintRequest", "Painted", "ZImage",
-           "ZImageText"]
+__all__ = ["MAX_SEQUENCE_LENGTH", "Condition", "Conditions", "OnStep", "PaintRequest",
+           "Painted", "ZImage", "ZImagePainter", "ZImageText"]
 
 MAX_SEQUENCE_LENGTH = 512  # tokens of a rendered prompt diffusers keeps
 OnStep = Callable[[int, int], None]  # (steps done, steps in all), after each step
@@ -48,6 +48,20 @@ class Condition:
     embeds: torch.Tensor
     tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """A request's conditions: its prompt's, and its negative prompt's when guidance reads
+    it (None otherwise). What travels from the text side to the diffusion side."""
+
+    prompt: Condition
+    negative: Condition | None
+
+    def painted(self, images: np.ndarray) -> Painted:
+        """`images` with the tokens these conditions cost."""
+        used = [c for c in (self.prompt, self.negative) if c is not None]
+        return Painted(images, sum(c.tokens for c in used), sum(c.cached_tokens for c in used))
 
 
 @dataclass(frozen=True)
@@ -130,57 +144,65 @@ class ZImageText:
         """`encode`'s embeddings alone."""
         return self.encode(prompt, cache_salt).embeds
 
+    def conditions(self, prompt: str, negative_prompt: str, guidance: float,
+                   cache_salt: str = "") -> Conditions:
+        """A request's conditions: the prompt's, and the negative prompt's when `guidance`
+        (diffusers' ``guidance_scale``) is above 0. Runs in the calling thread."""
+        condition = self.encode(prompt, cache_salt)
+        negative = self.encode(negative_prompt, cache_salt) if guidance > 0 else None
+        return Conditions(condition, negative)
+
     def __repr__(self) -> str:
         return (f"<ZImageText {self.engine.model_id} layers={self.engine.config.num_layers} "
                 f"max_tokens={self.max_sequence_length}>")
 
 
-class ZImage:
-    """A Z-Image folder on Omni: `ZImageText` computes the conditions, the folder's own
-    diffusers pipeline, loaded without its text encoder, paints from them (its DiT, VAE and
-    scheduler, with diffusers' generator semantics: one CPU generator drawn from `seed`, one
-    noise draw for the `n` images), and edits an image with them (`edit`: diffusers'
-    ``ZImageImg2ImgPipeline`` on the same modules).
+class ZImagePainter:
+    """The diffusion side of a Z-Image folder: its own diffusers pipeline loaded without its
+    text encoder (the DiT, the VAE, the scheduler) paints from conditions `ZImageText` made,
+    with diffusers' generator semantics, and edits an image with them (diffusers'
+    ``ZImageImg2ImgPipeline`` on the same modules). Why apart from the text side: the two are
+    separate models, and a graph may run them on different workers (the conditions travel).
+
+    One call at a time: a diffusers pipeline keeps its scheduler's state while it runs.
 
     Args:
-        text: the text side (`ZImageText`).
-        painter: the folder's ``ZImagePipeline`` without ``text_encoder`` and ``tokenizer``.
+        pipeline: the folder's ``ZImagePipeline`` without ``text_encoder`` and ``tokenizer``.
     """
 
-    def __init__(self, text: ZImageText, painter: Any):
+    def __init__(self, pipeline: Any):
         from diffusers import ZImageImg2ImgPipeline
 
-        self.text, self.painter = text, painter
-        self.pixel_step = 2 * int(painter.vae_scale_factor)  # latents are patched 2 x 2
-        # the painter's modules, scheduler included (one call at a time: each call sets the
-        # scheduler's timesteps anew), not a second copy of the weights. from_pipe casts the
-        # modules it shares, in place, to its `dtype` (float32 unless given): the painter's.
-        # It warns of that cast whatever the modules: its warning is not the user's concern.
+        self.pipeline = pipeline
+        self.pixel_step = 2 * int(pipeline.vae_scale_factor)  # latents are patched 2 x 2
+        # the pipeline's modules, scheduler included (each call sets the scheduler's
+        # timesteps anew), not a second copy of the weights. from_pipe casts the modules it
+        # shares, in place, to its `dtype` (float32 unless given): the pipeline's. It warns
+        # of that cast whatever the modules: its warning is not the user's concern.
         cast_log = logging.getLogger("diffusers.models.modeling_utils")
         level = cast_log.level
         cast_log.setLevel(logging.ERROR)
         try:
-            self.editor = ZImageImg2ImgPipeline.from_pipe(painter, dtype=painter.dtype)
+            self.editor = ZImageImg2ImgPipeline.from_pipe(pipeline, dtype=pipeline.dtype)
         finally:
             cast_log.setLevel(level)
         self.editor.set_progress_bar_config(disable=True)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, *, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> ZImage:
-        """The Z-Image folder `folder` (diffusers' layout) on `device` in `dtype`.
+                        device: str | torch.device = "cpu") -> ZImagePainter:
+        """The diffusion side of the Z-Image folder `folder` on `device` in `dtype`.
 
         Raises:
-            ValueError: a folder of another family (`image_family`), or as
-                `ZImageText.from_pretrained`.
+            ValueError: a folder of another family (`image_family`).
         """
         from diffusers import ZImagePipeline
 
         check_family(folder, "z_image")
-        painter = ZImagePipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
-                                                 dtype=dtype).to(device)
-        painter.set_progress_bar_config(disable=True)
-        return cls(ZImageText.from_pretrained(folder, dtype=dtype, device=device), painter)
+        pipeline = ZImagePipeline.from_pretrained(folder, text_encoder=None, tokenizer=None,
+                                                  dtype=dtype).to(device)
+        pipeline.set_progress_bar_config(disable=True)
+        return cls(pipeline)
 
     def check(self, *, width: Any, height: Any, steps: Any, guidance: Any, seed: Any,
               n: Any) -> None:
@@ -189,7 +211,7 @@ class ZImage:
         step = self.pixel_step
         check_image_settings((("width", width), ("height", height)), step, f"{step} pixels",
                              steps=steps, guidance=guidance, seed=seed, n=n)
-        _, rows, columns = self.painter.transformer.config.axes_lens
+        _, rows, columns = self.pipeline.transformer.config.axes_lens
         for name, value, most in (("width", width, columns * step),
                                   ("height", height, rows * step)):
             if value > most:
@@ -197,76 +219,49 @@ class ZImage:
                                  f"DiT places at most {most // step} patches a side), got "
                                  f"{value}")
 
-    def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
-                 height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
-                 n: int = 1, cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
-        """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
-        diffusers' pipeline gives for the same arguments (`guidance` is its
-        ``guidance_scale``; the negative prompt is encoded only when it is above 0). The
-        prompts' cached prefixes are read only from requests of the same `cache_salt`;
-        `on_step(done, total)` is called after each denoising step. Runs in the calling
-        thread (see `agenerate`).
+    def paint(self, conditions: list[Conditions], seeds: list[int], *, width: int = 1024,
+              height: int = 1024, steps: int = 50, guidance: float = 5.0, n: int = 1,
+              on_step: OnStep | None = None) -> np.ndarray:
+        """Images for requests' `conditions` as float pixels ``[len * n, height, width, 3]``
+        in [0, 1]: one request's `n` images from one CPU generator seeded with its seed (one
+        noise draw, as diffusers draws them), or several requests' images denoised together
+        (one DiT pass per step; `n` 1), each with its own generator. `guidance` is diffusers'
+        ``guidance_scale`` (above 0, every request's negative condition is read);
+        `on_step(done, total)` after each step. Runs in the calling thread.
 
         Raises:
-            ValueError: a setting out of range (`check`), a prompt that is not text.
+            ValueError: a setting out of range (`check`), `n` above 1 for several requests,
+                a request without its negative condition when guidance reads it.
         """
-        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
-        return self._paint(self.painter, prompt, negative_prompt, cache_salt, guidance=guidance,
-                           seed=seed, n=n, height=height, width=width, num_inference_steps=steps,
-                           **_stepping(on_step))
+        for seed in seeds:
+            self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed,
+                       n=n)
+        if len(conditions) != len(seeds) or (n != 1 and len(conditions) != 1):
+            raise ValueError("give a seed per request, and n = 1 for several requests")
+        generator = ([torch.Generator().manual_seed(seed) for seed in seeds]
+                     if len(seeds) > 1 else torch.Generator().manual_seed(seeds[0]))
+        return self.pipeline(
+            **_embeds(conditions, guidance), guidance_scale=guidance, num_images_per_prompt=n,
+            height=height, width=width, num_inference_steps=steps, output_type="np",
+            generator=generator, **_stepping(on_step)).images
 
-    async def agenerate(self, prompt: str, **settings: Any) -> Painted:
-        """`generate` in a worker thread."""
-        return await run_in_worker(lambda: self.generate(prompt, **settings))
-
-    def generate_batch(self, requests: list[PaintRequest], *, width: int = 1024,
-                       height: int = 1024, steps: int = 50, guidance: float = 5.0,
-                       on_step: OnStep | None = None) -> list[Painted]:
-        """One image for each of `requests`, denoised together (one DiT pass per step for
-        all of them): each what `generate` gives for that request alone, within the float
-        error of batched arithmetic (its own generator from its `seed`, its own prompts and
-        cache salt). `on_step` as `generate`'s. Runs in the calling thread.
-
-        Raises:
-            ValueError: a setting out of range (`check`), a prompt that is not text; none of
-                the requests is painted then.
-        """
-        for r in requests:
-            self.check(width=width, height=height, steps=steps, guidance=guidance,
-                       seed=r.seed, n=1)
-        conditions = [[self.text.encode(r.prompt, r.cache_salt)]
-                      + ([self.text.encode(r.negative_prompt, r.cache_salt)] if guidance > 0
-                         else []) for r in requests]
-        result = self.painter(
-            prompt_embeds=[c[0].embeds for c in conditions],
-            negative_prompt_embeds=[c[1].embeds for c in conditions] if guidance > 0 else None,
-            guidance_scale=guidance, num_images_per_prompt=1, height=height, width=width,
-            num_inference_steps=steps, output_type="np",
-            generator=[torch.Generator().manual_seed(r.seed) for r in requests],
-            **_stepping(on_step))
-        return [Painted(result.images[i:i + 1], sum(c.tokens for c in conds),
-                        sum(c.cached_tokens for c in conds))
-                for i, conds in enumerate(conditions)]
-
-    def edit(self, prompt: str, image: np.ndarray, *, strength: float = 0.6,
-             negative_prompt: str = "", width: int | None = None, height: int | None = None,
-             steps: int = 50, guidance: float = 5.0, seed: int = 0, n: int = 1,
-             cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
-        """`n` edits of `image` (RGB pixels, uint8 ``[H, W, 3]``) following `prompt`, as float
-        pixels ``[n, height, width, 3]`` in [0, 1] (`cache_salt` and `on_step` as
-        `generate`'s; `total` the steps an edit runs): what
-        diffusers' ``ZImageImg2ImgPipeline``
+    def edit(self, conditions: Conditions, image: np.ndarray, *, strength: float = 0.6,
+             width: int | None = None, height: int | None = None, steps: int = 50,
+             guidance: float = 5.0, seed: int = 0, n: int = 1,
+             on_step: OnStep | None = None) -> np.ndarray:
+        """`n` edits of `image` (RGB pixels, uint8 ``[H, W, 3]``) under `conditions`, as float
+        pixels ``[n, height, width, 3]`` in [0, 1]: what diffusers' ``ZImageImg2ImgPipeline``
         gives for the same arguments with the image as a PIL image. `strength` (diffusers'
         default; 0 < strength <= 1) is how far the image is noised: the last
-        ``steps * strength`` of the `steps` run. Without `width` and `height` the edit has the
-        image's size rounded down to a multiple of `pixel_step` (diffusers' own default); with
-        them, the image is resized to them first, as diffusers' image processor resizes
-        (Lanczos). Runs in the calling thread (see `aedit`).
+        ``steps * strength`` of the `steps` run (`on_step`'s total). Without `width` and
+        `height` the edit has the image's size rounded down to a multiple of `pixel_step`
+        (diffusers' own default); with them, the image is resized to them first, as diffusers'
+        image processor resizes (Lanczos). Runs in the calling thread.
 
         Raises:
             ValueError: a setting out of range (`check`), a strength outside (0, 1], an image
                 that is not uint8 RGB pixels or is smaller than `pixel_step` without a size,
-                one of `width` and `height` without the other, a prompt that is not text.
+                one of `width` and `height` without the other.
         """
         width, height = self._edit_size(image, width, height)
         self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
@@ -276,13 +271,11 @@ class ZImage:
         from PIL import Image
 
         picture = self.editor.image_processor.resize(Image.fromarray(image), height, width)
-        return self._paint(self.editor, prompt, negative_prompt, cache_salt, guidance=guidance,
-                           seed=seed, n=n, image=picture, strength=strength,
-                           num_inference_steps=steps, **_stepping(on_step))
-
-    async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> Painted:
-        """`edit` in a worker thread."""
-        return await run_in_worker(lambda: self.edit(prompt, image, **settings))
+        return self.editor(
+            **_embeds([conditions], guidance), image=picture, strength=strength,
+            guidance_scale=guidance, num_images_per_prompt=n, num_inference_steps=steps,
+            output_type="np", generator=torch.Generator().manual_seed(seed),
+            **_stepping(on_step)).images
 
     def _edit_size(self, image: Any, width: Any, height: Any) -> tuple[Any, Any]:
         """The edit's size: `width` x `height`, or the image's rounded down to `pixel_step`."""
@@ -303,24 +296,117 @@ class ZImage:
                              "pixels, which leaves nothing; give a width and height")
         return columns - columns % step, rows - rows % step
 
-    def _paint(self, pipeline: Any, prompt: str, negative_prompt: str, cache_salt: str, *,
-               guidance: float, seed: int, n: int, **settings: Any) -> Painted:
-        """`pipeline` (the painter or the editor) run on the prompt's condition (and the
-        negative prompt's, encoded only when `guidance` is above 0), with one CPU generator
-        drawn from `seed` for the `n` images."""
-        conditions = [self.text.encode(prompt, cache_salt)]
-        if guidance > 0:
-            conditions.append(self.text.encode(negative_prompt, cache_salt))
-        result = pipeline(
-            prompt_embeds=[conditions[0].embeds],
-            negative_prompt_embeds=[c.embeds for c in conditions[1:]] or None,
-            guidance_scale=guidance, num_images_per_prompt=n,
-            generator=torch.Generator().manual_seed(seed), output_type="np", **settings)
-        return Painted(result.images, sum(c.tokens for c in conditions),
-                       sum(c.cached_tokens for c in conditions))
+    def __repr__(self) -> str:
+        return f"<ZImagePainter pixel_step={self.pixel_step}>"
+
+
+class ZImage:
+    """A Z-Image folder on Omni, both sides in one process: `ZImageText` computes a request's
+    conditions, `ZImagePainter` paints (or edits) from them, and the images are what diffusers'
+    own pipeline gives for the same request.
+
+    Args:
+        text: the text side (`ZImageText`).
+        painter: the diffusion side (`ZImagePainter`).
+    """
+
+    def __init__(self, text: ZImageText, painter: ZImagePainter):
+        self.text, self.painter = text, painter
+        self.pixel_step = painter.pixel_step
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> ZImage:
+        """The Z-Image folder `folder` (diffusers' layout) on `device` in `dtype`.
+
+        Raises:
+            ValueError: a folder of another family (`image_family`), or as
+                `ZImageText.from_pretrained`.
+        """
+        painter = ZImagePainter.from_pretrained(folder, dtype=dtype, device=device)
+        return cls(ZImageText.from_pretrained(folder, dtype=dtype, device=device), painter)
+
+    def check(self, **settings: Any) -> None:
+        """ValueError naming the first setting out of range (`ZImagePainter.check`)."""
+        self.painter.check(**settings)
+
+    def generate(self, prompt: str, *, negative_prompt: str = "", width: int = 1024,
+                 height: int = 1024, steps: int = 50, guidance: float = 5.0, seed: int = 0,
+                 n: int = 1, cache_salt: str = "", on_step: OnStep | None = None) -> Painted:
+        """`n` images of `prompt` as float pixels ``[n, height, width, 3]`` in [0, 1], what
+        diffusers' pipeline gives for the same arguments (`guidance` is its
+        ``guidance_scale``; the negative prompt is encoded only when it is above 0). The
+        prompts' cached prefixes are read only from requests of the same `cache_salt`;
+        `on_step(done, total)` is called after each denoising step. Runs in the calling
+        thread (see `agenerate`).
+
+        Raises:
+            ValueError: a setting out of range (`check`), a prompt that is not text.
+        """
+        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
+        conditions = self.text.conditions(prompt, negative_prompt, guidance, cache_salt)
+        images = self.painter.paint([conditions], [seed], width=width, height=height,
+                                    steps=steps, guidance=guidance, n=n, on_step=on_step)
+        return conditions.painted(images)
+
+    async def agenerate(self, prompt: str, **settings: Any) -> Painted:
+        """`generate` in a worker thread."""
+        return await run_in_worker(lambda: self.generate(prompt, **settings))
+
+    def generate_batch(self, requests: list[PaintRequest], *, width: int = 1024,
+                       height: int = 1024, steps: int = 50, guidance: float = 5.0,
+                       on_step: OnStep | None = None) -> list[Painted]:
+        """One image for each of `requests`, denoised together (one DiT pass per step for
+        all of them): each what `generate` gives for that request alone, within the float
+        error of batched arithmetic (its own generator from its `seed`, its own prompts and
+        cache salt). `on_step` as `generate`'s. Runs in the calling thread.
+
+        Raises:
+            ValueError: a setting out of range (`check`), a prompt that is not text; none of
+                the requests is painted then.
+        """
+        for r in requests:
+            self.check(width=width, height=height, steps=steps, guidance=guidance,
+                       seed=r.seed, n=1)
+        conditions = [self.text.conditions(r.prompt, r.negative_prompt, guidance, r.cache_salt)
+                      for r in requests]
+        images = self.painter.paint(conditions, [r.seed for r in requests], width=width,
+                                    height=height, steps=steps, guidance=guidance,
+                                    on_step=on_step)
+        return [c.painted(images[i:i + 1]) for i, c in enumerate(conditions)]
+
+    def edit(self, prompt: str, image: np.ndarray, *, negative_prompt: str = "",
+             guidance: float = 5.0, cache_salt: str = "", **settings: Any) -> Painted:
+        """`n` edits of `image` following `prompt` (`ZImagePainter.edit`'s settings, and
+        `cache_salt` and `negative_prompt` as `generate`'s). Runs in the calling thread (see
+        `aedit`).
+
+        Raises:
+            ValueError: as `ZImagePainter.edit`, a prompt that is not text.
+        """
+        self.painter._edit_size(image, settings.get("width"), settings.get("height"))
+        conditions = self.text.conditions(prompt, negative_prompt, guidance, cache_salt)
+        return conditions.painted(self.painter.edit(conditions, image, guidance=guidance,
+                                                    **settings))
+
+    async def aedit(self, prompt: str, image: np.ndarray, **settings: Any) -> Painted:
+        """`edit` in a worker thread."""
+        return await run_in_worker(lambda: self.edit(prompt, image, **settings))
 
     def __repr__(self) -> str:
         return f"<ZImage {self.text.engine.model_id} pixel_step={self.pixel_step}>"
+
+
+def _embeds(conditions: list[Conditions], guidance: float) -> dict[str, Any]:
+    """The pipeline's ``prompt_embeds`` and ``negative_prompt_embeds`` of requests'
+    conditions (the negative ones read only when `guidance` is above 0)."""
+    negatives = [c.negative for c in conditions]
+    if guidance > 0 and any(n is None for n in negatives):
+        raise ValueError("guidance above 0 reads each request's negative condition: encode "
+                         "it (ZImageText.conditions with that guidance)")
+    return {"prompt_embeds": [c.prompt.embeds for c in conditions],
+            "negative_prompt_embeds": [n.embeds for n in negatives if n is not None]
+            if guidance > 0 else None}
 
 
 def _stepping(on_step: OnStep | None) -> dict[str, Any]:

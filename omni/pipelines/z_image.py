@@ -1,20 +1,23 @@
 """The image pipeline of a Z-Image folder (diffusers' layout): a prompt, and optionally an image
 to edit, in; a PNG out.
 
-    check_out ────────────────────────────────────────────► save_png ─► the result
-    read_image ─► ZImagePaint (Omni's engine: the text condition;  ─┘
-                               diffusers: DiT, VAE, scheduler)
+    check_out ─────────────────────────────────────────────────────► save_png ─► the result
+    read_image ──────────────────────────────► ZImagePaint (diffusers: ─┘
+    ZImageCondition (Omni's engine: the text ─┘  DiT, VAE, scheduler)
+                     conditions, prefixes cached)
 
-`ZImagePaint` holds the folder's `omni.compute.ZImage`: Omni's engine computes the prompt's
-and the negative prompt's conditions, the folder's own diffusers pipeline (loaded without its
-text encoder) paints from them, with diffusers' defaults and generator semantics, so the PNG
-is the one diffusers' ``ZImagePipeline`` saves for the same request; given an image, it is the
-one diffusers' ``ZImageImg2ImgPipeline`` saves (the same modules, `strength` its). One
-pipeline call at a time per replica (a diffusers pipeline keeps its scheduler's state while it
-runs): requests that arrive meanwhile and paint at one size, step count and guidance are then
-denoised together, each its own image. The graph
-answers ``POST /v1/images/generations`` under ``omni serve``, and ``POST /v1/images/edits``
-(its `image` input takes the uploaded image, decoded: an `ImagePart`).
+`ZImageCondition` holds the folder's text side (`omni.compute.ZImageText`): Omni's engine
+computes the prompt's and the negative prompt's conditions, a cached prefix read from its
+store. `ZImagePaint` holds the diffusion side (`omni.compute.ZImagePainter`): the folder's own
+diffusers pipeline, loaded without its text encoder, paints from them with diffusers' defaults
+and generator semantics, so the PNG is the one diffusers' ``ZImagePipeline`` saves for the
+same request; given an image, the one diffusers' ``ZImageImg2ImgPipeline`` saves (the same
+modules, `strength` its). Two nodes, so that the two models may run on different workers:
+the conditions travel. One pipeline call at a time per replica (a diffusers pipeline keeps its
+scheduler's state while it runs): requests that arrive meanwhile and paint at one size, step
+count and guidance are then denoised together, each its own image. The graph answers
+``POST /v1/images/generations`` under ``omni serve``, and ``POST /v1/images/edits`` (its
+`image` input takes the uploaded image, decoded: an `ImagePart`).
 """
 
 from __future__ import annotations
@@ -26,15 +29,14 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from omni._openmp import run_in_worker
-from omni.compute import ZImage
 from omni.compute.image_families import image_family
-from omni.compute.z_image import Painted, PaintRequest
+from omni.compute.z_image import Conditions, Painted, ZImagePainter, ZImageText
 from omni.graph import CacheSalt, Context, Graph, InputFile, OutputFile, context, graph, node
 from omni.pipelines._batch import Batcher
 from omni.pipelines._files import check_out, save_png
 from omni.serve.openai import ImagePart, image_generations
 
-__all__ = ["MAX_BATCH", "ZImagePaint", "read_image", "z_image_graph"]
+__all__ = ["MAX_BATCH", "ZImageCondition", "ZImagePaint", "read_image", "z_image_graph"]
 
 
 @node(thread=True)
@@ -62,36 +64,50 @@ def read_image(image: str | ImagePart) -> np.ndarray | None:
 MAX_BATCH = 8  # requests of one size and step count a replica denoises together
 
 
-@node(concurrency=MAX_BATCH)
-class ZImagePaint:
-    """The folder's model, built once per replica; a call paints one image, or edits one.
-    Calls that arrive while the replica paints wait, then those painting from text at one
-    size, step count and guidance are denoised together (`Batcher`, up to `MAX_BATCH`);
-    edits run one at a time."""
+@node
+class ZImageCondition:
+    """The folder's text side (`ZImageText`: Omni's engine, a KV store of its own for cached
+    prefixes), built once per replica; a call gives a request's conditions."""
 
     def __init__(self, folder: str = "") -> None:
-        self.model = ZImage.from_pretrained(folder)
+        self.text = ZImageText.from_pretrained(folder)
+
+    async def __call__(self, prompt: str, negative_prompt: str, guidance: float,
+                       cache_salt: str) -> Conditions:
+        """The prompt's condition, and the negative prompt's when `guidance` reads it,
+        prefixes read only from requests of the same `cache_salt` (`ZImageText.conditions`)."""
+        return await run_in_worker(self.text.conditions, prompt, negative_prompt, guidance,
+                                   cache_salt)
+
+
+@node(concurrency=MAX_BATCH)
+class ZImagePaint:
+    """The folder's diffusion side (`ZImagePainter`), built once per replica; a call paints
+    one image from a request's conditions, or edits one. Calls that arrive while the replica
+    paints wait, then those painting from text at one size, step count and guidance are
+    denoised together (`Batcher`, up to `MAX_BATCH`); edits run one at a time."""
+
+    def __init__(self, folder: str = "") -> None:
+        self.painter = ZImagePainter.from_pretrained(folder)
         self.batcher: Batcher[tuple[Any, Any, Context], Painted] = Batcher(self._paint, MAX_BATCH)
 
-    async def __call__(self, prompt: str, image: np.ndarray | None, strength: float,
-                       negative_prompt: str, width: int | None, height: int | None,
-                       steps: int, guidance: float, seed: int, cache_salt: str
-                       ) -> dict[str, Any]:
+    async def __call__(self, conditions: Conditions, image: np.ndarray | None, strength: float,
+                       width: int | None, height: int | None, steps: int, guidance: float,
+                       seed: int) -> dict[str, Any]:
         """``{"image", "usage"}``: the image ``[height, width, 3]`` uint8, as diffusers' PIL
-        output rounds it, `image` edited (`ZImage.edit`), or, without one, the prompt painted
-        (`ZImage.generate_batch`; 1024 pixels a side unless given); and its prompts' tokens
-        (`Painted.usage`), prefixes read only from requests of the same `cache_salt`."""
+        output rounds it, `image` edited (`ZImagePainter.edit`), or, without one, painted
+        (`ZImagePainter.paint`; 1024 pixels a side unless given); and the tokens its
+        conditions cost (`Painted.usage`)."""
         key: Any
         if image is not None:
             key = ("edit", object())  # a batch of its own
-            item: Any = (prompt, image, {
+            item: Any = (conditions, image, {
                 "strength": strength, "width": width, "height": height, "steps": steps,
-                "guidance": guidance, "seed": seed, "negative_prompt": negative_prompt,
-                "cache_salt": cache_salt})
+                "guidance": guidance, "seed": seed})
         else:
             key = ("paint", 1024 if width is None else width,
                    1024 if height is None else height, steps, guidance)
-            item = PaintRequest(prompt, negative_prompt, seed, cache_salt)
+            item = (conditions, seed)
         # each call's steps reach /metrics (`omni.Context.progress`), whichever call's task
         # runs the batch
         painted = await self.batcher(key, (key, item, context()))
@@ -110,12 +126,15 @@ class ZImagePaint:
                 call.progress(done, total)
 
         if kind == "edit":
-            ((_, (prompt, image, settings), _),) = calls
-            return [self.model.edit(prompt, image, on_step=on_step, **settings)]
+            ((_, (conditions, image, settings), _),) = calls
+            return [conditions.painted(self.painter.edit(conditions, image, on_step=on_step,
+                                                         **settings))]
         width, height, steps, guidance = shared
-        return self.model.generate_batch([request for _, request, _ in calls], width=width,
-                                         height=height, steps=steps, guidance=guidance,
-                                         on_step=on_step)
+        requests = [conditions for _, (conditions, _), _ in calls]
+        images = self.painter.paint(requests, [seed for _, (_, seed), _ in calls], width=width,
+                                    height=height, steps=steps, guidance=guidance,
+                                    on_step=on_step)
+        return [c.painted(images[i:i + 1]) for i, c in enumerate(requests)]
 
 
 def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:
@@ -143,8 +162,10 @@ def z_image_graph(folder: str | Path, name: str = "z_image") -> Graph:
                 png: bool = False, cache_salt: Annotated[str, CacheSalt()] = ""):
         path = check_out(out, png)
         pixels = read_image(image)
-        painted = ZImagePaint(folder=root)(prompt, pixels, strength, negative_prompt, width,
-                                           height, steps, guidance, seed, cache_salt)
+        conditions = ZImageCondition(folder=root)(prompt, negative_prompt, guidance,
+                                                  cache_salt)
+        painted = ZImagePaint(folder=root)(conditions, pixels, strength, width, height, steps,
+                                           guidance, seed)
         return save_png(painted, path, png)
 
     return image_generations(graph(z_image, name=name))

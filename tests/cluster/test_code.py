@@ -69,3 +69,29 @@ def test_classes_defined_in_functions_cannot_travel() -> None:
 
     with pytest.raises(ValueError, match="defined inside a function"):
         code_ref(Local)
+
+
+def test_a_module_of_a_package_loads_after_its_package(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class node from a package's module whose package imports it back (as
+    `omni.pipelines` imports its pipelines): the module is imported as Python imports it,
+    its package first, not run alone under its name (which left the package half made)."""
+    from omni.cluster._code import _digest
+
+    package = tmp_path / "codepkg_loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("from codepkg_loop.nodes import Greeter\n")
+    (package / "_words.py").write_text('GREETING = "hello"\n')
+    source = SOURCE.replace("import omni\n", "import omni\nfrom codepkg_loop._words import "
+                            "GREETING\n")
+    (package / "nodes.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref = CodeRef("codepkg_loop.nodes", "Greeter", str(package / "nodes.py"), source,
+                  _digest(source))
+    try:
+        cls = resolve(ref)
+        assert cls is sys.modules["codepkg_loop.nodes"].Greeter
+        assert sys.modules["codepkg_loop"].Greeter is cls
+    finally:
+        for name in ("codepkg_loop", "codepkg_loop.nodes", "codepkg_loop._words"):
+            sys.modules.pop(name, None)

@@ -235,7 +235,7 @@ def test_the_editor_paints_with_the_painters_modules_and_leaves_it_as_it_was(
     """No second copy of the weights; a text-to-image call after an edit (the scheduler
     shared) is still the library pipeline's own."""
     for part in ("transformer", "vae", "scheduler"):
-        assert getattr(z_image.editor, part) is getattr(z_image.painter, part)
+        assert getattr(z_image.painter.editor, part) is getattr(z_image.painter.pipeline, part)
     z_image.edit(PROMPT, np.asarray(photo(32, 32)), steps=5, strength=0.5, guidance=0.0)
     theirs = pipeline(PROMPT, height=32, width=32, num_inference_steps=3, guidance_scale=0.0,
                       output_type="np", generator=torch.Generator().manual_seed(4)).images
@@ -316,8 +316,8 @@ def test_a_bfloat16_folder_stays_bfloat16_with_its_editor(folder: Path) -> None:
     for (diffusers' from_pipe casts what it shares, to float32 unless told)."""
     model = ZImage.from_pretrained(folder, dtype=torch.bfloat16)
     for part in ("transformer", "vae"):
-        assert getattr(model.painter, part).dtype == torch.bfloat16
-        assert getattr(model.editor, part) is getattr(model.painter, part)
+        assert getattr(model.painter.pipeline, part).dtype == torch.bfloat16
+        assert getattr(model.painter.editor, part) is getattr(model.painter.pipeline, part)
 
 
 def test_each_denoising_step_is_reported(z_image: ZImage) -> None:

@@ -164,16 +164,17 @@ async def test_concurrent_images_are_denoised_together_each_diffusers_own(
     """`n` = 3 on one request: its three runs reach the replica at once and are denoised as
     one batch; each image is diffusers' own for its seed (`seed + i`); each run's steps are
     counted on ``/metrics``."""
-    from omni.compute.z_image import ZImage
+    from omni.compute.z_image import ZImagePainter
 
     sizes: list[int] = []
-    batch = ZImage.generate_batch
+    paint = ZImagePainter.paint
 
-    def recorded(self: ZImage, requests: list[Any], **settings: Any) -> Any:
-        sizes.append(len(requests))
-        return batch(self, requests, **settings)
+    def recorded(self: ZImagePainter, conditions: list[Any], *args: Any, **settings: Any
+                 ) -> Any:
+        sizes.append(len(conditions))
+        return paint(self, conditions, *args, **settings)
 
-    monkeypatch.setattr(ZImage, "generate_batch", recorded)
+    monkeypatch.setattr(ZImagePainter, "paint", recorded)
     monkeypatch.setenv("OMNI_MODEL", str(folder))
     async with served(EXAMPLE) as app, app.openai() as client:
         reply = await client.images.generate(
