@@ -27,6 +27,7 @@ from tests.cluster import ray_graphs as g
 from tests.cluster._local import invoke
 from tests.cluster._ray import HEAD_IP, NODE_IP, RayNodes
 from tests.cluster.conftest import ROOT
+from tests.cluster.test_image_families_cluster import check_split
 from tests.cluster.test_showcase_cluster import DIALOGUE, check_showcase_pipelines
 from tests.reliability._serve_failover import GRAPH as FAILOVER_GRAPH
 from tests.reliability._serve_failover import replies_survive_a_killed_worker
@@ -199,6 +200,13 @@ def test_served_replies_in_flight_on_a_killed_omni_worker_are_answered(
     assert status == 0, server.stderr()
     wait_until_sync(lambda: not ray_nodes.omni_worker_pids(),
                     "the server's OmniWorker actors to end with it")
+
+
+def test_z_images_two_models_on_two_ray_nodes_paint_the_local_png(
+        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Z-Image's text side on one Ray node, its diffusion side on the other (by the nodes'
+    custom resources): the local run's PNGs and usage (`check_split`)."""
+    check_split(tmp_path, monkeypatch, "z_image_split_ray", "--cluster", "ray")
 
 
 def test_a_node_failing_as_it_starts_on_an_omni_worker_names_its_own_error(
