@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from tests._cli import run_omni
+from tests._wait import wait_until_sync
 from tests.compute.image_builders import save_z_image
 from tests.serve._inproc import served
 
@@ -165,15 +166,25 @@ async def test_concurrent_images_are_denoised_together_each_diffusers_own(
     one batch; each image is diffusers' own for its seed (`seed + i`); each run's steps are
     counted on ``/metrics``."""
     from omni.compute.z_image import ZImagePainter
+    from omni.pipelines._batch import Batcher
 
     sizes: list[int] = []
-    paint = ZImagePainter.paint
+    arrived: list[object] = []
+    paint, submit = ZImagePainter.paint, Batcher.__call__
+
+    async def counted(self: Batcher, key: Any, item: Any) -> Any:
+        arrived.append(key)
+        return await submit(self, key, item)
 
     def recorded(self: ZImagePainter, conditions: list[Any], *args: Any, **settings: Any
                  ) -> Any:
         sizes.append(len(conditions))
+        # the first batch paints once all three calls have reached the replica (whatever the
+        # machine's speed): the others wait meanwhile, and are denoised together
+        wait_until_sync(lambda: len(arrived) == 3, "the three runs at the replica")
         return paint(self, conditions, *args, **settings)
 
+    monkeypatch.setattr(Batcher, "__call__", counted)
     monkeypatch.setattr(ZImagePainter, "paint", recorded)
     monkeypatch.setenv("OMNI_MODEL", str(folder))
     async with served(EXAMPLE) as app, app.openai() as client:
