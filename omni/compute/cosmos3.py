@@ -42,11 +42,24 @@ from omni.compute.models.cosmos3_weights import understanding_decoder
 from omni.compute.prompt import Text
 from omni.compute.z_image import OnStep, Painted
 
-__all__ = ["Cosmos3", "PromptKV", "generation_kv", "generation_layer", "rotary", "velocity"]
+__all__ = ["Cosmos3", "PromptKV", "Understood", "generation_kv", "generation_layer", "rotary",
+           "velocity"]
 
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [T, kv_heads, head_dim]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim]
+
+
+@dataclass(frozen=True)
+class Understood:
+    """A prompt as the understanding expert read it: its token ids, every layer's keys
+    (rotated, as its attention reads them) and values ``[1, kv_heads, T, head_dim]``, and how
+    many of its tokens came from cache. What travels from the understanding side to the
+    generation side when they run on different workers."""
+
+    input_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    cached_tokens: int
 
 
 @dataclass(frozen=True)
@@ -240,24 +253,51 @@ class Cosmos3:
     def prepare(self, input_ids: list[int], latents: torch.Tensor,
                 cache_salt: str = "") -> PromptKV:
         """Everything the denoising steps read of the prompt `input_ids` for images of the
-        shape of `latents` ``[n, C, 1, H, W]``: runs the understanding expert on the engine
-        after the prompt's longest prefix cached under `cache_salt`."""
-        text = self.painter._prepare_text_segment(input_ids, device=self.device)
+        shape of `latents` ``[n, C, 1, H, W]``: `understand`, then `prompt_kv`."""
+        return self.prompt_kv(self.understand(input_ids, cache_salt), latents)
+
+    def understand(self, input_ids: list[int], cache_salt: str = "") -> Understood:
+        """The understanding expert's keys and values of the prompt `input_ids`, computed on
+        the engine after the prompt's longest prefix cached under `cache_salt`."""
+        # the engine's positions are 0 .. T - 1 on all three axes, as the pipeline's
+        tokens = self.engine.prepare(Text(input_ids))
+        kv, cached = self.engine.runner.prompt_kv(tokens, cache_salt)
+        return Understood(list(input_ids), kv, cached)
+
+    def understand_request(self, prompt: str, negative_prompt: str, *, width: int,
+                           height: int, guidance: float, cache_salt: str = ""
+                           ) -> list[Understood]:
+        """A request's prompts as the understanding expert read them: the prompt, and the
+        negative prompt when `guidance` is not 1 (`understand`). Runs in the calling thread.
+
+        Raises:
+            ValueError: a prompt that is not text.
+        """
+        ids, negative_ids = self.prompt_ids(prompt, negative_prompt, width=width,
+                                            height=height)
+        understood = [self.understand(ids, cache_salt)]
+        if guidance != 1.0:
+            understood.append(self.understand(negative_ids, cache_salt))
+        return understood
+
+    def prompt_kv(self, understood: Understood, latents: torch.Tensor) -> PromptKV:
+        """What the denoising steps read of an understood prompt for images of the shape of
+        `latents` ``[n, C, 1, H, W]``: its keys and values as the generation expert reads
+        them, and the image tokens' rotary angles."""
+        text = self.painter._prepare_text_segment(understood.input_ids, device=self.device)
         image = self.painter._prepare_vision_segment(
             input_vision_tokens=latents[:1], has_image_condition=False,
             mrope_offset=text["vision_start_temporal_offset"], vision_fps=None,
             curr=text["und_len"], device=self.device)
-        # the engine's positions are 0 .. T - 1 on all three axes, as the pipeline's
-        tokens = self.engine.prepare(Text(input_ids))
-        kv, cached = self.engine.runner.prompt_kv(tokens, cache_salt)
         text_rope = rotary(self.transformer, text["text_mrope_ids"], self.transformer.dtype)
+        kv = [(k.to(self.device), v.to(self.device)) for k, v in understood.kv]
         return PromptKV(
             kv=[generation_kv(layer, layer_kv, text_rope)
                 for layer, layer_kv in zip(self.transformer.layers, kv, strict=True)],
             rope=rotary(self.transformer, image["vision_mrope_ids"], self.transformer.dtype),
             token_shapes=image["vision_token_shapes"],
-            noisy_frames=image["vision_noisy_frame_indexes"], tokens=len(tokens),
-            cached_tokens=cached)
+            noisy_frames=image["vision_noisy_frame_indexes"],
+            tokens=len(understood.input_ids), cached_tokens=understood.cached_tokens)
 
     def noise(self, *, width: int, height: int, seed: int, n: int) -> torch.Tensor:
         """The initial latents ``[n, C, 1, H / pixel_step, W / pixel_step]``: the pipeline's
@@ -328,12 +368,30 @@ class Cosmos3:
             ValueError: a setting out of range (`check`), a prompt that is not text.
         """
         self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
-        ids, negative_ids = self.prompt_ids(prompt, negative_prompt, width=width,
-                                            height=height)
+        understood = self.understand_request(prompt, negative_prompt, width=width,
+                                             height=height, guidance=guidance,
+                                             cache_salt=cache_salt)
+        return self.paint(understood, width=width, height=height, steps=steps,
+                          guidance=guidance, seed=seed, n=n, on_step=on_step)
+
+    @torch.no_grad()
+    def paint(self, understood: list[Understood], *, width: int = 1280, height: int = 720,
+              steps: int = 35, guidance: float = 6.0, seed: int = 0, n: int = 1,
+              on_step: OnStep | None = None) -> Painted:
+        """`generate`'s images from a request's understood prompts (`understand_request`,
+        perhaps on another worker: only the keys and values travel). Runs in the calling
+        thread.
+
+        Raises:
+            ValueError: a setting out of range (`check`), or not the prompts `guidance` reads
+                (the negative one with guidance other than 1).
+        """
+        self.check(width=width, height=height, steps=steps, guidance=guidance, seed=seed, n=n)
+        if len(understood) != (1 if guidance == 1.0 else 2):
+            raise ValueError("guidance other than 1 reads the prompt and the negative prompt, "
+                             "1 the prompt alone: understand them with that guidance")
         latents = self.noise(width=width, height=height, seed=seed, n=n)
-        prompts = [self.prepare(ids, latents, cache_salt)]
-        if guidance != 1.0:
-            prompts.append(self.prepare(negative_ids, latents, cache_salt))
+        prompts = [self.prompt_kv(u, latents) for u in understood]
         images = self.decode(self.denoise(latents, prompts, steps=steps, guidance=guidance,
                                           on_step=on_step))
         return Painted(images, sum(p.tokens for p in prompts),

@@ -202,11 +202,13 @@ def test_served_replies_in_flight_on_a_killed_omni_worker_are_answered(
                     "the server's OmniWorker actors to end with it")
 
 
-def test_z_images_two_models_on_two_ray_nodes_paint_the_local_png(
-        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Z-Image's text side on one Ray node, its diffusion side on the other (by the nodes'
-    custom resources): the local run's PNGs and usage (`check_split`)."""
-    check_split(tmp_path, monkeypatch, "z_image_split_ray", "--cluster", "ray")
+@pytest.mark.parametrize("family", ["z_image", "cosmos3"])
+def test_a_familys_two_models_on_two_ray_nodes_paint_the_local_png(
+        ray_address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """An image family's text or understanding side on one Ray node, its diffusion side on
+    the other (by the nodes' custom resources): the local run's PNGs and usage
+    (`check_split`)."""
+    check_split(tmp_path, monkeypatch, family, f"{family}_split_ray", "--cluster", "ray")
 
 
 def test_a_node_failing_as_it_starts_on_an_omni_worker_names_its_own_error(
