@@ -19,11 +19,9 @@ body is: ~30 ms at a 30 MiB body, the file spooled to disk in a worker thread pa
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from pydantic import ConfigDict, Field
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -104,7 +102,7 @@ def _fields(form: FormData) -> tuple[dict[str, str], UploadFile]:
 
 async def _read(upload: UploadFile, media: MediaPolicy) -> bytes:
     """The upload's bytes, once its size (counted as the form was parsed) is within the
-    policy's per item."""
+    policy's per item: a larger one is not read into memory at all."""
     size = upload.size or 0
     if size > media.max_item_bytes:
         raise ApiError(400, f"image: {size:,} bytes, more than the {media.max_item_bytes:,} this "
@@ -113,14 +111,8 @@ async def _read(upload: UploadFile, media: MediaPolicy) -> bytes:
 
 
 async def _decode(raw: bytes, media: MediaPolicy, request: Request) -> ImagePart:
-    """The image decoded by `decode_media`, its pixels held in the budget in flight until the
-    answer has gone. Why as a data URL: that decoder is the one home of the server's checks on
-    client media; the base64 pass it costs runs in a worker thread."""
-    url = await anyio.to_thread.run_sync(_data_url, raw)
-    (image,) = await decode_media([MediaSource("image", "image", url)], media,
+    """The image decoded by `decode_media` (the one home of the server's checks on client
+    media), its pixels held in the budget in flight until the answer has gone."""
+    (image,) = await decode_media([MediaSource("image", "image", raw)], media,
                                   until_answered(request))
     return image
-
-
-def _data_url(raw: bytes) -> str:
-    return "data:application/octet-stream;base64," + base64.b64encode(raw).decode("ascii")

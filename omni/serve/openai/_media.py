@@ -107,11 +107,12 @@ class MediaSource:
 
     `where` is the field's path as the request spells it (an image's
     ``messages.0.content.1.image_url.url``, a clip's ``messages.0.content.2.input_audio``);
-    `data` an image's URL or a clip's base64; `format` a clip's."""
+    `data` an image's URL, or its bytes as they were uploaded (a multipart file), or a clip's
+    base64; `format` a clip's."""
 
     where: str
     kind: Literal["image", "audio"]
-    data: str
+    data: str | bytes
     format: str = ""
 
 
@@ -169,7 +170,9 @@ def _check_source(source: MediaSource, policy: MediaPolicy) -> None:
     """The checks that need no pass over the bytes: the audio format, remote URLs allowed,
     the encoded size."""
     where = source.where
-    if source.kind == "audio":
+    if isinstance(source.data, bytes):
+        _check_size(len(source.data), where, policy)
+    elif source.kind == "audio":
         if source.format != "wav":
             raise ApiError(400, f"{where}.format: only 'wav' audio is accepted, got "
                                 f"{source.format!r}", param=f"{where}.format")
@@ -183,16 +186,20 @@ def _check_source(source: MediaSource, policy: MediaPolicy) -> None:
         _check_encoded_size(source.data, where, policy)
 
 
-def _is_remote(url: str) -> bool:
-    return url.startswith(("http://", "https://"))
+def _is_remote(data: str | bytes) -> bool:
+    return isinstance(data, str) and data.startswith(("http://", "https://"))
 
 
 def _check_encoded_size(text: str, where: str, policy: MediaPolicy) -> None:
     """Refuse base64 (a data URL's or plain) whose bytes would exceed the policy's (3 bytes
     per 4 characters), before decoding any of it."""
     payload = len(text) - (text.find(",") + 1 if text.startswith("data:") else 0)
-    if payload * 3 // 4 > policy.max_item_bytes:
-        raise ApiError(400, f"{where}: {payload * 3 // 4:,} bytes, more than the "
+    _check_size(payload * 3 // 4, where, policy)
+
+
+def _check_size(nbytes: int, where: str, policy: MediaPolicy) -> None:
+    if nbytes > policy.max_item_bytes:
+        raise ApiError(400, f"{where}: {nbytes:,} bytes, more than the "
                             f"{policy.max_item_bytes:,} this server takes per item (set by "
                             "--max-media-mib)", param=where)
 
@@ -224,9 +231,13 @@ async def _fetch(source: MediaSource, policy: MediaPolicy, deadline: float) -> b
 
 
 def _open(source: MediaSource, policy: MediaPolicy) -> _Opened:
-    if source.kind == "audio":
+    if isinstance(source.data, bytes):  # as uploaded
+        raw = source.data
+    elif source.kind == "audio":
         return _open_wav(source, _b64(source.data, f"{source.where}.data"))
-    return _open_image(source, _data_url(source.data, source.where), policy)
+    else:
+        raw = _data_url(source.data, source.where)
+    return _open_image(source, raw, policy)
 
 
 def _check_request_budget(opened: list[_Opened], policy: MediaPolicy) -> DecodeNeed:
