@@ -80,10 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import torch
-from PIL import Image as PILImage
-from PIL import UnidentifiedImageError
 
 import omni
 from omni.compute import (
@@ -97,7 +94,7 @@ from omni.compute import (
 )
 from omni.compute.diffusion import to_png
 from omni.compute.models import DecoderConfig, tiny_config
-from omni.pipelines import check_out, image_graph, write_file
+from omni.pipelines import check_out, image_graph, read_pixels, write_file
 from omni.serve.openai import image_generations
 
 MODEL = os.environ.get("OMNI_MODEL", "")  # a Hugging Face folder; "" = the built-in tiny model
@@ -226,16 +223,7 @@ def read_reference(image: str) -> list[Image]:
         return []
     if not isinstance(image, str):
         raise ValueError(f"image must be the path of a PNG or JPEG file, got {image!r}")
-    try:
-        with PILImage.open(image) as picture:
-            pixels = np.asarray(picture.convert("RGB"))
-    except FileNotFoundError:
-        raise ValueError(f"image={image!r}: no such file") from None
-    except UnidentifiedImageError:
-        raise ValueError(f"image={image!r} is not an image (PNG or JPEG expected)") from None
-    except OSError as exc:  # a folder, no permission, a truncated file
-        raise ValueError(f"image={image!r} cannot be read: {exc.strerror or exc}") from None
-    return [Image(pixels)]
+    return [Image(read_pixels(image))]
 
 
 @omni.node(concurrency=8)  # concurrent requests share the engine's decode steps

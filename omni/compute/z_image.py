@@ -140,10 +140,6 @@ class ZImageText:
         embeds, cached = self.engine.runner.last_hidden(tokens, cache_salt)
         return Condition(embeds, len(tokens), cached)
 
-    def condition(self, prompt: str, cache_salt: str = "") -> torch.Tensor:
-        """`encode`'s embeddings alone."""
-        return self.encode(prompt, cache_salt).embeds
-
     def conditions(self, prompt: str, negative_prompt: str, guidance: float,
                    cache_salt: str = "") -> Conditions:
         """A request's conditions: the prompt's, and the negative prompt's when `guidance`

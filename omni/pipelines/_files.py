@@ -1,5 +1,6 @@
-"""What an image pipeline writes: the output path checked before any work, the PNG encoded and
-written whole or not at all, and the result that reports it."""
+"""What an image pipeline reads and writes: an input image file's pixels, the output path
+checked before any work, the PNG encoded and written whole or not at all, and the result
+that reports it."""
 
 from __future__ import annotations
 
@@ -8,10 +9,28 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omni.compute.diffusion import to_png
 from omni.graph.dsl import node
 
-__all__ = ["check_out", "save_png", "write_file"]
+__all__ = ["check_out", "read_pixels", "save_png", "write_file"]
+
+
+def read_pixels(path: str) -> np.ndarray:
+    """RGB pixels, uint8 ``[H, W, 3]``, of the image file at `path` (PNG, JPEG or another
+    format Pillow reads); ValueError naming the input ``image`` when it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as picture:
+            return np.asarray(picture.convert("RGB"))
+    except FileNotFoundError:
+        raise ValueError(f"image={path!r}: no such file") from None
+    except UnidentifiedImageError:
+        raise ValueError(f"image={path!r} is not an image (PNG or JPEG expected)") from None
+    except OSError as exc:  # a folder, no permission, a truncated file
+        raise ValueError(f"image={path!r} cannot be read: {exc.strerror or exc}") from None
 
 
 @node

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from omni._openmp import run_in_worker
 from omni.compute.image_families import image_family
 from omni.compute.z_image import Conditions, Painted, ZImagePainter, ZImageText
 from omni.graph import CacheSalt, Context, Graph, InputFile, OutputFile, context, graph, node
 from omni.pipelines._batch import Batcher
-from omni.pipelines._files import check_out, save_png
+from omni.pipelines._files import check_out, read_pixels, save_png
 from omni.serve.openai import ImagePart, image_generations
 
 __all__ = ["MAX_BATCH", "ZImageCondition", "ZImagePaint", "read_image", "z_image_graph"]
@@ -48,17 +47,7 @@ def read_image(image: str | ImagePart) -> np.ndarray | None:
         return image.pixels
     if not isinstance(image, str):
         raise ValueError(f"image must be the path of an image file, got {type(image).__name__}")
-    if image == "":
-        return None
-    try:
-        with Image.open(image) as picture:
-            return np.asarray(picture.convert("RGB"))
-    except FileNotFoundError:
-        raise ValueError(f"image={image!r}: no such file") from None
-    except UnidentifiedImageError:
-        raise ValueError(f"image={image!r} is not an image Pillow reads") from None
-    except OSError as exc:  # a folder, no permission, a truncated file
-        raise ValueError(f"image={image!r} cannot be read: {exc.strerror or exc}") from None
+    return None if image == "" else read_pixels(image)
 
 
 MAX_BATCH = 8  # requests of one size and step count a replica denoises together

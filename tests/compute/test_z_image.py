@@ -43,7 +43,7 @@ def text(folder: Path) -> ZImageText:
 def test_the_condition_equals_diffusers_encode_prompt(pipeline: Any, text: ZImageText,
                                                       prompt: str) -> None:
     (theirs,), _ = pipeline.encode_prompt(prompt, do_classifier_free_guidance=False)
-    ours = text.condition(prompt)
+    ours = text.encode(prompt).embeds
     assert ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=1e-4)
 
@@ -63,7 +63,7 @@ def test_only_the_layers_before_the_one_read_are_loaded(folder: Path, text: ZIma
     hooks = [layer.register_forward_hook(lambda *_, i=i: calls.append(i))
              for i, layer in enumerate(text.engine.model.layers)]
     try:
-        text.condition(PROMPT + " Unseen.")
+        text.encode(PROMPT + " Unseen.")
     finally:
         for hook in hooks:
             hook.remove()
@@ -110,8 +110,8 @@ def test_diffusers_fed_omnis_condition_paints_the_prompts_image(
                         generator=torch.Generator().manual_seed(7)).images[0]
 
     theirs = paint(prompt=PROMPT, negative_prompt=negative)
-    ours = paint(prompt_embeds=[text.condition(PROMPT)],
-                 negative_prompt_embeds=[text.condition(negative)])
+    ours = paint(prompt_embeds=[text.encode(PROMPT).embeds],
+                 negative_prompt_embeds=[text.encode(negative).embeds])
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3)
     other = paint(prompt="A blue whale at night.", negative_prompt=negative)
     assert np.abs(other - theirs).max() > 0.05  # the prompt matters to this random DiT
