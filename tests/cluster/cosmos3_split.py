@@ -12,23 +12,23 @@ from omni.pipelines import check_out, save_png
 from omni.pipelines.cosmos3 import Cosmos3Paint, Cosmos3Understand
 
 FOLDER = os.environ.get("OMNI_MODEL", "")
-Understand = omni.node(where="w1")(Cosmos3Understand.cls)
-Paint = omni.node(where="w2")(Cosmos3Paint.cls)
-RayUnderstand = omni.node(resources={"node_a": 1})(Cosmos3Understand.cls)
-RayPaint = omni.node(resources={"node_b": 1})(Cosmos3Paint.cls)
 
 
-@omni.graph
-def cosmos3_split(prompt: str, out: str, seed: int = 0):
-    path = check_out(out, False)
-    understood = Understand(folder=FOLDER)(prompt, "blurry", 32, 24, 4.0, "")
-    painted = Paint(folder=FOLDER)(understood, 32, 24, 3, 4.0, seed)
-    return save_png(painted, path, False)
+def split(name: str, understanding: dict, generation: dict) -> omni.Graph:
+    """The graph `name`: the understanding side placed by `understanding`'s node options,
+    the generation side by `generation`'s."""
+    understand = omni.node(**understanding)(Cosmos3Understand.cls)
+    paint = omni.node(**generation)(Cosmos3Paint.cls)
+
+    def graph(prompt: str, out: str, seed: int = 0):
+        path = check_out(out, False)
+        understood = understand(folder=FOLDER)(prompt, "blurry", 32, 24, 4.0, "")
+        painted = paint(folder=FOLDER)(understood, 32, 24, 3, 4.0, seed)
+        return save_png(painted, path, False)
+
+    return omni.graph(graph, name=name)
 
 
-@omni.graph
-def cosmos3_split_ray(prompt: str, out: str, seed: int = 0):
-    path = check_out(out, False)
-    understood = RayUnderstand(folder=FOLDER)(prompt, "blurry", 32, 24, 4.0, "")
-    painted = RayPaint(folder=FOLDER)(understood, 32, 24, 3, 4.0, seed)
-    return save_png(painted, path, False)
+cosmos3_split = split("cosmos3_split", {"where": "w1"}, {"where": "w2"})
+cosmos3_split_ray = split("cosmos3_split_ray", {"resources": {"node_a": 1}},
+                          {"resources": {"node_b": 1}})

@@ -13,23 +13,23 @@ from omni.pipelines import check_out, save_png
 from omni.pipelines.z_image import ZImageCondition, ZImagePaint
 
 FOLDER = os.environ.get("OMNI_MODEL", "")
-Condition = omni.node(where="w1")(ZImageCondition.cls)
-Paint = omni.node(where="w2", concurrency=8)(ZImagePaint.cls)
-RayCondition = omni.node(resources={"node_a": 1})(ZImageCondition.cls)
-RayPaint = omni.node(resources={"node_b": 1}, concurrency=8)(ZImagePaint.cls)
 
 
-@omni.graph
-def z_image_split(prompt: str, out: str, seed: int = 0):
-    path = check_out(out, False)
-    conditions = Condition(folder=FOLDER)(prompt, "blurry", 4.0, "")
-    painted = Paint(folder=FOLDER)(conditions, None, 0.6, 32, 32, 2, 4.0, seed)
-    return save_png(painted, path, False)
+def split(name: str, text: dict, paint: dict) -> omni.Graph:
+    """The graph `name`: the text side placed by `text`'s node options, the diffusion side by
+    `paint`'s."""
+    condition = omni.node(**text)(ZImageCondition.cls)
+    painter = omni.node(**paint, concurrency=8)(ZImagePaint.cls)
+
+    def graph(prompt: str, out: str, seed: int = 0):
+        path = check_out(out, False)
+        conditions = condition(folder=FOLDER)(prompt, "blurry", 4.0, "")
+        painted = painter(folder=FOLDER)(conditions, None, 0.6, 32, 32, 2, 4.0, seed)
+        return save_png(painted, path, False)
+
+    return omni.graph(graph, name=name)
 
 
-@omni.graph
-def z_image_split_ray(prompt: str, out: str, seed: int = 0):
-    path = check_out(out, False)
-    conditions = RayCondition(folder=FOLDER)(prompt, "blurry", 4.0, "")
-    painted = RayPaint(folder=FOLDER)(conditions, None, 0.6, 32, 32, 2, 4.0, seed)
-    return save_png(painted, path, False)
+z_image_split = split("z_image_split", {"where": "w1"}, {"where": "w2"})
+z_image_split_ray = split("z_image_split_ray", {"resources": {"node_a": 1}},
+                          {"resources": {"node_b": 1}})
