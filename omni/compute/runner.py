@@ -300,7 +300,7 @@ class ModelRunner:
         The new full pages go into the store, their rows beside them."""
         keys = self.page_keys(tokens.token_ids, tokens.spans(), cache_salt)
         cached, rows = self._cached_rows(self._reusable(keys, len(tokens)))
-        hidden, _, cached = self._prefill_after(tokens, keys, cached, cache_salt)
+        hidden, _, _, cached = self._prefill_after(tokens, keys, cached, cache_salt)
         rows = torch.cat([*rows[:cached], hidden[0]])
         size = self.page_size
         for i in range(cached, len(keys)):
@@ -317,22 +317,29 @@ class ModelRunner:
         one token left to compute) is read from the store: only the tokens after it run,
         attending to it. The new full pages go into the store."""
         keys = self.page_keys(tokens.token_ids, tokens.spans(), cache_salt)
-        reusable = self._reusable(keys, len(tokens))
-        held = 0 if self.store is None or not reusable else self.store.match(reusable)
-        _, kv, cached = self._prefill_after(tokens, keys, held, cache_salt)
+        held = self._held(self._reusable(keys, len(tokens)))
+        _, past, new_kv, cached = self._prefill_after(tokens, keys, held, cache_salt)
+        kv = new_kv if past is None else [
+            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+            for (pk, pv), (k, v) in zip(past, new_kv, strict=True)]
         return kv, cached * self.page_size
 
     def _reusable(self, keys: list[bytes], num_tokens: int) -> list[bytes]:
         """The keys of a prompt's pages a prefill may read cached (it computes >= 1 token)."""
         return keys[: (num_tokens - 1) // self.page_size]
 
+    def _held(self, keys: list[bytes]) -> int:
+        """How many pages of `keys`' prefix the store holds."""
+        return 0 if self.store is None or not keys else self.store.match(keys)
+
     def _prefill_after(self, tokens: PromptTokens, keys: list[bytes], cached: int,
-                       cache_salt: str) -> tuple[torch.Tensor, KVList, int]:
+                       cache_salt: str) -> tuple[torch.Tensor, KVList | None, KVList, int]:
         """The prompt's tokens after its first `cached` pages (named by `keys`, read from the
         store under a lease: fewer when some went since they were matched) through every
         layer. Returns their last layer's output ``[1, T - start, hidden]`` before the final
-        norm, the whole prompt's KV and how many pages were read; puts the full pages after
-        those into the store (best effort: a full store keeps them out, said in the log)."""
+        norm, the pages' KV read (None for none) and the new tokens' KV, and how many pages
+        were read; puts the new full pages into the store (best effort: a full store keeps
+        them out, said in the log)."""
         past = None
         if cached:
             with self.store.acquire(keys[:cached]) as lease:  # type: ignore[union-attr]
@@ -346,20 +353,15 @@ class ModelRunner:
             self.config.num_layers)
         self.counts["prefills"] += 1
         self.counts["prefill_tokens"] += len(tokens) - start
-        kv = new_kv if past is None else [
-            (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
-            for (pk, pv), (k, v) in zip(past, new_kv, strict=True)]
-        if self.store is not None and len(keys) > cached:
-            put_pages(self.store, keys[cached:],
-                      DecoderLM.kv_to_pages(kv, start, self.page_size))
-        return hidden, kv, cached
+        if self.store is not None and len(keys) > cached:  # `start` begins a page
+            put_pages(self.store, keys[cached:], DecoderLM.kv_to_pages(new_kv, 0, self.page_size))
+        return hidden, past, new_kv, cached
 
     def _cached_rows(self, keys: list[bytes]) -> tuple[int, list[torch.Tensor]]:
         """How many pages of `keys`' prefix both the store and the kept rows hold, and those
         pages' rows."""
-        held = 0 if self.store is None or not keys else self.store.match(keys)
         rows = []
-        for key in keys[:held]:
+        for key in keys[:self._held(keys)]:
             kept = self._rows.get(key)
             if kept is None:
                 break
