@@ -48,7 +48,10 @@ class Progress:
 
     def forget(self, request_id: str) -> None:
         """Drop the records of request `request_id`'s calls (and of its run again, if any):
-        it has ended."""
+        it has ended. On every request's path: nothing to do (no call reported steps) costs
+        one look."""
+        if not self._running:
+            return
         with self._lock:
             for key in [k for k in self._running
                         if k[1] == request_id or (k[1] or "").startswith(request_id + "-")]:
